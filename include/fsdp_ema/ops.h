@@ -1,0 +1,34 @@
+// Public C++ API of the fsdp_ema operators. Each wrapper calls through the PyTorch dispatcher, so
+// the kernel is picked by the tensors' device (CPU or CUDA), exactly as torch.ops.fsdp_ema.* does
+// from Python. Linking fsdp_ema::fsdp_ema also registers the operators for TorchScript modules.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+
+namespace fsdp_ema {
+
+// ema[i] <- ema[i] + (1 - decay) * (model[i] - ema[i]) for every pair, in one fused call
+// (computed in torch.lerp's two-sided form, so decay 0 copies and decay 1 keeps exactly).
+//   ema:   [tensors] fp32/fp64/bf16/fp16, updated in place, no memory shared with any other tensor
+//   model: [tensors] fp32/fp64/bf16/fp16, model[i].sizes() == ema[i].sizes()
+//   decay: in [0, 1]
+// Math runs in fp32, or fp64 for an fp64 EMA. Everything is validated before anything is written.
+void update_(c10::ArrayRef<at::Tensor> ema, c10::ArrayRef<at::Tensor> model, double decay);
+
+// Same, with decay as a 0-dim floating tensor on the CPU or on the tensors' device. A device
+// tensor is read by the kernel (no host synchronization, CUDA-graph safe); its range is therefore
+// not checked. A CPU tensor is read on the host and range-checked.
+void update_(c10::ArrayRef<at::Tensor> ema, c10::ArrayRef<at::Tensor> model,
+             const at::Tensor& decay);
+
+// Aliases under the seed recipe's name.
+void ema_shard_update_(c10::ArrayRef<at::Tensor> ema, c10::ArrayRef<at::Tensor> model,
+                       double decay);
+void ema_shard_update_(c10::ArrayRef<at::Tensor> ema, c10::ArrayRef<at::Tensor> model,
+                       const at::Tensor& decay);
+
+// Whether this build of the library carries CUDA kernels.
+bool built_with_cuda();
+
+}  // namespace fsdp_ema

@@ -1,0 +1,135 @@
+// The CPU update kernel body, compiled once per instruction set (CPU_CAPABILITY names it, as in
+// ATen) by update_cpu_default.cpp and update_cpu_avx2.cpp.
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "kernels/update_cpu.h"
+
+#ifndef FSDP_EMA_CPU_KERNEL_NAME
+#error "FSDP_EMA_CPU_KERNEL_NAME must name the per-instruction-set entry point"
+#endif
+
+namespace fsdp_ema::kernels {
+inline namespace CPU_CAPABILITY {
+
+using at::vec::Vectorized;
+using FVec = Vectorized<float>;
+// Elements per step: two float vectors, i.e. one full reduced-precision vector.
+constexpr int64_t kStep = 2 * FVec::size();
+
+template <typename T>
+inline void load2(const T* p, FVec& a, FVec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a = FVec::loadu(p);
+    b = FVec::loadu(p + FVec::size());
+  } else {
+    at::vec::load_to_float<T>(p, a, b);
+  }
+}
+
+template <typename T>
+inline void store2(T* p, const FVec& a, const FVec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a.store(p);
+    b.store(p + FVec::size());
+  } else {
+    at::vec::convert_from_float<T>(a, b).store(p);
+  }
+}
+
+// torch.lerp's two-sided form: exact at both ends (decay 0 copies the model, decay 1 keeps ema).
+template <bool kSmallWeight>
+inline FVec lerp_vec(const FVec& e, const FVec& m, const FVec& w, const FVec& one_minus_w) {
+  if constexpr (kSmallWeight) {
+    return at::vec::fmadd(w, m - e, e);
+  } else {
+    return m - (m - e) * one_minus_w;
+  }
+}
+
+template <bool kSmallWeight, typename E, typename M>
+void lerp_float_range(E* __restrict e, const M* __restrict m, int64_t n, float w) {
+  const FVec wv(w);
+  const FVec cv(1.0f - w);
+  int64_t i = 0;
+  for (; i + kStep <= n; i += kStep) {
+    FVec e0, e1, m0, m1;
+    load2(e + i, e0, e1);
+    load2(m + i, m0, m1);
+    store2(e + i, lerp_vec<kSmallWeight>(e0, m0, wv, cv), lerp_vec<kSmallWeight>(e1, m1, wv, cv));
+  }
+  if (i < n) {
+    // Tail through the same vector code on padded copies, so every element rounds alike.
+    E et[kStep] = {};
+    M mt[kStep] = {};
+    const int64_t rest = n - i;
+    std::copy(e + i, e + n, et);
+    std::copy(m + i, m + n, mt);
+    FVec e0, e1, m0, m1;
+    load2(et, e0, e1);
+    load2(mt, m0, m1);
+    store2(et, lerp_vec<kSmallWeight>(e0, m0, wv, cv), lerp_vec<kSmallWeight>(e1, m1, wv, cv));
+    std::copy(et, et + rest, e + i);
+  }
+}
+
+// Any pair touching fp64: scalar loop, math in double when the EMA is fp64, else in float.
+template <typename Op, typename E, typename M>
+void lerp_scalar_range(E* __restrict e, const M* __restrict m, int64_t n, Op w) {
+  const Op c = Op(1) - w;
+  const bool small = w < Op(0.5);
+  for (int64_t i = 0; i < n; ++i) {
+    const Op ei = static_cast<Op>(e[i]);
+    const Op mi = static_cast<Op>(m[i]);
+    e[i] = static_cast<E>(small ? ei + w * (mi - ei) : mi - (mi - ei) * c);
+  }
+}
+
+template <typename E, typename M>
+void update_typed(void* ema, const void* model, int64_t begin, int64_t end, double decay) {
+  E* e = static_cast<E*>(ema) + begin;
+  const M* m = static_cast<const M*>(model) + begin;
+  const int64_t n = end - begin;
+  if constexpr (std::is_same_v<E, double>) {
+    lerp_scalar_range<double>(e, m, n, 1.0 - decay);
+  } else if constexpr (std::is_same_v<M, double>) {
+    lerp_scalar_range<float>(e, m, n, 1.0f - static_cast<float>(decay));
+  } else {
+    const float w = 1.0f - static_cast<float>(decay);
+    if (w < 0.5f) {
+      lerp_float_range<true>(e, m, n, w);
+    } else {
+      lerp_float_range<false>(e, m, n, w);
+    }
+  }
+}
+
+template <typename E>
+void update_model_dtype(const UpdatePair& p, int64_t begin, int64_t end, double decay) {
+  switch (p.model_dtype) {
+    case Dtype::kFloat32: return update_typed<E, float>(p.ema, p.model, begin, end, decay);
+    case Dtype::kFloat64: return update_typed<E, double>(p.ema, p.model, begin, end, decay);
+    case Dtype::kBFloat16: return update_typed<E, c10::BFloat16>(p.ema, p.model, begin, end, decay);
+    case Dtype::kFloat16: return update_typed<E, c10::Half>(p.ema, p.model, begin, end, decay);
+  }
+}
+
+}  // namespace CPU_CAPABILITY
+
+void FSDP_EMA_CPU_KERNEL_NAME(const UpdatePair& p, int64_t begin, int64_t end, double decay) {
+  switch (p.ema_dtype) {
+    case Dtype::kFloat32: return update_model_dtype<float>(p, begin, end, decay);
+    case Dtype::kFloat64: return update_model_dtype<double>(p, begin, end, decay);
+    case Dtype::kBFloat16: return update_model_dtype<c10::BFloat16>(p, begin, end, decay);
+    case Dtype::kFloat16: return update_model_dtype<c10::Half>(p, begin, end, decay);
+  }
+}
+
+}  // namespace fsdp_ema::kernels

@@ -1,0 +1,171 @@
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "kernels/update_cuda.h"
+
+namespace fsdp_ema::kernels {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kVec = 4;
+// Entries per fill launch: kernel parameters may hold up to 32764 bytes (CUDA >= 12.1, sm_70+).
+constexpr int kFillEntries = 800;
+
+struct FillArgs {
+  CudaUpdateEntry* dst;
+  int count;
+  CudaUpdateEntry entries[kFillEntries];
+};
+static_assert(sizeof(FillArgs) <= 32764, "fill kernel parameters exceed the CUDA limit");
+
+__global__ void fill_table_kernel(const __grid_constant__ FillArgs args) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < args.count; i += gridDim.x * blockDim.x) {
+    args.dst[i] = args.entries[i];
+  }
+}
+
+template <typename Op, typename T> __device__ __forceinline__ Op to_op(T x) {
+  return static_cast<Op>(x);
+}
+template <> __device__ __forceinline__ float to_op<float, __nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <> __device__ __forceinline__ double to_op<double, __nv_bfloat16>(__nv_bfloat16 x) {
+  return static_cast<double>(__bfloat162float(x));
+}
+template <> __device__ __forceinline__ float to_op<float, __half>(__half x) {
+  return __half2float(x);
+}
+template <> __device__ __forceinline__ double to_op<double, __half>(__half x) {
+  return static_cast<double>(__half2float(x));
+}
+
+template <typename T, typename Op> __device__ __forceinline__ T from_op(Op x) {
+  return static_cast<T>(x);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 from_op<__nv_bfloat16, float>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <> __device__ __forceinline__ __half from_op<__half, float>(float x) {
+  return __float2half_rn(x);
+}
+
+template <typename T> struct alignas(sizeof(T) * kVec) Pack {
+  T v[kVec];
+};
+
+// torch.lerp's two-sided form: exact at both ends (decay 0 copies the model, decay 1 keeps ema).
+template <typename Op> __device__ __forceinline__ Op lerp(Op e, Op m, Op w, Op c, bool small) {
+  return small ? e + w * (m - e) : m - (m - e) * c;
+}
+
+template <typename E, typename M>
+__device__ void update_chunk(const CudaUpdateEntry& entry, int64_t chunk, double decay) {
+  // Math in fp32, or fp64 when the EMA is fp64.
+  using Op = typename std::conditional<std::is_same<E, double>::value, double, float>::type;
+  const Op w = Op(1) - static_cast<Op>(decay);
+  const Op c = Op(1) - w;
+  const bool small = w < Op(0.5);
+  E* __restrict__ ema = static_cast<E*>(entry.ema);
+  const M* __restrict__ model = static_cast<const M*>(entry.model);
+  const int64_t begin = chunk * kCudaChunk;
+  const int64_t n = min(kCudaChunk, entry.numel - begin);
+  ema += begin;
+  model += begin;
+  int64_t done = 0;
+  if (entry.vectorized) {
+    const int64_t packs = n / kVec;
+    auto* ema_p = reinterpret_cast<Pack<E>*>(ema);
+    const auto* model_p = reinterpret_cast<const Pack<M>*>(model);
+#pragma unroll 4
+    for (int64_t i = threadIdx.x; i < packs; i += kThreads) {
+      Pack<E> e = ema_p[i];
+      const Pack<M> m = model_p[i];
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        e.v[k] = from_op<E>(lerp<Op>(to_op<Op>(e.v[k]), to_op<Op>(m.v[k]), w, c, small));
+      }
+      ema_p[i] = e;
+    }
+    done = packs * kVec;
+  }
+  for (int64_t i = done + threadIdx.x; i < n; i += kThreads) {
+    ema[i] = from_op<E>(lerp<Op>(to_op<Op>(ema[i]), to_op<Op>(model[i]), w, c, small));
+  }
+}
+
+template <typename E>
+__device__ void update_chunk_model(const CudaUpdateEntry& entry, int64_t chunk, double decay) {
+  switch (entry.model_dtype) {
+    case Dtype::kFloat32: return update_chunk<E, float>(entry, chunk, decay);
+    case Dtype::kFloat64: return update_chunk<E, double>(entry, chunk, decay);
+    case Dtype::kBFloat16: return update_chunk<E, __nv_bfloat16>(entry, chunk, decay);
+    case Dtype::kFloat16: return update_chunk<E, __half>(entry, chunk, decay);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    update_kernel(const CudaUpdateEntry* __restrict__ table, int num_entries, CudaDecay decay) {
+  __shared__ int entry_index;
+  const int64_t chunk = blockIdx.x;
+  if (threadIdx.x == 0) {
+    // Last entry whose first chunk is <= this block's chunk.
+    int lo = 0, hi = num_entries - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (table[mid].first_chunk <= chunk) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    entry_index = lo;
+  }
+  __syncthreads();
+  const CudaUpdateEntry entry = table[entry_index];
+  double d = decay.value;
+  if (decay.device_ptr != nullptr) {
+    d = decay.device_is_double ? *static_cast<const double*>(decay.device_ptr)
+                               : static_cast<double>(*static_cast<const float*>(decay.device_ptr));
+  }
+  const int64_t local = chunk - entry.first_chunk;
+  switch (entry.ema_dtype) {
+    case Dtype::kFloat32: return update_chunk_model<float>(entry, local, d);
+    case Dtype::kFloat64: return update_chunk_model<double>(entry, local, d);
+    case Dtype::kBFloat16: return update_chunk_model<__nv_bfloat16>(entry, local, d);
+    case Dtype::kFloat16: return update_chunk_model<__half>(entry, local, d);
+  }
+}
+
+}  // namespace
+
+int64_t cuda_table_bytes(int64_t num_entries) {
+  return num_entries * static_cast<int64_t>(sizeof(CudaUpdateEntry));
+}
+
+int64_t cuda_launch_count(int64_t num_entries) {
+  return num_entries == 0 ? 0 : (num_entries + kFillEntries - 1) / kFillEntries + 1;
+}
+
+cudaError_t launch_update_cuda(const CudaUpdateEntry* entries, int64_t num_entries,
+                               int64_t total_chunks, CudaUpdateEntry* device_table,
+                               CudaDecay decay, cudaStream_t stream) {
+  if (num_entries == 0 || total_chunks == 0) return cudaSuccess;
+  if (total_chunks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  for (int64_t first = 0; first < num_entries; first += kFillEntries) {
+    FillArgs args;
+    args.dst = device_table + first;
+    args.count = static_cast<int>(std::min<int64_t>(kFillEntries, num_entries - first));
+    std::copy(entries + first, entries + first + args.count, args.entries);
+    fill_table_kernel<<<(args.count + 127) / 128, 128, 0, stream>>>(args);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  update_kernel<<<static_cast<unsigned>(total_chunks), kThreads, 0, stream>>>(
+      device_table, static_cast<int>(num_entries), decay);
+  return cudaGetLastError();
+}
+
+}  // namespace fsdp_ema::kernels

@@ -1,0 +1,48 @@
+// CUDA EMA update: multi-tensor apply whose tensor table lives in device memory, so one launch
+// covers any number of tensors. Plain CUDA runtime types only: no ATen here.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/update_types.h"
+
+namespace fsdp_ema::kernels {
+
+// Elements one thread block updates (a multiple of the vector width).
+constexpr int64_t kCudaChunk = 16384;
+
+// One (ema, model) pair as the device sees it. Empty pairs are never put in the table.
+struct CudaUpdateEntry {
+  void* ema;
+  const void* model;
+  int64_t numel;
+  int64_t first_chunk;  // index of this pair's first block in the flattened grid
+  Dtype ema_dtype;
+  Dtype model_dtype;
+  bool vectorized;  // both pointers aligned to 4 elements: 4-wide loads and stores
+};
+
+// Where the kernel reads decay from: a host value baked into the launch, or a 0-dim fp32/fp64
+// device tensor read by the kernel itself (no host synchronization).
+struct CudaDecay {
+  double value;
+  const void* device_ptr;  // null: use value
+  bool device_is_double;
+};
+
+// Bytes of device memory the table for `num_entries` pairs needs.
+int64_t cuda_table_bytes(int64_t num_entries);
+
+// Number of kernel launches launch_update_cuda makes for `num_entries` pairs.
+int64_t cuda_launch_count(int64_t num_entries);
+
+// Writes `entries` into `device_table` with small fill kernels (parameters carry the data, so this
+// is capturable in CUDA graphs and needs no pinned staging buffer), then launches the update over
+// `total_chunks` blocks, all on `stream`. Returns the first launch error.
+cudaError_t launch_update_cuda(const CudaUpdateEntry* entries, int64_t num_entries,
+                               int64_t total_chunks, CudaUpdateEntry* device_table,
+                               CudaDecay decay, cudaStream_t stream);
+
+}  // namespace fsdp_ema::kernels

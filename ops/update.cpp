@@ -1,0 +1,209 @@
+#include "ops/update.h"
+
+#include <ATen/MemoryOverlap.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "kernels/update_cpu.h"
+#include "ops/dtypes.h"
+
+namespace fsdp_ema::ops {
+namespace {
+
+constexpr const char* kOp = "fsdp_ema::update_: ";
+
+// Byte range [lo, hi) a tensor's elements can touch.
+struct Extent {
+  uintptr_t lo;
+  uintptr_t hi;
+  bool is_ema;
+  int64_t index;
+};
+
+Extent extent_of(const at::Tensor& t, bool is_ema, int64_t index) {
+  int64_t last = 0;  // offset of the farthest element, in elements
+  for (const auto d : c10::irange(t.dim())) {
+    if (t.size(d) > 1) last += (t.size(d) - 1) * std::abs(t.stride(d));
+  }
+  const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size()), is_ema, index};
+}
+
+std::string describe(const Extent& e) {
+  return std::string(e.is_ema ? "ema[" : "model[") + std::to_string(e.index) + "]";
+}
+
+bool really_overlap(const at::Tensor& a, const at::Tensor& b) {
+  // Exact for contiguous tensors; for strided ones ask ATen (TooHard counts as overlap).
+  return at::get_overlap_status(a, b) != at::MemOverlapStatus::No;
+}
+
+[[noreturn]] void fail_overlap(const Extent& a, const Extent& b) {
+  const Extent& ema = a.is_ema ? a : b;
+  const Extent& other = a.is_ema ? b : a;
+  TORCH_CHECK(false, kOp, describe(ema), " overlaps ", describe(other),
+              " in memory; every EMA tensor needs storage of its own");
+}
+
+// An EMA tensor may share memory with nothing else in the call; model tensors may share with
+// each other. Contiguous tensors: one sort and sweep. Strided ones: exact pairwise checks.
+void check_no_overlap(TensorList ema, TensorList model) {
+  std::vector<Extent> dense;
+  std::vector<Extent> strided;
+  auto add = [&](const at::Tensor& t, bool is_ema, int64_t i) {
+    if (t.numel() == 0) return;
+    (t.is_contiguous() ? dense : strided).push_back(extent_of(t, is_ema, i));
+  };
+  for (const auto i : c10::irange(ema.size())) {
+    add(ema[i], true, i);
+    add(model[i], false, i);
+  }
+  std::sort(dense.begin(), dense.end(),
+            [](const Extent& a, const Extent& b) { return a.lo < b.lo; });
+  // Farthest end so far among all ranges and among EMA ranges: any overlap involving an EMA range
+  // shows up against one of the two when the later-starting range is visited.
+  const Extent* far_all = nullptr;
+  const Extent* far_ema = nullptr;
+  for (const Extent& e : dense) {
+    if (e.is_ema && far_all != nullptr && e.lo < far_all->hi) fail_overlap(e, *far_all);
+    if (far_ema != nullptr && e.lo < far_ema->hi) fail_overlap(e, *far_ema);
+    if (far_all == nullptr || e.hi > far_all->hi) far_all = &e;
+    if (e.is_ema && (far_ema == nullptr || e.hi > far_ema->hi)) far_ema = &e;
+  }
+  auto tensor_of = [&](const Extent& e) -> const at::Tensor& {
+    return e.is_ema ? ema[e.index] : model[e.index];
+  };
+  for (const Extent& s : strided) {
+    for (const auto* group : {&dense, &strided}) {
+      for (const Extent& o : *group) {
+        if (&o == &s || (!s.is_ema && !o.is_ema)) continue;
+        if (s.lo < o.hi && o.lo < s.hi && really_overlap(tensor_of(s), tensor_of(o))) {
+          fail_overlap(s, o);
+        }
+      }
+    }
+  }
+}
+
+void check_float_dtype(const at::Tensor& t, const char* name, size_t i) {
+  TORCH_CHECK(is_supported_dtype(t.scalar_type()), kOp, name, "[", i, "] has dtype ",
+              t.scalar_type(), "; expected Float, Double, BFloat16 or Half");
+}
+
+}  // namespace
+
+void validate_update(TensorList ema, TensorList model, std::optional<double> decay,
+                     const at::Tensor* decay_tensor, UpdateChecks checks) {
+  TORCH_CHECK(ema.size() == model.size(), kOp, "ema has ", ema.size(), " tensors but model has ",
+              model.size(), "; pass one model tensor per EMA tensor");
+  TORCH_CHECK(!ema.empty(), kOp, "ema is empty; pass at least one (ema, model) pair");
+  const c10::Device device = ema[0].device();
+  for (const auto i : c10::irange(ema.size())) {
+    const at::Tensor& e = ema[i];
+    const at::Tensor& m = model[i];
+    TORCH_CHECK(e.defined(), kOp, "ema[", i, "] is an undefined tensor");
+    TORCH_CHECK(m.defined(), kOp, "model[", i, "] is an undefined tensor");
+    check_float_dtype(e, "ema", i);
+    check_float_dtype(m, "model", i);
+    TORCH_CHECK(m.device() == e.device(), kOp, "model[", i, "] is on ", m.device(), " but ema[",
+                i, "] is on ", e.device());
+    TORCH_CHECK(e.device() == device, kOp, "ema[", i, "] is on ", e.device(), " but ema[0] is on ",
+                device, "; all tensors of one call must be on one device");
+    TORCH_CHECK(e.numel() == m.numel(), kOp, "ema[", i, "] has ", e.numel(),
+                " elements but model[", i, "] has ", m.numel());
+    TORCH_CHECK(e.sizes() == m.sizes(), kOp, "ema[", i, "] has shape ", e.sizes(), " but model[",
+                i, "] has shape ", m.sizes());
+    if (checks == UpdateChecks::kAll) {
+      TORCH_CHECK(at::has_internal_overlap(e) != at::MemOverlap::Yes, kOp, "ema[", i,
+                  "] has internally overlapping memory (an expanded tensor?) and cannot be "
+                  "updated in place");
+    }
+  }
+  if (decay.has_value()) {
+    TORCH_CHECK(*decay >= 0.0 && *decay <= 1.0, kOp, "decay must be in [0, 1], got ", *decay);
+  }
+  if (decay_tensor != nullptr) {
+    const at::Tensor& d = *decay_tensor;
+    TORCH_CHECK(d.defined(), kOp, "decay is an undefined tensor");
+    TORCH_CHECK(d.dim() == 0, kOp, "decay must be a 0-dim tensor, got shape ", d.sizes());
+    TORCH_CHECK(at::isFloatingType(d.scalar_type()), kOp,
+                "decay must be a floating-point tensor, got dtype ", d.scalar_type());
+    if (checks == UpdateChecks::kAll) {
+      TORCH_CHECK(d.device().is_cpu() || d.device() == device, kOp, "decay is on ", d.device(),
+                  " but the tensors are on ", device, "; put decay on the CPU or on ", device);
+    }
+  }
+  if (checks == UpdateChecks::kAll) check_no_overlap(ema, model);
+}
+
+double cpu_decay_value(const at::Tensor& decay) {
+  const double value = decay.item<double>();
+  TORCH_CHECK(value >= 0.0 && value <= 1.0, kOp, "decay must be in [0, 1], got ", value);
+  return value;
+}
+
+void PreparedUpdate::finish() {
+  for (auto& [original, updated] : write_back) original.copy_(updated);
+}
+
+PreparedUpdate prepare_update(TensorList ema, TensorList model) {
+  PreparedUpdate p;
+  p.ema.reserve(ema.size());
+  p.model.reserve(model.size());
+  for (const auto i : c10::irange(ema.size())) {
+    if (ema[i].numel() == 0) continue;
+    if (ema[i].is_contiguous()) {
+      p.ema.push_back(ema[i]);
+    } else {
+      p.ema.push_back(ema[i].contiguous());
+      p.write_back.emplace_back(ema[i], p.ema.back());
+    }
+    p.model.push_back(model[i].contiguous());
+  }
+  return p;
+}
+
+namespace {
+
+// Runs a validated call on the CPU.
+void run_cpu(TensorList ema, TensorList model, double decay) {
+  TORCH_CHECK(ema[0].device().is_cpu(), kOp, "the CPU kernel got tensors on ", ema[0].device());
+  PreparedUpdate p = prepare_update(ema, model);
+  std::vector<kernels::UpdatePair> pairs;
+  pairs.reserve(p.ema.size());
+  for (const auto i : c10::irange(p.ema.size())) {
+    pairs.push_back({p.ema[i].data_ptr(), p.model[i].const_data_ptr(), p.ema[i].numel(),
+                     to_kernel_dtype(p.ema[i].scalar_type()),
+                     to_kernel_dtype(p.model[i].scalar_type())});
+  }
+  kernels::update_cpu(pairs.data(), static_cast<int64_t>(pairs.size()), decay);
+  p.finish();
+}
+
+}  // namespace
+
+void update_cpu(TensorList ema, TensorList model, double decay) {
+  validate_update(ema, model, decay, nullptr, UpdateChecks::kAll);
+  run_cpu(ema, model, decay);
+}
+
+void update_tensor_cpu(TensorList ema, TensorList model, const at::Tensor& decay) {
+  validate_update(ema, model, std::nullopt, &decay, UpdateChecks::kAll);
+  run_cpu(ema, model, cpu_decay_value(decay));
+}
+
+void update_meta(TensorList ema, TensorList model, double decay) {
+  validate_update(ema, model, decay, nullptr, UpdateChecks::kNoStorage);
+}
+
+void update_tensor_meta(TensorList ema, TensorList model, const at::Tensor& decay) {
+  validate_update(ema, model, std::nullopt, &decay, UpdateChecks::kNoStorage);
+}
+
+}  // namespace fsdp_ema::ops

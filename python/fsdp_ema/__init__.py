@@ -1,0 +1,46 @@
+"""fsdp_ema: shard-local exponential moving averages of model weights for FSDP training.
+
+Importing the package loads the operator library, after which the operators are reachable as
+``torch.ops.fsdp_ema.*`` (eager, ``torch.compile``, TorchScript) and through the functions below.
+
+Example::
+
+    import torch, fsdp_ema
+
+    ema = [p.detach().clone().float() for p in model.parameters()]
+    fsdp_ema.update_(ema, list(model.parameters()), 0.999)  # one fused call for all tensors
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import torch
+
+from ._library import library_path, load_library
+
+load_library()
+
+__all__ = ["update_", "load_library", "library_path"]
+
+Decay = Union[float, torch.Tensor]
+
+
+def update_(ema: Sequence[torch.Tensor], model: Sequence[torch.Tensor], decay: Decay) -> None:
+    """``ema[i] <- ema[i] + (1 - decay) * (model[i] - ema[i])`` for every pair, in one call.
+
+    Args:
+        ema: EMA tensors (float32/float64/bfloat16/float16), updated in place. None may share
+            memory with another EMA tensor or a model tensor.
+        model: model tensors of the same shapes (any of the same four dtypes, mixed freely).
+        decay: a float in [0, 1], or a 0-dim floating tensor on the CPU or the tensors' device.
+            A device tensor is read by the kernel: no host synchronization, safe in CUDA graphs,
+            and a compiled graph does not recompile when its value changes (its range is not
+            checked, since that would need a sync).
+
+    Math runs in float32 (float64 for a float64 EMA) in torch.lerp's two-sided form, so
+    ``decay=0`` copies the model exactly and ``decay=1`` leaves the EMA unchanged. Every argument
+    is validated before any tensor is written.
+    """
+    with torch.no_grad():
+        torch.ops.fsdp_ema.update_(list(ema), list(model), decay)
