@@ -39,9 +39,49 @@ std::string describe(const Extent& e) {
   return std::string(e.is_ema ? "ema[" : "model[") + std::to_string(e.index) + "]";
 }
 
-bool really_overlap(const at::Tensor& a, const at::Tensor& b) {
-  // Exact for contiguous tensors; for strided ones ask ATen (TooHard counts as overlap).
-  return at::get_overlap_status(a, b) != at::MemOverlapStatus::No;
+// Calls f(address) for the first byte of every element of t.
+template <typename F>
+void for_each_element(const at::Tensor& t, F&& f) {
+  const int64_t dims = t.dim();
+  const auto base = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const auto size = static_cast<uintptr_t>(t.element_size());
+  std::vector<int64_t> index(dims, 0);
+  for (int64_t n = 0; n < t.numel(); ++n) {
+    int64_t offset = 0;
+    for (int64_t d = 0; d < dims; ++d) offset += index[d] * t.stride(d);
+    f(base + static_cast<uintptr_t>(offset) * size);
+    for (int64_t d = dims - 1; d >= 0; --d) {
+      if (++index[d] < t.size(d)) break;
+      index[d] = 0;
+    }
+  }
+}
+
+// Whether two tensors whose byte extents intersect share a byte. ATen answers for dense tensors;
+// strided views (say, every other column of one matrix) are checked element by element over their
+// common extent, and counted as overlapping when that extent is too large to map.
+bool really_overlap(const at::Tensor& a, const at::Tensor& b, const Extent& ea, const Extent& eb) {
+  const auto status = at::get_overlap_status(a, b);
+  if (status != at::MemOverlapStatus::TooHard) return status != at::MemOverlapStatus::No;
+  const uintptr_t lo = std::max(ea.lo, eb.lo);
+  const uintptr_t hi = std::min(ea.hi, eb.hi);
+  constexpr uintptr_t kMaxMappedBytes = uintptr_t{1} << 28;
+  if (hi - lo > kMaxMappedBytes) return true;
+  std::vector<bool> used(hi - lo, false);
+  const auto size = static_cast<uintptr_t>(a.element_size());
+  for_each_element(a, [&](uintptr_t p) {
+    for (uintptr_t k = 0; k < size; ++k) {
+      if (p + k >= lo && p + k < hi) used[p + k - lo] = true;
+    }
+  });
+  bool hit = false;
+  const auto size_b = static_cast<uintptr_t>(b.element_size());
+  for_each_element(b, [&](uintptr_t p) {
+    for (uintptr_t k = 0; k < size_b && !hit; ++k) {
+      hit = p + k >= lo && p + k < hi && used[p + k - lo];
+    }
+  });
+  return hit;
 }
 
 [[noreturn]] void fail_overlap(const Extent& a, const Extent& b) {
@@ -83,7 +123,7 @@ void check_no_overlap(TensorList ema, TensorList model) {
     for (const auto* group : {&dense, &strided}) {
       for (const Extent& o : *group) {
         if (&o == &s || (!s.is_ema && !o.is_ema)) continue;
-        if (s.lo < o.hi && o.lo < s.hi && really_overlap(tensor_of(s), tensor_of(o))) {
+        if (s.lo < o.hi && o.lo < s.hi && really_overlap(tensor_of(s), tensor_of(o), s, o)) {
           fail_overlap(s, o);
         }
       }
@@ -115,10 +155,11 @@ void validate_update(TensorList ema, TensorList model, std::optional<double> dec
                 i, "] is on ", e.device());
     TORCH_CHECK(e.device() == device, kOp, "ema[", i, "] is on ", e.device(), " but ema[0] is on ",
                 device, "; all tensors of one call must be on one device");
-    TORCH_CHECK(e.numel() == m.numel(), kOp, "ema[", i, "] has ", e.numel(),
-                " elements but model[", i, "] has ", m.numel());
-    TORCH_CHECK(e.sizes() == m.sizes(), kOp, "ema[", i, "] has shape ", e.sizes(), " but model[",
-                i, "] has shape ", m.sizes());
+    // sym_*: the meta kernel sees symbolic shapes under torch.compile's dynamic tracing.
+    TORCH_CHECK(e.sym_numel() == m.sym_numel(), kOp, "ema[", i, "] has ", e.sym_numel(),
+                " elements but model[", i, "] has ", m.sym_numel());
+    TORCH_CHECK(e.sym_sizes() == m.sym_sizes(), kOp, "ema[", i, "] has shape ", e.sym_sizes(),
+                " but model[", i, "] has shape ", m.sym_sizes());
     if (checks == UpdateChecks::kAll) {
       TORCH_CHECK(at::has_internal_overlap(e) != at::MemOverlap::Yes, kOp, "ema[", i,
                   "] has internally overlapping memory (an expanded tensor?) and cannot be "
@@ -131,7 +172,7 @@ void validate_update(TensorList ema, TensorList model, std::optional<double> dec
   if (decay_tensor != nullptr) {
     const at::Tensor& d = *decay_tensor;
     TORCH_CHECK(d.defined(), kOp, "decay is an undefined tensor");
-    TORCH_CHECK(d.dim() == 0, kOp, "decay must be a 0-dim tensor, got shape ", d.sizes());
+    TORCH_CHECK(d.dim() == 0, kOp, "decay must be a 0-dim tensor, got shape ", d.sym_sizes());
     TORCH_CHECK(at::isFloatingType(d.scalar_type()), kOp,
                 "decay must be a floating-point tensor, got dtype ", d.scalar_type());
     if (checks == UpdateChecks::kAll) {

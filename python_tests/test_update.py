@@ -1,0 +1,320 @@
+"""fsdp_ema.update_ / torch.ops.fsdp_ema.update_: numerics, validation, opcheck, compile, script."""
+
+import itertools
+from typing import List
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import fsdp_ema
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+OPS = [torch.ops.fsdp_ema.update_, torch.ops.fsdp_ema.ema_shard_update_]
+
+
+def opmath(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def reference(ema, model, decay):
+    """Independent reference: torch.lerp in the EMA's math precision."""
+    om = opmath(ema.dtype)
+    return torch.lerp(ema.to(om), model.to(om), 1.0 - decay).to(ema.dtype)
+
+
+def assert_ema_close(actual, expected):
+    # One rounding step of the EMA dtype: torch.lerp and our kernel may fuse multiply-adds
+    # differently, which can flip the last bit after rounding to the EMA dtype.
+    eps = torch.finfo(actual.dtype).eps
+    torch.testing.assert_close(actual, expected, rtol=eps, atol=eps, equal_nan=True)
+
+
+def make_case(sizes, ema_dtype, model_dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ema = [torch.randn(s, generator=g).to(device=device, dtype=ema_dtype) for s in sizes]
+    model = [torch.randn(s, generator=g).to(device=device, dtype=model_dtype) for s in sizes]
+    return ema, model
+
+
+SIZES = [(), (0,), (1,), (7,), (3, 5), (1023,), (4097,), (70001,)]
+
+
+@pytest.mark.parametrize("ema_dtype,model_dtype", list(itertools.product(DTYPES, DTYPES)))
+def test_update_matches_lerp_for_every_dtype_pair(device, ema_dtype, model_dtype):
+    ema, model = make_case(SIZES, ema_dtype, model_dtype, device)
+    expected = [reference(e, m, 0.9) for e, m in zip(ema, model)]
+    torch.ops.fsdp_ema.update_(ema, model, 0.9)
+    for a, b in zip(ema, expected):
+        assert_ema_close(a, b)
+
+
+@pytest.mark.parametrize("op", OPS, ids=["update_", "ema_shard_update_"])
+def test_decay_tensor_equals_decay_float(device, op):
+    ema_a, model = make_case(SIZES, torch.float32, torch.bfloat16, device)
+    ema_b = [e.clone() for e in ema_a]
+    op(ema_a, model, 0.75)
+    op(ema_b, model, torch.tensor(0.75, device=device))
+    for a, b in zip(ema_a, ema_b):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("decay_dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_decay_tensor_dtypes_and_cpu_decay_for_device_tensors(device, decay_dtype):
+    ema, model = make_case([(257,)], torch.float32, torch.float32, device)
+    expected = reference(ema[0], model[0], 0.5)
+    torch.ops.fsdp_ema.update_(ema, model, torch.tensor(0.5, dtype=decay_dtype))  # on the CPU
+    assert_ema_close(ema[0], expected)
+    ema2, _ = make_case([(257,)], torch.float32, torch.float32, device)
+    torch.ops.fsdp_ema.update_(ema2, model, torch.tensor(0.5, dtype=decay_dtype, device=device))
+    assert_ema_close(ema2[0], expected)
+
+
+def test_decay_zero_copies_and_decay_one_keeps_exactly(device):
+    ema, model = make_case([(1000,), (33,)], torch.float32, torch.float32, device)
+    before = [e.clone() for e in ema]
+    torch.ops.fsdp_ema.update_(ema, model, 1.0)
+    for a, b in zip(ema, before):
+        assert torch.equal(a, b)
+    torch.ops.fsdp_ema.update_(ema, model, 0.0)
+    for a, b in zip(ema, model):
+        assert torch.equal(a, b)
+
+
+def test_misaligned_and_noncontiguous_tensors(device):
+    g = torch.Generator().manual_seed(1)
+    base_e = torch.randn(4099, generator=g).to(device)
+    base_m = torch.randn(4099, generator=g).to(device, torch.bfloat16)
+    grid_e = torch.randn(64, 48, generator=g).to(device)
+    grid_m = torch.randn(48, 64, generator=g).to(device, torch.float16)
+    other_e = torch.randn(48, 64, generator=g).to(device)
+    # Odd storage offsets (no vector alignment), an empty pair, and strided views on both sides.
+    ema = [base_e[1:4098], base_e.new_empty(0), grid_e[:, ::3], other_e.t()[5:9]]
+    model = [base_m[2:4099], base_m[:0], grid_m.t()[:, :16], grid_m.t()[5:9]]
+    expected = [reference(e, m, 0.8) for e, m in zip(ema, model)]
+    untouched = grid_e.clone()
+    torch.ops.fsdp_ema.update_(ema, model, 0.8)
+    for a, b in zip(ema, expected):
+        assert_ema_close(a, b)
+    # Columns of grid_e outside the strided view keep their values.
+    mask = torch.ones(64, 48, dtype=torch.bool, device=device)
+    mask[:, ::3] = False
+    assert torch.equal(grid_e[mask], untouched[mask])
+
+
+def test_hundreds_of_tensors_in_one_call(device):
+    g = torch.Generator().manual_seed(2)
+    sizes = [(int(torch.randint(0, 5000, (1,), generator=g)),) for _ in range(500)]
+    ema, model = make_case(sizes, torch.float32, torch.bfloat16, device, seed=3)
+    expected = [reference(e, m, 0.99) for e, m in zip(ema, model)]
+    fsdp_ema.update_(ema, model, 0.99)
+    for a, b in zip(ema, expected):
+        assert_ema_close(a, b)
+
+
+def test_repeated_updates_match_repeated_lerp(device):
+    ema, model = make_case([(999,), (2, 3, 4)], torch.float32, torch.float32, device)
+    ref = [e.clone() for e in ema]
+    for step in range(10):
+        d = 0.5 + 0.04 * step
+        fsdp_ema.update_(ema, model, torch.tensor(d, device=device))
+        ref = [reference(r, m, d) for r, m in zip(ref, model)]
+    for a, b in zip(ema, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+# --- validation: the error names the argument and nothing is written ---------------------------
+
+def _bad_cases(device):
+    f32 = dict(device=device, dtype=torch.float32)
+    shared = torch.zeros(10, **f32)
+    cases = {
+        "list lengths": ([torch.zeros(3, **f32)], [], 0.5, "ema has 1 tensors but model has 0"),
+        "empty lists": ([], [], torch.tensor(0.5, device=device), "ema is empty"),
+        "numel": ([torch.zeros(4096, **f32)], [torch.zeros(4095, **f32)], 0.5,
+                  "ema[0] has 4096 elements but model[0] has 4095"),
+        "shape": ([torch.zeros(2, 6, **f32)], [torch.zeros(3, 4, **f32)], 0.5,
+                  "ema[0] has shape [2, 6] but model[0] has shape [3, 4]"),
+        "ema dtype": ([torch.zeros(3, **f32), torch.zeros(3, device=device, dtype=torch.int64)],
+                      [torch.zeros(3, **f32)] * 2, 0.5, "ema[1] has dtype Long"),
+        "model dtype": ([torch.zeros(3, **f32)], [torch.zeros(3, device=device, dtype=torch.int32)],
+                        0.5, "model[0] has dtype Int"),
+        "decay high": ([torch.zeros(3, **f32)], [torch.ones(3, **f32)], 1.5,
+                       "decay must be in [0, 1], got 1.5"),
+        "decay negative": ([torch.zeros(3, **f32)], [torch.ones(3, **f32)], -0.1,
+                           "decay must be in [0, 1], got -0.1"),
+        "decay nan": ([torch.zeros(3, **f32)], [torch.ones(3, **f32)], float("nan"),
+                      "decay must be in [0, 1], got nan"),
+        "decay cpu tensor out of range": ([torch.zeros(3, **f32)], [torch.ones(3, **f32)],
+                                          torch.tensor(2.0), "decay must be in [0, 1], got 2"),
+        "decay shape": ([torch.zeros(3, **f32)], [torch.ones(3, **f32)], torch.tensor([0.5]),
+                        "decay must be a 0-dim tensor, got shape [1]"),
+        "decay dtype": ([torch.zeros(3, **f32)], [torch.ones(3, **f32)], torch.tensor(1),
+                        "decay must be a floating-point tensor, got dtype Long"),
+        "ema overlaps model": ([shared[:6]], [shared[4:]], 0.5,
+                               "ema[0] overlaps model[0] in memory"),
+        "ema overlaps ema": ([torch.zeros(3, **f32), shared[2:5], shared[4:7]],
+                             [torch.ones(3, **f32)] * 3, 0.5, "overlaps ema[1] in memory"),
+        "ema is model": ([shared], [shared], 0.5, "ema[0] overlaps model[0]"),
+        "expanded ema": ([torch.zeros(1, **f32).expand(5)], [torch.ones(5, **f32)], 0.5,
+                         "ema[0] has internally overlapping memory"),
+    }
+    if device == "cpu" and torch.cuda.is_available():
+        cases["mixed devices"] = ([torch.zeros(3)], [torch.ones(3, device="cuda")], 0.5,
+                                  "model[0] is on cuda:0 but ema[0] is on cpu")
+    return cases
+
+
+@pytest.mark.parametrize("case", list(_bad_cases("cpu").keys()))
+def test_bad_input_names_argument_and_changes_nothing(device, case):
+    cases = _bad_cases(device)
+    if case not in cases:
+        pytest.skip("case only applies to CPU tensors")
+    ema, model, decay, message = cases[case]
+    before = [e.clone() for e in ema]
+    # The first pairs are valid: validation must finish before any write.
+    with pytest.raises(RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        torch.ops.fsdp_ema.update_(ema, model, decay)
+    for a, b in zip(ema, before):
+        assert torch.equal(a, b)
+
+
+def test_strided_views_that_interleave_do_not_count_as_overlap(device):
+    grid = torch.zeros(8, 8, device=device)
+    model = torch.ones(8, 4, device=device)
+    torch.ops.fsdp_ema.update_([grid[:, 0::2], grid[:, 1::2]], [model, model * 2], 0.5)
+    assert torch.equal(grid[:, 0::2], torch.full((8, 4), 0.5, device=device))
+    assert torch.equal(grid[:, 1::2], torch.full((8, 4), 1.0, device=device))
+
+
+# --- torch.library.opcheck, torch.compile, TorchScript ------------------------------------------
+
+@pytest.mark.parametrize("decay_kind", ["float", "tensor"])
+def test_opcheck(device, decay_kind):
+    ema, model = make_case([(5,), (2, 3), ()], torch.float32, torch.bfloat16, device)
+    model = [m.requires_grad_() for m in model]
+    decay = 0.9 if decay_kind == "float" else torch.tensor(0.9, device=device)
+    for packet in OPS:
+        op = packet.default if decay_kind == "float" else packet.Tensor
+        args = ([e.clone() for e in ema], model, decay)
+        result = torch.library.opcheck(op, args)
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
+def _make_net(device):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    return net.to(device)
+
+
+def test_compiled_training_step_no_graph_break_no_recompile(device):
+    """A compiled optimizer-step + EMA-update with a decay tensor that changes every step."""
+    torch._dynamo.reset()
+
+    def make_run():
+        net = _make_net(device)
+        params = list(net.parameters())
+        ema = [p.detach().clone() for p in params]
+
+        def step_and_update(decay):
+            with torch.no_grad():
+                torch._foreach_add_(params, [p.grad for p in params], alpha=-0.1)  # SGD
+                torch.ops.fsdp_ema.update_(ema, params, decay)
+
+        return net, ema, step_and_update
+
+    counter = CompileCounterWithBackend("inductor")
+    net_c, ema_c, step_c = make_run()
+    step_c = torch.compile(step_c, backend=counter, fullgraph=True)
+    net_e, ema_e, step_e = make_run()
+
+    decay = torch.tensor(0.0, device=device)
+    g = torch.Generator().manual_seed(1)
+    for i in range(20):
+        x = torch.randn(8, 16, generator=g).to(device)
+        y = torch.randn(8, 4, generator=g).to(device)
+        decay.fill_(min(0.99, (1 + i) / (10 + i)))  # a warmup schedule: new value every step
+        for net, step in ((net_c, step_c), (net_e, step_e)):
+            net.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            step(decay)
+    assert counter.frame_count == 1, f"compiled {counter.frame_count} times"
+    for a, b in zip(ema_c, ema_e):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # The EMA really moved away from its start and differs from the final weights.
+    assert not torch.equal(ema_c[0], net_c[0].weight.detach())
+
+
+def test_torchscript_function_calls_the_op(device):
+    @torch.jit.script
+    def scripted(ema: List[torch.Tensor], model: List[torch.Tensor], decay: torch.Tensor,
+                 decay_f: float):
+        torch.ops.fsdp_ema.update_(ema, model, decay)
+        torch.ops.fsdp_ema.ema_shard_update_(ema, model, decay_f)
+
+    assert "fsdp_ema::update_" in str(scripted.graph)
+    ema, model = make_case([(100,), (3, 3)], torch.float32, torch.float16, device)
+    expected = [reference(reference(e, m, 0.9), m, 0.8) for e, m in zip(ema, model)]
+    scripted(ema, model, torch.tensor(0.9, device=device), 0.8)
+    for a, b in zip(ema, expected):
+        assert_ema_close(a, b)
+
+
+# --- CUDA-only behaviour -------------------------------------------------------------------------
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@cuda_only
+def test_cuda_graph_capture_replays_with_new_decay():
+    ema, model = make_case([(10000,), (77,)], torch.float32, torch.bfloat16, "cuda")
+    decay = torch.tensor(0.5, device="cuda")
+    ref = [e.clone() for e in ema]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up outside capture
+        torch.ops.fsdp_ema.update_([e.clone() for e in ema], model, decay)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.fsdp_ema.update_(ema, model, decay)
+    for d in (0.5, 0.9, 0.1):
+        decay.fill_(d)
+        graph.replay()
+        ref = [reference(r, m, d) for r, m in zip(ref, model)]
+    torch.cuda.synchronize()
+    for a, b in zip(ema, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@cuda_only
+def test_cuda_few_launches_for_hundreds_of_tensors():
+    ema, model = make_case([(1000 + i,) for i in range(500)], torch.float32, torch.bfloat16, "cuda")
+    decay = torch.tensor(0.9, device="cuda")
+    torch.ops.fsdp_ema.update_(ema, model, decay)  # warm up
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.ops.fsdp_ema.update_(ema, model, decay)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    assert 1 <= len(kernels) <= 4, [e.name for e in kernels]
+
+
+def test_torchscript_keeps_update_on_an_inline_list():
+    """A list literal argument must not let TorchScript dead-code-eliminate the update."""
+
+    class EmaModule(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3))
+            self.register_buffer("ema", torch.zeros(2, 3))
+
+        def forward(self, decay: float) -> torch.Tensor:
+            torch.ops.fsdp_ema.update_([self.ema], [self.weight.detach()], decay)
+            return self.weight
+
+    scripted = torch.jit.script(EmaModule())
+    assert "fsdp_ema::update_" in str(scripted.forward.graph)
+    scripted(0.5)
+    assert torch.equal(scripted.ema, torch.arange(6.0).reshape(2, 3) * 0.5)
