@@ -1,0 +1,235 @@
+"""Benchmark of the fused EMA update against what people use today, measured in one run.
+
+Rows (all update the same 500 EMA tensors of a transformer-like shard-size distribution):
+  fsdp_ema.update_       one fused op call for every tensor
+  per-tensor mul_/add_   ``for e, p: e.mul_(d).add_(p, alpha=1 - d)`` (the seed ShardEMAModel recipe)
+  _foreach_lerp_         ``torch._foreach_lerp_(ema, params, 1 - d)`` (timm / torchtitan / swa_utils)
+                         with bf16 params it needs a cast pass first (``p.float()`` per tensor)
+  limit                  the same arithmetic as one plain OpenMP loop over one contiguous buffer
+                         (CPU), or a device-to-device copy of the same element count (GPU)
+Bytes moved are counted per method (reads + writes, the real traffic of each way), so GB/s
+compare honestly; speedups compare wall time for the same update.
+
+    python bench/bench_update.py --device cpu              # 50M elements
+    python bench/bench_update.py --device cuda             # 1B elements
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "python"))
+import fsdp_ema  # noqa: E402
+
+DECAY = 0.999
+
+
+def shard_sizes(target_elements: int, count: int = 500, world_size: int = 2) -> list[int]:
+    """Per-rank dim-0 shard sizes of a GPT-like model with `count` parameters in total."""
+
+    def model_sizes(h: int) -> list[int]:
+        vocab = 32000
+        layer = [3 * h * h, 3 * h, h * h, h, h, h, 4 * h * h, 4 * h, 4 * h * h, h, h, h]
+        layers = (count - 3) // len(layer)
+        sizes = [vocab * h] + layer * layers + [h, h]
+        sizes += [h] * (count - len(sizes))
+        return sizes
+
+    def shard_total(h: int) -> int:
+        return sum(math.ceil(n / world_size) for n in model_sizes(h))
+
+    lo, hi = 8, 1 << 16
+    while lo < hi:  # smallest hidden size that reaches the target
+        mid = (lo + hi) // 2
+        if shard_total(mid) < target_elements:
+            lo = mid + 1
+        else:
+            hi = mid
+    return [math.ceil(n / world_size) for n in model_sizes(lo)]
+
+
+def time_once(fn, device: str) -> float:
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def timed_interleaved(fns: dict, device: str, warmup: int, repeat: int) -> dict:
+    """Median seconds per function, measured round-robin so machine noise hits every row alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            times[name].append(time_once(fn, device))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def count_kernel_launches(fn) -> int:
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(
+        1
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and "memcpy" not in e.name.lower()
+        and "memset" not in e.name.lower()
+    )
+
+
+def cpu_limit_fn(library: Path, model_dtype: torch.dtype, elements: int):
+    """The limit row: a plain OpenMP loop (bench/limit.cpp) over one contiguous buffer."""
+    lib = ctypes.CDLL(str(library))
+    ema = torch.randn(elements)
+    if model_dtype == torch.float32:
+        model, fn = torch.randn(elements), lib.fsdp_ema_limit_f32
+    else:
+        model, fn = torch.randn(elements).to(model_dtype), lib.fsdp_ema_limit_bf16
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float]
+    w = ctypes.c_float(1.0 - DECAY)
+    return lambda: fn(ema.data_ptr(), model.data_ptr(), elements, w)
+
+
+def run_case(args, model_dtype: torch.dtype, sizes: list[int]) -> dict:
+    device = args.device
+    elements = sum(sizes)
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(n, generator=g).to(device=device, dtype=model_dtype) for n in sizes]
+    ema = [p.to(torch.float32, copy=True) for p in params]
+    esize, msize = 4, torch.tensor([], dtype=model_dtype).element_size()
+    d, w = DECAY, 1.0 - DECAY
+    decay_t = torch.tensor(DECAY, device=device)
+
+    def ours():
+        fsdp_ema.update_(ema, params, decay_t)
+
+    def loop():
+        for e, p in zip(ema, params):
+            e.mul_(d).add_(p, alpha=w)
+
+    def foreach_lerp():
+        if model_dtype == torch.float32:
+            torch._foreach_lerp_(ema, params, w)
+        else:
+            torch._foreach_lerp_(ema, [p.float() for p in params], w)
+
+    fused_bytes = elements * (2 * esize + msize)
+    rows = [
+        ("fsdp_ema.update_", ours, fused_bytes),
+        ("per-tensor mul_/add_", loop, elements * (2 * esize + 2 * esize + msize)),
+        (
+            "_foreach_lerp_" if model_dtype == torch.float32 else "cast + _foreach_lerp_",
+            foreach_lerp,
+            fused_bytes + (0 if model_dtype == torch.float32 else elements * (msize + esize)),
+        ),
+    ]
+    if device == "cpu":
+        rows.append(("limit (plain OpenMP loop)",
+                     cpu_limit_fn(args.limit_library, model_dtype, elements), fused_bytes))
+    else:
+        src = torch.empty(elements, dtype=torch.float32, device=device)
+        dst = torch.empty_like(src)
+        rows.append(("limit (device-to-device copy)", lambda: dst.copy_(src), elements * 8))
+    with torch.no_grad():
+        seconds = timed_interleaved({name: fn for name, fn, _ in rows}, device, args.warmup,
+                                    args.repeat)
+    results = {name: {"seconds": seconds[name], "bytes": nbytes} for name, _, nbytes in rows}
+    if device == "cuda":
+        results["fsdp_ema.update_"]["kernel_launches"] = count_kernel_launches(ours)
+    return {"elements": elements, "tensors": len(sizes), "rows": results}
+
+
+def report(case: str, r: dict) -> list[tuple[str, bool, str]]:
+    rows = r["rows"]
+    ours = rows["fsdp_ema.update_"]
+    limit_name = next(k for k in rows if k.startswith("limit"))
+    print(f"\n{case}: {r['tensors']} tensors, {r['elements'] / 1e6:.1f}M elements")
+    print(f"  {'method':32s} {'ms':>9s} {'B/elem':>7s} {'GB/s':>8s} {'time vs ours':>13s}")
+    for name, row in rows.items():
+        gbs = row["bytes"] / row["seconds"] / 1e9
+        row["gb_per_s"] = gbs
+        print(f"  {name:32s} {row['seconds'] * 1e3:9.2f} {row['bytes'] / r['elements']:7.1f} "
+              f"{gbs:8.2f} {row['seconds'] / ours['seconds']:12.2f}x")
+    if "kernel_launches" in ours:
+        print(f"  fsdp_ema.update_ kernel launches for {r['tensors']} tensors: "
+              f"{ours['kernel_launches']}")
+    checks = []
+    frac = ours["gb_per_s"] / rows[limit_name]["gb_per_s"]
+    checks.append((f"{case}: GB/s vs {limit_name}", frac >= 0.85, f"{frac:.1%} (target >= 85%)"))
+    for name, row in rows.items():
+        if name == "fsdp_ema.update_" or name.startswith("limit"):
+            continue
+        speedup = row["seconds"] / ours["seconds"]
+        if name == "per-tensor mul_/add_":
+            target = 2.5 if "cuda" in case else 1.5
+        elif name.startswith("cast"):
+            target = 1.6
+        else:
+            target = 1.1
+        if "cuda" in case and name != "per-tensor mul_/add_":
+            target = 1.0  # the issue sets GPU targets against the loop and the copy only
+        checks.append((f"{case}: speedup vs {name}", speedup >= target,
+                       f"{speedup:.2f}x (target >= {target}x)"))
+    if "kernel_launches" in ours:
+        checks.append((f"{case}: kernel launches", ours["kernel_launches"] <= 4,
+                       f"{ours['kernel_launches']} (target <= 4)"))
+    return checks
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--elements", type=int, default=None,
+                        help="EMA elements in total (default 50M on CPU, 1B on CUDA)")
+    parser.add_argument("--tensors", type=int, default=500)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--limit-library", type=Path,
+                        default=ROOT / "build" / "lib" / "libfsdp_ema_bench_limit.so")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device")
+    if args.elements is None:
+        args.elements = 50_000_000 if args.device == "cpu" else 1_000_000_000
+    sizes = shard_sizes(args.elements, args.tensors)
+    print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
+          f"ATen CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    results, checks = {}, []
+    for label, dtype in (("fp32 EMA / fp32 params", torch.float32),
+                         ("fp32 EMA / bf16 params", torch.bfloat16)):
+        case = f"{args.device} {label}"
+        results[case] = run_case(args, dtype, sizes)
+        checks += report(case, results[case])
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    print("\ntargets:")
+    for name, ok, detail in checks:
+        print(f"  [{'PASS' if ok else 'MISS'}] {name}: {detail}")
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "checks": checks}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
