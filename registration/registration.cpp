@@ -2,6 +2,7 @@
 // in registration_cuda.cpp so that a CPU-only build has no CUDA dependency.
 #include <torch/library.h>
 
+#include "ops/checkpoint.h"
 #include "ops/update.h"
 
 // Why `Tensor(a! -> *)[]` rather than the usual `Tensor(a!)[]`: TorchScript's alias analysis
@@ -21,6 +22,44 @@ TORCH_LIBRARY(fsdp_ema, m) {
   // The seed recipe's name for update_: same schemas, same kernels.
   m.def("ema_shard_update_.Tensor(Tensor(a! -> *)[] ema, Tensor[] model, Tensor decay) -> ()");
   m.def("ema_shard_update_(Tensor(a! -> *)[] ema, Tensor[] model, float decay) -> ()");
+
+  // Checkpoint ops. Those that write files have no tensor result, so they are registered with
+  // CONSERVATIVE alias analysis: TorchScript then treats them as side-effecting and never
+  // dead-code-eliminates a call whose result is unused. (torch.compile: see fsdp_ema/_ops.py.)
+  //
+  // Writes one rank's local shards to <directory>/shard-<rank>-of-<world_size>.safetensors
+  // atomically (temporary file, fsync, rename, directory fsync); returns the file's bytes as a
+  // 0-dim int64 CPU tensor (a tensor, not an int, so that torch.compile can trace the call).
+  m.def(torch::schema(
+      "save_shard(str directory, int rank, int world_size, str[] names, Tensor[] shards, "
+      "int[] offsets, int[] global_shapes, bool fsync=True) -> Tensor",
+      c10::AliasAnalysisKind::CONSERVATIVE));
+  // Writes <directory>/fsdp_ema.index.json, the commit marker, once every rank's file exists;
+  // refuses an already committed directory unless overwrite. Returns the number of tensors.
+  m.def(torch::schema(
+      "commit_checkpoint(str directory, int world_size, bool overwrite=False, bool fsync=True) "
+      "-> int",
+      c10::AliasAnalysisKind::CONSERVATIVE));
+  // One shard file back: names, local shards, concatenated global offsets and global shapes.
+  m.def(
+      "load_shard(str path, bool verify=True, Device? device=None) "
+      "-> (str[] names, Tensor[] shards, int[] offsets, int[] global_shapes)");
+  // Named tensors of a committed checkpoint (ours, or a DCP HuggingFace directory): whole, or the
+  // dim-0 rows rank `rank` of `world_size` holds (torch.chunk semantics, any world size).
+  m.def(
+      "load_tensors(str directory, str[] names, int rank=0, int world_size=1, bool verify=True, "
+      "Device? device=None) -> Tensor[]");
+  // JSON description of a checkpoint directory: layout, world size, tensors (dtype, shape).
+  m.def("checkpoint_info(str directory) -> str");
+}
+
+// Ops with no tensor argument (or any device's tensors) take the same kernel everywhere.
+TORCH_LIBRARY_IMPL(fsdp_ema, CompositeExplicitAutograd, m) {
+  m.impl("save_shard", &fsdp_ema::ops::save_shard);
+  m.impl("commit_checkpoint", &fsdp_ema::ops::commit_checkpoint);
+  m.impl("load_shard", &fsdp_ema::ops::load_shard);
+  m.impl("load_tensors", &fsdp_ema::ops::load_tensors);
+  m.impl("checkpoint_info", &fsdp_ema::ops::checkpoint_info);
 }
 
 TORCH_LIBRARY_IMPL(fsdp_ema, CPU, m) {

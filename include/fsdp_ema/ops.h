@@ -6,6 +6,10 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 
+#include <cstdint>
+#include <string>
+#include <vector>
+
 namespace fsdp_ema {
 
 // ema[i] <- ema[i] + (1 - decay) * (model[i] - ema[i]) for every pair, in one fused call
@@ -30,5 +34,22 @@ void ema_shard_update_(c10::ArrayRef<at::Tensor> ema, c10::ArrayRef<at::Tensor> 
 
 // Whether this build of the library carries CUDA kernels.
 bool built_with_cuda();
+
+}  // namespace fsdp_ema
+
+namespace fsdp_ema {
+
+// Writes one rank's local shards to <directory>/shard-<rank>-of-<world_size>.safetensors
+// atomically; returns the file's size in bytes. offsets / global_shapes hold one entry per
+// dimension of each shard, concatenated in shard order. See the op reference in README.md.
+int64_t save_shard(const std::string& directory, int64_t rank, int64_t world_size,
+                   const std::vector<std::string>& names, c10::ArrayRef<at::Tensor> shards,
+                   c10::ArrayRef<int64_t> offsets, c10::ArrayRef<int64_t> global_shapes,
+                   bool fsync = true);
+
+// Writes <directory>/fsdp_ema.index.json (the commit marker) once all world_size shard files
+// exist; refuses a committed directory unless overwrite. Returns the number of tensors.
+int64_t commit_checkpoint(const std::string& directory, int64_t world_size, bool overwrite = false,
+                          bool fsync = true);
 
 }  // namespace fsdp_ema

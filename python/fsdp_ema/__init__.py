@@ -21,7 +21,22 @@ from ._library import library_path, load_library
 
 load_library()
 
-__all__ = ["update_", "load_library", "library_path"]
+from . import checkpoint  # noqa: E402
+
+
+# save_shard writes a file and returns a byte count callers usually ignore. Under torch.compile:
+# a fake kernel (no file is written while tracing; the count lives on the CPU whatever the
+# shards' device), and a side-effect mark so dead-code elimination keeps the call.
+# (TorchScript keeps it through CONSERVATIVE alias analysis, set in C++.)
+@torch.library.register_fake("fsdp_ema::save_shard")
+def _save_shard_fake(directory, rank, world_size, names, shards, offsets, global_shapes,
+                     fsync=True):
+    return torch.empty((), dtype=torch.int64, device="cpu")
+
+
+torch.fx.node.has_side_effect(torch.ops.fsdp_ema.save_shard.default)
+
+__all__ = ["update_", "load_library", "library_path", "checkpoint"]
 
 Decay = Union[float, torch.Tensor]
 

@@ -1,0 +1,78 @@
+// Reading fsdp_ema checkpoints from C++ with no Python: a directory written by save_shard +
+// commit_checkpoint (or by ShardedEMA.save), or one written by torch.distributed.checkpoint's
+// HuggingFace storage writer. Full tensors, the dim-0 slice any rank of any world size needs,
+// checksum verification, and loading into a name->tensor map or a TorchScript module.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace torch::jit {
+struct Module;
+}  // namespace torch::jit
+
+namespace fsdp_ema {
+
+// One tensor of a checkpoint: its name, dtype and global shape.
+struct CheckpointTensor {
+  std::string name;
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+};
+
+// What load_into does with names that the checkpoint and the module do not share.
+struct LoadOptions {
+  bool strict = true;   // error on names missing from either side (shapes must always match)
+  bool verify = true;   // check every piece read against its checksum
+};
+
+class CheckpointReader {
+ public:
+  // Opens and validates `directory` (everything but the tensor data). A directory of shard files
+  // without fsdp_ema.index.json is an incomplete checkpoint and is refused.
+  explicit CheckpointReader(const std::string& directory);
+  ~CheckpointReader();
+  CheckpointReader(CheckpointReader&&) noexcept;
+  CheckpointReader& operator=(CheckpointReader&&) noexcept;
+
+  const std::string& directory() const;
+  // "fsdp_ema" or "dcp-huggingface".
+  std::string layout() const;
+  // Number of ranks that wrote the checkpoint (DCP: number of shard files).
+  int64_t world_size() const;
+  // Every tensor, sorted by name.
+  std::vector<CheckpointTensor> tensors() const;
+  bool contains(const std::string& name) const;
+
+  // The full tensor, on `device`.
+  at::Tensor load(const std::string& name, at::Device device = at::kCPU,
+                  bool verify = true) const;
+  // The dim-0 rows rank `rank` of `world_size` holds, as torch.chunk(tensor, world_size)[rank]
+  // (FSDP's Shard(0)): any world size, including non-divisors and more ranks than rows (empty
+  // slices). A 0-dim tensor is returned whole.
+  at::Tensor load_chunk(const std::string& name, int64_t rank, int64_t world_size,
+                        at::Device device = at::kCPU, bool verify = true) const;
+  // Every tensor, whole.
+  std::unordered_map<std::string, at::Tensor> load_all(at::Device device = at::kCPU,
+                                                        bool verify = true) const;
+  // Checks every piece against its checksum; returns how many pieces carried one.
+  size_t verify_all() const;
+
+  // Copies the checkpoint into the module's parameters and buffers (dotted names, recursively),
+  // casting to their dtypes and devices. Checks every name and shape and reads every tensor
+  // before the first copy, so a failure leaves the module unchanged. Errors list the missing,
+  // unexpected and mis-shaped names.
+  void load_into(torch::jit::Module& module, const LoadOptions& options = {}) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace fsdp_ema

@@ -1,0 +1,278 @@
+#include "ops/checkpoint.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <unordered_set>
+
+#include "format/checkpoint_dir.h"
+#include "format/error.h"
+#include "format/index.h"
+#include "format/shard_file.h"
+#include "format/shard_writer.h"
+
+namespace fsdp_ema::ops {
+namespace {
+
+// Format errors surface as c10::Error (RuntimeError in Python) with the op's name in front.
+template <typename F>
+auto translate_errors(const char* op, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const format::FormatError& e) {
+    TORCH_CHECK(false, op, e.what());
+  }
+}
+
+std::string join(c10::string_view directory, const std::string& file) {
+  std::string dir(directory);
+  if (!dir.empty() && dir.back() != '/') dir += '/';
+  return dir + file;
+}
+
+format::Shape to_shape(at::IntArrayRef s) { return format::Shape(s.begin(), s.end()); }
+
+// The validated request of one save_shard call.
+struct SaveRequest {
+  std::vector<format::TensorToWrite> tensors;
+  std::vector<at::Tensor> keep_alive;  // contiguous versions of the shards
+};
+
+SaveRequest validate_save(const char* op, int64_t rank, int64_t world_size,
+                          const std::vector<std::string>& names, at::TensorList shards,
+                          at::IntArrayRef offsets, at::IntArrayRef global_shapes) {
+  TORCH_CHECK(world_size >= 1, op, "world_size must be >= 1, got ", world_size);
+  TORCH_CHECK(rank >= 0 && rank < world_size, op, "rank must be in [0, world_size), got rank ",
+              rank, " with world_size ", world_size);
+  TORCH_CHECK(names.size() == shards.size(), op, "names has ", names.size(),
+              " entries but shards has ", shards.size());
+  int64_t dims = 0;
+  for (const auto& t : shards) dims += t.dim();
+  TORCH_CHECK(static_cast<int64_t>(offsets.size()) == dims, op, "offsets has ", offsets.size(),
+              " entries but the shards have ", dims, " dimensions in total (one offset per dim)");
+  TORCH_CHECK(static_cast<int64_t>(global_shapes.size()) == dims, op, "global_shapes has ",
+              global_shapes.size(), " entries but the shards have ", dims,
+              " dimensions in total (one size per dim)");
+  SaveRequest req;
+  std::unordered_set<std::string> seen;
+  int64_t pos = 0;
+  for (const auto i : c10::irange(shards.size())) {
+    const at::Tensor& t = shards[i];
+    TORCH_CHECK(t.defined(), op, "shards[", i, "] is an undefined tensor");
+    TORCH_CHECK(!names[i].empty(), op, "names[", i, "] is empty");
+    TORCH_CHECK(seen.insert(names[i]).second, op, "names[", i, "] '", names[i],
+                "' appears twice");
+    const std::string what = "shards[" + std::to_string(i) + "] ('" + names[i] + "')";
+    format::TensorToWrite w;
+    w.name = names[i];
+    w.dtype = to_format_dtype(t.scalar_type(), std::string(op) + what);
+    w.shape = to_shape(t.sizes());
+    w.offsets = to_shape(offsets.slice(pos, t.dim()));
+    w.global_shape = to_shape(global_shapes.slice(pos, t.dim()));
+    pos += t.dim();
+    for (const auto d : c10::irange(t.dim())) {
+      TORCH_CHECK(w.offsets[d] >= 0 && w.offsets[d] + w.shape[d] <= w.global_shape[d], op, what,
+                  ": offset ", w.offsets[d], " + size ", w.shape[d], " exceeds global size ",
+                  w.global_shape[d], " in dim ", d);
+    }
+    req.keep_alive.push_back(t.contiguous());
+    req.tensors.push_back(std::move(w));
+  }
+  return req;
+}
+
+}  // namespace
+
+format::DType to_format_dtype(at::ScalarType t, const std::string& what) {
+  switch (t) {
+    case at::kDouble: return format::DType::kF64;
+    case at::kFloat: return format::DType::kF32;
+    case at::kHalf: return format::DType::kF16;
+    case at::kBFloat16: return format::DType::kBF16;
+    case at::kLong: return format::DType::kI64;
+    case at::kInt: return format::DType::kI32;
+    case at::kShort: return format::DType::kI16;
+    case at::kChar: return format::DType::kI8;
+    case at::kByte: return format::DType::kU8;
+    case at::kBool: return format::DType::kBool;
+    case at::kFloat8_e4m3fn: return format::DType::kF8E4M3;
+    case at::kFloat8_e5m2: return format::DType::kF8E5M2;
+    default: TORCH_CHECK(false, what, " has dtype ", t, ", which safetensors cannot store");
+  }
+}
+
+at::ScalarType to_scalar_type(format::DType d) {
+  switch (d) {
+    case format::DType::kF64: return at::kDouble;
+    case format::DType::kF32: return at::kFloat;
+    case format::DType::kF16: return at::kHalf;
+    case format::DType::kBF16: return at::kBFloat16;
+    case format::DType::kI64: return at::kLong;
+    case format::DType::kI32: return at::kInt;
+    case format::DType::kI16: return at::kShort;
+    case format::DType::kI8: return at::kChar;
+    case format::DType::kU8: return at::kByte;
+    case format::DType::kBool: return at::kBool;
+    case format::DType::kF8E4M3: return at::kFloat8_e4m3fn;
+    case format::DType::kF8E5M2: return at::kFloat8_e5m2;
+  }
+  TORCH_CHECK(false, "fsdp_ema: unknown format dtype");
+}
+
+at::Tensor save_shard(c10::string_view directory, int64_t rank, int64_t world_size,
+                   const std::vector<std::string>& names, at::TensorList shards,
+                   at::IntArrayRef offsets, at::IntArrayRef global_shapes, bool fsync) {
+  constexpr const char* kOp = "fsdp_ema::save_shard: ";
+  SaveRequest req = validate_save(kOp, rank, world_size, names, shards, offsets, global_shapes);
+  format::WriteOptions options;
+  options.fsync = fsync;
+  options.rank = rank;
+  options.world_size = world_size;
+  bool any_device_tensor = false;
+  for (const auto i : c10::irange(req.tensors.size())) {
+    const at::Tensor& t = req.keep_alive[i];
+    if (t.numel() == 0) continue;
+    if (t.device().is_cpu()) {
+      req.tensors[i].host_data = t.const_data_ptr();
+      continue;
+    }
+    any_device_tensor = true;
+    // Device memory is staged chunk by chunk into the writer's (pinned) buffers: the copy of the
+    // next chunk overlaps the write of the previous one (see format::FillFn).
+    const at::Tensor bytes = t.reshape({-1}).view(at::kByte);
+    req.tensors[i].fill = [bytes](uint64_t offset, uint64_t length, void* dst) {
+      at::Tensor host = at::from_blob(dst, {static_cast<int64_t>(length)},
+                                      at::TensorOptions().dtype(at::kByte));
+      host.copy_(bytes.narrow(0, static_cast<int64_t>(offset), static_cast<int64_t>(length)));
+    };
+  }
+  std::vector<at::Tensor> staging;
+  if (any_device_tensor) {
+    options.allocate_buffer = [&staging](size_t n) -> void* {
+      staging.push_back(at::empty({static_cast<int64_t>(n)},
+                                  at::TensorOptions().dtype(at::kByte).pinned_memory(true)));
+      return staging.back().data_ptr();
+    };
+    options.free_buffer = [](void*) {};  // the tensors in `staging` own the memory
+  }
+  const std::string path =
+      join(directory, format::shard_file_name(rank, world_size));
+  const auto bytes = translate_errors(kOp, [&] {
+    return static_cast<int64_t>(format::write_shard_file(path, std::move(req.tensors), options));
+  });
+  return at::scalar_tensor(bytes, at::TensorOptions().dtype(at::kLong));
+}
+
+int64_t commit_checkpoint(c10::string_view directory, int64_t world_size, bool overwrite,
+                          bool fsync) {
+  constexpr const char* kOp = "fsdp_ema::commit_checkpoint: ";
+  TORCH_CHECK(world_size >= 1, kOp, "world_size must be >= 1, got ", world_size);
+  return translate_errors(kOp, [&] {
+    const std::string dir(directory);
+    const format::CheckpointIndex index = format::build_index_from_dir(dir, world_size);
+    format::write_index(dir, index, overwrite, fsync);
+    return static_cast<int64_t>(index.tensors.size());
+  });
+}
+
+std::tuple<std::vector<std::string>, std::vector<at::Tensor>, std::vector<int64_t>,
+           std::vector<int64_t>>
+load_shard(c10::string_view path, bool verify, std::optional<at::Device> device) {
+  constexpr const char* kOp = "fsdp_ema::load_shard: ";
+  return translate_errors(kOp, [&] {
+    auto file = std::make_shared<format::ShardFile>(
+        format::ShardFile::open(std::string(path), verify));
+    std::vector<std::string> names;
+    std::vector<at::Tensor> tensors;
+    std::vector<int64_t> offsets;
+    std::vector<int64_t> global_shapes;
+    const at::Device target = device.value_or(at::Device(at::kCPU));
+    for (const format::TensorInfo& info : file->tensors()) {
+      names.push_back(info.name);
+      offsets.insert(offsets.end(), info.offsets.begin(), info.offsets.end());
+      global_shapes.insert(global_shapes.end(), info.global_shape.begin(),
+                           info.global_shape.end());
+      const auto options = at::TensorOptions().dtype(to_scalar_type(info.dtype));
+      const auto bytes = file->data(info);
+      const auto element = static_cast<uintptr_t>(format::dtype_size(info.dtype));
+      const bool aligned = reinterpret_cast<uintptr_t>(bytes.data()) % element == 0;
+      at::Tensor t;
+      if (target.is_cpu() && aligned && !bytes.empty()) {
+        // Zero-copy view of the read-only mapping; the tensor keeps the file mapped. Writing to
+        // it faults, so callers that mutate should clone (ShardedEMA.load copies into its own).
+        t = at::from_blob(const_cast<std::byte*>(bytes.data()), info.shape,
+                          [file](void*) {}, options);
+      } else {
+        t = at::empty(info.shape, options);
+        if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+        if (!target.is_cpu()) t = t.to(target);
+      }
+      tensors.push_back(std::move(t));
+    }
+    return std::make_tuple(std::move(names), std::move(tensors), std::move(offsets),
+                           std::move(global_shapes));
+  });
+}
+
+std::vector<at::Tensor> load_tensors(c10::string_view directory,
+                                     const std::vector<std::string>& names, int64_t rank,
+                                     int64_t world_size, bool verify,
+                                     std::optional<at::Device> device) {
+  constexpr const char* kOp = "fsdp_ema::load_tensors: ";
+  TORCH_CHECK(world_size >= 1, kOp, "world_size must be >= 1, got ", world_size);
+  TORCH_CHECK(rank >= 0 && rank < world_size, kOp, "rank must be in [0, world_size), got rank ",
+              rank, " with world_size ", world_size);
+  return translate_errors(kOp, [&] {
+    const format::CheckpointDir dir = format::CheckpointDir::open(std::string(directory));
+    // Look every name up (and size every slice) before reading anything.
+    std::vector<std::pair<const format::IndexTensor*, format::RowRange>> plan;
+    for (const auto& name : names) {
+      const format::IndexTensor& info = dir.tensor(name);
+      // A 0-dim tensor has no rows to split: every rank gets all of it (FSDP replicates it).
+      format::RowRange rows{0, info.shape.empty() ? 1 : info.shape[0]};
+      if (world_size > 1 && !info.shape.empty()) {
+        rows = format::chunk_rows(info.shape[0], rank, world_size);
+      }
+      plan.emplace_back(&info, rows);
+    }
+    std::vector<at::Tensor> out;
+    for (const auto& [info, rows] : plan) {
+      std::vector<int64_t> shape(info->shape.begin(), info->shape.end());
+      if (!shape.empty()) shape[0] = rows.size();
+      at::Tensor t = at::empty(shape, at::TensorOptions().dtype(to_scalar_type(info->dtype)));
+      const size_t nbytes = t.nbytes();
+      if (world_size == 1 || info->shape.empty()) {
+        dir.read_full(info->name, t.data_ptr(), nbytes, verify);
+      } else if (nbytes > 0) {
+        dir.read_rows(info->name, rows.begin, rows.end, t.data_ptr(), nbytes, verify);
+      }
+      if (device.has_value() && !device->is_cpu()) t = t.to(*device);
+      out.push_back(std::move(t));
+    }
+    return out;
+  });
+}
+
+std::string checkpoint_info(c10::string_view directory) {
+  constexpr const char* kOp = "fsdp_ema::checkpoint_info: ";
+  return translate_errors(kOp, [&] {
+    const format::CheckpointDir dir = format::CheckpointDir::open(std::string(directory));
+    nlohmann::json j;
+    j["layout"] = std::string(format::layout_name(dir.layout()));
+    j["world_size"] = dir.world_size();
+    j["tensors"] = nlohmann::json::object();
+    for (const auto& t : dir.tensors()) {
+      j["tensors"][t.name] = {{"dtype", std::string(format::dtype_name(t.dtype))},
+                              {"shape", t.shape}};
+    }
+    j["metadata"] = dir.index().metadata;
+    return j.dump();
+  });
+}
+
+}  // namespace fsdp_ema::ops

@@ -1,0 +1,52 @@
+// Host side of the checkpoint ops: save_shard, commit_checkpoint, load_shard, load_tensors,
+// checkpoint_info. The file format itself lives in format/ (torch-free); this file adapts torch
+// tensors to it and back.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/util/ArrayRef.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "format/dtype.h"
+
+namespace fsdp_ema::ops {
+
+format::DType to_format_dtype(at::ScalarType t, const std::string& what);
+at::ScalarType to_scalar_type(format::DType d);
+
+// Writes one rank's local shards to <directory>/shard-<rank>-of-<world_size>.safetensors.
+//   names:         [N]    fully qualified names
+//   shards:        [N]    local shards (any device; CUDA staged through pinned memory)
+//   offsets:       [sum of shards[i].dim()]  global offset of each shard, concatenated
+//   global_shapes: [sum of shards[i].dim()]  global shape of each tensor, concatenated
+// Returns the file's size in bytes (0-dim int64 CPU tensor).
+at::Tensor save_shard(c10::string_view directory, int64_t rank, int64_t world_size,
+                   const std::vector<std::string>& names, at::TensorList shards,
+                   at::IntArrayRef offsets, at::IntArrayRef global_shapes, bool fsync);
+
+// Writes <directory>/fsdp_ema.index.json from the headers of the world_size shard files: the
+// commit marker. Returns the number of tensors in the checkpoint.
+int64_t commit_checkpoint(c10::string_view directory, int64_t world_size, bool overwrite,
+                          bool fsync);
+
+// One shard file back: names, local shards, concatenated offsets and global shapes.
+std::tuple<std::vector<std::string>, std::vector<at::Tensor>, std::vector<int64_t>,
+           std::vector<int64_t>>
+load_shard(c10::string_view path, bool verify, std::optional<at::Device> device);
+
+// Tensors of a committed checkpoint (or DCP HuggingFace directory): for world_size == 1 the full
+// tensors, else the dim-0 rows rank `rank` of `world_size` holds (torch.chunk semantics).
+std::vector<at::Tensor> load_tensors(c10::string_view directory,
+                                     const std::vector<std::string>& names, int64_t rank,
+                                     int64_t world_size, bool verify,
+                                     std::optional<at::Device> device);
+
+// JSON: {"layout", "world_size", "tensors": {name: {"dtype", "shape"}}, "metadata"}.
+std::string checkpoint_info(c10::string_view directory);
+
+}  // namespace fsdp_ema::ops

@@ -1,0 +1,147 @@
+// include/fsdp_ema/checkpoint.h on top of format::CheckpointDir.
+#include "fsdp_ema/checkpoint.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/script.h>
+
+#include <map>
+#include <sstream>
+
+#include "format/checkpoint_dir.h"
+#include "format/error.h"
+#include "ops/checkpoint.h"
+
+namespace fsdp_ema {
+namespace {
+
+constexpr const char* kWhere = "fsdp_ema::CheckpointReader: ";
+
+template <typename F>
+auto translate(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const format::FormatError& e) {
+    TORCH_CHECK(false, kWhere, e.what());
+  }
+}
+
+std::string join_names(const std::vector<std::string>& names, size_t limit = 20) {
+  std::ostringstream os;
+  for (size_t i = 0; i < names.size() && i < limit; ++i) os << (i ? ", " : "") << names[i];
+  if (names.size() > limit) os << ", ... (" << names.size() << " in all)";
+  return os.str();
+}
+
+}  // namespace
+
+struct CheckpointReader::Impl {
+  format::CheckpointDir dir;
+};
+
+CheckpointReader::CheckpointReader(const std::string& directory)
+    : impl_(translate([&] {
+        return std::make_unique<Impl>(Impl{format::CheckpointDir::open(directory)});
+      })) {}
+
+CheckpointReader::~CheckpointReader() = default;
+CheckpointReader::CheckpointReader(CheckpointReader&&) noexcept = default;
+CheckpointReader& CheckpointReader::operator=(CheckpointReader&&) noexcept = default;
+
+const std::string& CheckpointReader::directory() const { return impl_->dir.path(); }
+
+std::string CheckpointReader::layout() const {
+  return std::string(format::layout_name(impl_->dir.layout()));
+}
+
+int64_t CheckpointReader::world_size() const { return impl_->dir.world_size(); }
+
+std::vector<CheckpointTensor> CheckpointReader::tensors() const {
+  std::vector<CheckpointTensor> out;
+  for (const auto& t : impl_->dir.tensors()) {
+    out.push_back({t.name, ops::to_scalar_type(t.dtype), {t.shape.begin(), t.shape.end()}});
+  }
+  return out;
+}
+
+bool CheckpointReader::contains(const std::string& name) const {
+  return impl_->dir.find(name) != nullptr;
+}
+
+at::Tensor CheckpointReader::load(const std::string& name, at::Device device, bool verify) const {
+  return load_chunk(name, 0, 1, device, verify);
+}
+
+at::Tensor CheckpointReader::load_chunk(const std::string& name, int64_t rank, int64_t world_size,
+                                        at::Device device, bool verify) const {
+  TORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, kWhere,
+              "rank must be in [0, world_size), got rank ", rank, " of ", world_size);
+  return translate([&] {
+    const format::IndexTensor& info = impl_->dir.tensor(name);
+    std::vector<int64_t> shape(info.shape.begin(), info.shape.end());
+    format::RowRange rows{0, shape.empty() ? 1 : shape[0]};
+    if (!shape.empty()) {
+      rows = format::chunk_rows(shape[0], rank, world_size);
+      shape[0] = rows.size();
+    }
+    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(ops::to_scalar_type(info.dtype)));
+    if (world_size == 1 || info.shape.empty()) {
+      impl_->dir.read_full(name, t.data_ptr(), t.nbytes(), verify);
+    } else if (t.nbytes() > 0) {
+      impl_->dir.read_rows(name, rows.begin, rows.end, t.data_ptr(), t.nbytes(), verify);
+    }
+    return device.is_cpu() ? t : t.to(device);
+  });
+}
+
+std::unordered_map<std::string, at::Tensor> CheckpointReader::load_all(at::Device device,
+                                                                       bool verify) const {
+  std::unordered_map<std::string, at::Tensor> out;
+  for (const auto& t : impl_->dir.tensors()) out.emplace(t.name, load(t.name, device, verify));
+  return out;
+}
+
+size_t CheckpointReader::verify_all() const {
+  return translate([&] { return impl_->dir.verify_all(); });
+}
+
+void CheckpointReader::load_into(torch::jit::Module& module, const LoadOptions& options) const {
+  // Every destination (parameters, then buffers), by dotted name.
+  std::map<std::string, at::Tensor> targets;
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) targets.emplace(p.name, p.value);
+  for (const auto& b : module.named_buffers(/*recurse=*/true)) targets.emplace(b.name, b.value);
+
+  std::vector<std::string> missing, unexpected, misshaped;
+  for (const auto& [name, target] : targets) {
+    const format::IndexTensor* info = impl_->dir.find(name);
+    if (info == nullptr) {
+      missing.push_back(name);
+    } else if (!std::equal(info->shape.begin(), info->shape.end(), target.sizes().begin(),
+                           target.sizes().end())) {
+      std::ostringstream os;
+      os << name << " (checkpoint " << c10::IntArrayRef(info->shape) << ", module "
+         << target.sizes() << ")";
+      misshaped.push_back(os.str());
+    }
+  }
+  for (const auto& t : impl_->dir.tensors()) {
+    if (targets.count(t.name) == 0) unexpected.push_back(t.name);
+  }
+  std::ostringstream problems;
+  if (!misshaped.empty()) problems << " shape mismatch: " << join_names(misshaped) << ";";
+  if (options.strict && !missing.empty()) problems << " missing in checkpoint: " << join_names(missing) << ";";
+  if (options.strict && !unexpected.empty()) problems << " unexpected in checkpoint: " << join_names(unexpected) << ";";
+  TORCH_CHECK(problems.str().empty(), kWhere, "cannot load ", directory(), " into the module:",
+              problems.str());
+
+  // Read (and verify) everything before the first write, so a bad file leaves the module as it was.
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;
+  for (const auto& [name, target] : targets) {
+    if (impl_->dir.find(name) == nullptr) continue;
+    copies.emplace_back(target, load(name, target.device(), options.verify));
+  }
+  const at::NoGradGuard no_grad;
+  for (auto& [target, value] : copies) target.copy_(value);
+}
+
+}  // namespace fsdp_ema

@@ -1,0 +1,113 @@
+"""Sharded checkpoints: thin wrappers over the ``save_shard`` / ``commit_checkpoint`` /
+``load_shard`` / ``load_tensors`` / ``checkpoint_info`` operators.
+
+A checkpoint is a directory of ``shard-<rank>-of-<world>.safetensors`` files (one per writing
+rank, each a valid safetensors file carrying the metadata torch.distributed.checkpoint's
+HuggingFace reader uses) and ``fsdp_ema.index.json``, written last as the commit marker.
+
+Single process::
+
+    fsdp_ema.checkpoint.save("ckpt", {"w": w, "b": b})
+    tensors = fsdp_ema.checkpoint.load("ckpt")                  # {"w": ..., "b": ...}
+
+Several ranks (each writes its own slice, then one rank commits after a barrier)::
+
+    fsdp_ema.checkpoint.save_shard("ckpt", {"w": (local_rows, [row0, 0], list(w_global_shape))},
+                                   rank=rank, world_size=world)
+    dist.barrier()
+    if rank == 0:
+        fsdp_ema.checkpoint.commit("ckpt", world_size=world)
+    mine = fsdp_ema.checkpoint.load("ckpt", rank=rank, world_size=world)  # resharded rows
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Mapping, Sequence, Tuple, Union
+
+import torch
+
+Shard = Union[torch.Tensor, Tuple[torch.Tensor, Sequence[int], Sequence[int]]]
+
+__all__ = ["save_shard", "commit", "save", "load_shard", "load", "info", "shard_file_name"]
+
+
+def shard_file_name(rank: int, world_size: int) -> str:
+    width = max(5, len(str(world_size)))
+    return f"shard-{rank:0{width}d}-of-{world_size:0{width}d}.safetensors"
+
+
+def _flatten(shards: Mapping[str, Shard]):
+    names, tensors, offsets, global_shapes = [], [], [], []
+    for name, value in shards.items():
+        if isinstance(value, torch.Tensor):
+            tensor, off, glob = value, [0] * value.dim(), list(value.shape)
+        else:
+            tensor, off, glob = value
+        if len(off) != tensor.dim() or len(glob) != tensor.dim():
+            raise ValueError(f"{name!r}: offsets {list(off)} and global shape {list(glob)} need "
+                             f"one entry per dimension of the {tensor.dim()}-dim shard")
+        names.append(name)
+        tensors.append(tensor.detach())
+        offsets.extend(int(o) for o in off)
+        global_shapes.extend(int(g) for g in glob)
+    return names, tensors, offsets, global_shapes
+
+
+def save_shard(directory: str | os.PathLike, shards: Mapping[str, Shard], *, rank: int = 0,
+               world_size: int = 1, fsync: bool = True) -> int:
+    """Writes this rank's file atomically; returns its size in bytes.
+
+    ``shards`` maps a name to a whole tensor, or to ``(local_shard, global_offsets,
+    global_shape)``. A tensor replicated on every rank (a 0-dim one, say) must be written by one
+    rank only: the commit refuses pieces that overlap.
+    """
+    os.makedirs(directory, exist_ok=True)
+    names, tensors, offsets, global_shapes = _flatten(shards)
+    return int(torch.ops.fsdp_ema.save_shard(os.fspath(directory), rank, world_size, names,
+                                             tensors, offsets, global_shapes, fsync))
+
+
+def commit(directory: str | os.PathLike, world_size: int, *, overwrite: bool = False,
+           fsync: bool = True) -> int:
+    """Writes the index (the commit marker) once every rank's file is there."""
+    return torch.ops.fsdp_ema.commit_checkpoint(os.fspath(directory), world_size, overwrite, fsync)
+
+
+def save(directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor], *,
+         overwrite: bool = False, fsync: bool = True) -> int:
+    """Single-process save: one shard file plus the index. Returns the bytes of the shard file."""
+    nbytes = save_shard(directory, tensors, rank=0, world_size=1, fsync=fsync)
+    commit(directory, 1, overwrite=overwrite, fsync=fsync)
+    return nbytes
+
+
+def load_shard(path: str | os.PathLike, *, verify: bool = True, device=None):
+    """One shard file: ``{name: (local_shard, global_offsets, global_shape)}``.
+
+    On the CPU the tensors map the file (no copy).
+    """
+    names, tensors, offsets, global_shapes = torch.ops.fsdp_ema.load_shard(
+        os.fspath(path), verify, device)
+    out, pos = {}, 0
+    for name, t in zip(names, tensors):
+        out[name] = (t, offsets[pos:pos + t.dim()], global_shapes[pos:pos + t.dim()])
+        pos += t.dim()
+    return out
+
+
+def info(directory: str | os.PathLike) -> dict:
+    """Layout, world size and every tensor's dtype and global shape."""
+    return json.loads(torch.ops.fsdp_ema.checkpoint_info(os.fspath(directory)))
+
+
+def load(directory: str | os.PathLike, names: Sequence[str] | None = None, *, rank: int = 0,
+         world_size: int = 1, verify: bool = True, device=None) -> dict:
+    """Tensors of a committed checkpoint: whole (``world_size=1``), or the dim-0 rows
+    ``torch.chunk(t, world_size)[rank]`` would give, whatever world size wrote it."""
+    if names is None:
+        names = sorted(info(directory)["tensors"])
+    tensors = torch.ops.fsdp_ema.load_tensors(os.fspath(directory), list(names), rank,
+                                              world_size, verify, device)
+    return dict(zip(names, tensors))
