@@ -1,0 +1,159 @@
+// The C++ checkpoint path with no Python: save_shard / commit_checkpoint through the dispatcher,
+// then fsdp_ema::CheckpointReader: full tensors, resharded slices, and loading a TorchScript
+// module's parameters and buffers.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <fsdp_ema/checkpoint.h>
+#include <fsdp_ema/ops.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/script.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <string>
+
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+fs::path scratch_dir(const std::string& name) {
+  const fs::path dir = fs::temp_directory_path() / ("fsdp_ema_reader_" + name + "_" +
+                                                    std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+std::pair<int64_t, int64_t> chunk_rows(int64_t rows, int64_t rank, int64_t world) {
+  const int64_t cs = (rows + world - 1) / world;
+  const int64_t begin = std::min(rank * cs, rows);
+  return {begin, std::min(begin + cs, rows)};
+}
+
+// Writes `tensors` as `world` ranks would: dim-0 torch.chunk rows each; 0-dim ones by rank 0.
+void write_sharded(const fs::path& dir, const std::map<std::string, at::Tensor>& tensors,
+                   int64_t world) {
+  for (int64_t rank = 0; rank < world; ++rank) {
+    std::vector<std::string> names;
+    std::vector<at::Tensor> shards;
+    std::vector<int64_t> offsets, global_shapes;
+    for (const auto& [name, t] : tensors) {
+      if (t.dim() == 0) {
+        if (rank != 0) continue;
+        names.push_back(name);
+        shards.push_back(t);
+        continue;
+      }
+      const auto [b, e] = chunk_rows(t.size(0), rank, world);
+      names.push_back(name);
+      shards.push_back(t.slice(0, b, e));
+      offsets.push_back(b);
+      for (int64_t d = 1; d < t.dim(); ++d) offsets.push_back(0);
+      for (const auto s : t.sizes()) global_shapes.push_back(s);
+    }
+    EXPECT_GT(fsdp_ema::save_shard(dir.string(), rank, world, names, shards, offsets,
+                                   global_shapes),
+              0);
+  }
+  EXPECT_EQ(fsdp_ema::commit_checkpoint(dir.string(), world),
+            static_cast<int64_t>(tensors.size()));
+}
+
+std::map<std::string, at::Tensor> reference() {
+  at::manual_seed(7);
+  return {{"emb", at::randn({13, 6})},
+          {"bias", at::randn({7}).to(at::kBFloat16)},
+          {"tiny", at::randn({2, 3}).to(at::kHalf)},
+          {"step", at::scalar_tensor(5, at::kLong)}};
+}
+
+TEST(CheckpointReader, ReshardsToAnyWorldSize) {
+  const auto tensors = reference();
+  for (int64_t writers : {1, 2, 3, 4}) {
+    const fs::path dir = scratch_dir("reshard" + std::to_string(writers));
+    write_sharded(dir, tensors, writers);
+    const fsdp_ema::CheckpointReader reader(dir.string());
+    EXPECT_EQ(reader.layout(), "fsdp_ema");
+    EXPECT_EQ(reader.world_size(), writers);
+    ASSERT_EQ(reader.tensors().size(), tensors.size());
+    EXPECT_EQ(reader.verify_all(), tensors.size() + (writers - 1) * 3);
+    for (const auto& [name, t] : tensors) {
+      EXPECT_TRUE(at::equal(reader.load(name), t)) << name;
+      for (int64_t readers = 1; readers <= 5; ++readers) {
+        for (int64_t rank = 0; rank < readers; ++rank) {
+          const at::Tensor got = reader.load_chunk(name, rank, readers);
+          at::Tensor expected = t;
+          if (t.dim() > 0) {
+            const auto [b, e] = chunk_rows(t.size(0), rank, readers);
+            expected = t.slice(0, b, e);
+          }
+          EXPECT_TRUE(at::equal(got, expected))
+              << name << " W=" << writers << " M=" << readers << " r=" << rank;
+        }
+      }
+    }
+    fs::remove_all(dir);
+  }
+}
+
+TEST(CheckpointReader, RefusesAnIncompleteCheckpoint) {
+  const fs::path dir = scratch_dir("incomplete");
+  write_sharded(dir, reference(), 2);
+  fs::remove(dir / "fsdp_ema.index.json");
+  EXPECT_THAT([&] { fsdp_ema::CheckpointReader reader(dir.string()); },
+              ::testing::ThrowsMessage<c10::Error>(
+                  HasSubstr("incomplete checkpoint: fsdp_ema.index.json missing")));
+  fs::remove_all(dir);
+}
+
+class ModuleLoad : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* path = std::getenv("FSDP_EMA_SCRIPTED_MODULE");
+    ASSERT_NE(path, nullptr) << "run through ctest: the make_scripted_module fixture writes it";
+    module_ = torch::jit::load(path);
+  }
+  at::Tensor attr(const std::string& name) { return module_.attr(name).toTensor(); }
+  torch::jit::Module module_;
+};
+
+TEST_F(ModuleLoad, LoadsParametersAndBuffersByName) {
+  const fs::path dir = scratch_dir("module");
+  const at::Tensor weight = at::full({2, 3}, 1.5);
+  const at::Tensor ema = at::full({2, 3}, 0.25, at::kDouble);  // cast to the buffer's fp32
+  write_sharded(dir, {{"weight", weight}, {"ema", ema}}, 2);
+  fsdp_ema::CheckpointReader(dir.string()).load_into(module_);
+  EXPECT_TRUE(at::equal(attr("weight"), weight));
+  EXPECT_TRUE(at::equal(attr("ema"), at::full({2, 3}, 0.25)));
+  fs::remove_all(dir);
+}
+
+TEST_F(ModuleLoad, NamesEveryProblemAndLeavesTheModuleUnchanged) {
+  const fs::path dir = scratch_dir("module_bad");
+  write_sharded(dir, {{"weight", at::ones({3, 2})}, {"extra", at::ones({1})}}, 1);
+  const at::Tensor before = attr("weight").clone();
+  try {
+    fsdp_ema::CheckpointReader(dir.string()).load_into(module_);
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    EXPECT_THAT(msg, HasSubstr("shape mismatch: weight (checkpoint [3, 2], module [2, 3])"));
+    EXPECT_THAT(msg, HasSubstr("missing in checkpoint: ema"));
+    EXPECT_THAT(msg, HasSubstr("unexpected in checkpoint: extra"));
+  }
+  EXPECT_TRUE(at::equal(attr("weight"), before));
+  fs::remove_all(dir);
+}
+
+TEST_F(ModuleLoad, NonStrictIgnoresMissingAndUnexpectedNames) {
+  const fs::path dir = scratch_dir("module_nonstrict");
+  write_sharded(dir, {{"weight", at::full({2, 3}, 9.0)}, {"extra", at::ones({1})}}, 1);
+  fsdp_ema::CheckpointReader(dir.string()).load_into(module_, {/*strict=*/false});
+  EXPECT_TRUE(at::equal(attr("weight"), at::full({2, 3}, 9.0)));
+  fs::remove_all(dir);
+}
+
+}  // namespace
