@@ -2,6 +2,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/update_cuda.h"
 
@@ -143,10 +144,6 @@ __global__ void __launch_bounds__(kThreads)
 
 int64_t cuda_table_bytes(int64_t num_entries) {
   return num_entries * static_cast<int64_t>(sizeof(CudaUpdateEntry));
-}
-
-int64_t cuda_launch_count(int64_t num_entries) {
-  return num_entries == 0 ? 0 : (num_entries + kFillEntries - 1) / kFillEntries + 1;
 }
 
 cudaError_t launch_update_cuda(const CudaUpdateEntry* entries, int64_t num_entries,

@@ -35,9 +35,6 @@ struct CudaDecay {
 // Bytes of device memory the table for `num_entries` pairs needs.
 int64_t cuda_table_bytes(int64_t num_entries);
 
-// Number of kernel launches launch_update_cuda makes for `num_entries` pairs.
-int64_t cuda_launch_count(int64_t num_entries);
-
 // Writes `entries` into `device_table` with small fill kernels (parameters carry the data, so this
 // is capturable in CUDA graphs and needs no pinned staging buffer), then launches the update over
 // `total_chunks` blocks, all on `stream`. Returns the first launch error.

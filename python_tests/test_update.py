@@ -1,6 +1,7 @@
 """fsdp_ema.update_ / torch.ops.fsdp_ema.update_: numerics, validation, opcheck, compile, script."""
 
 import itertools
+import os
 from typing import List
 
 import pytest
@@ -318,3 +319,30 @@ def test_torchscript_keeps_update_on_an_inline_list():
     assert "fsdp_ema::update_" in str(scripted.forward.graph)
     scripted(0.5)
     assert torch.equal(scripted.ema, torch.arange(6.0).reshape(2, 3) * 0.5)
+
+
+def test_baseline_isa_kernel_matches_lerp():
+    """ATEN_CPU_CAPABILITY=default selects the kernel built without AVX2; it must agree too."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = """
+import torch, fsdp_ema
+g = torch.Generator().manual_seed(0)
+for et in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+    for mt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        ema = [torch.randn(n, generator=g).to(et) for n in (1, 33, 70001)]
+        model = [torch.randn(n, generator=g).to(mt) for n in (1, 33, 70001)]
+        om = torch.float64 if et == torch.float64 else torch.float32
+        ref = [torch.lerp(e.to(om), m.to(om), 0.25).to(et) for e, m in zip(ema, model)]
+        fsdp_ema.update_(ema, model, 0.75)
+        eps = torch.finfo(et).eps
+        for a, b in zip(ema, ref):
+            torch.testing.assert_close(a, b, rtol=eps, atol=eps)
+print("ok")
+"""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", PYTHONPATH=str(root / "python"))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
