@@ -1,0 +1,590 @@
+#include "format/checkpoint_dir.h"
+
+#include <dirent.h>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <set>
+#include <unordered_map>
+
+#include "format/checksum.h"
+#include "format/error.h"
+#include "format/file_util.h"
+#include "format/json_strict.h"
+
+namespace fsdp_ema::format {
+namespace {
+
+using detail::json_quote;
+
+// Runs at least this long are copied with pread (no page faults, errors instead of SIGBUS);
+// shorter ones with memcpy from the mapping.
+constexpr uint64_t kPreadRunBytes = uint64_t{64} << 10;
+// Block of a fused copy + checksum: read into the destination, hashed while still in cache.
+constexpr uint64_t kFusedBlockBytes = uint64_t{1} << 20;
+
+bool is_digits(std::string_view s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// shard-<digits>-of-<digits>.safetensors
+bool is_our_shard_name(std::string_view n) {
+  constexpr std::string_view kPrefix = "shard-", kSuffix = ".safetensors", kOf = "-of-";
+  if (!n.starts_with(kPrefix) || !n.ends_with(kSuffix)) return false;
+  n.remove_prefix(kPrefix.size());
+  n.remove_suffix(kSuffix.size());
+  const auto of = n.find(kOf);
+  return of != std::string_view::npos && is_digits(n.substr(0, of)) &&
+         is_digits(n.substr(of + kOf.size()));
+}
+
+std::vector<std::string> list_dir(const std::string& dir) {
+  std::unique_ptr<DIR, int (*)(DIR*)> d(::opendir(dir.c_str()), &::closedir);
+  if (!d) throw FormatError(dir + ": cannot list directory: " + detail::errno_text(errno));
+  std::vector<std::string> names;
+  while (const dirent* e = ::readdir(d.get())) names.emplace_back(e->d_name);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::vector<std::string> safetensors_files(const std::vector<std::string>& names) {
+  std::vector<std::string> out;
+  for (const std::string& n : names) {
+    if (n.ends_with(".safetensors") && !n.starts_with(".")) out.push_back(n);
+  }
+  return out;
+}
+
+Shape strides_of(std::span<const int64_t> shape) {
+  Shape s(shape.size(), 1);
+  for (size_t d = shape.size(); d-- > 1;) s[d - 1] = s[d] * shape[d];
+  return s;
+}
+
+}  // namespace
+
+std::string_view layout_name(CheckpointLayout layout) {
+  return layout == CheckpointLayout::kFsdpEma ? "fsdp_ema" : "dcp-huggingface";
+}
+
+RowRange chunk_rows(int64_t rows, int64_t rank, int64_t world) {
+  if (rows < 0 || world < 1 || rank < 0 || rank >= world) {
+    throw FormatError("chunk_rows: need rows >= 0 and 0 <= rank < world, got rows " +
+                      std::to_string(rows) + ", rank " + std::to_string(rank) + ", world " +
+                      std::to_string(world));
+  }
+  const int64_t cs = rows / world + (rows % world != 0 ? 1 : 0);
+  // rank * cs can exceed int64_t only when it is past the end anyway.
+  const __int128 begin128 = static_cast<__int128>(rank) * cs;
+  const int64_t begin = begin128 >= rows ? rows : static_cast<int64_t>(begin128);
+  const int64_t end = cs > rows - begin ? rows : begin + cs;
+  return {begin, end};
+}
+
+struct CheckpointDir::Impl {
+  std::string path;
+  CheckpointLayout layout = CheckpointLayout::kFsdpEma;
+  CheckpointIndex index;
+  std::vector<std::string> file_names;  // sorted
+  std::vector<ShardFile> files;         // parallel to file_names
+  // Per tensor (index order) and piece: the file and its header entry.
+  struct PieceRef {
+    size_t file;
+    const TensorInfo* info;
+  };
+  std::vector<std::vector<PieceRef>> pieces;
+  std::vector<size_t> flag_base;  // first once_flag of each tensor
+  std::unique_ptr<std::once_flag[]> verified;
+
+  size_t tensor_index(std::string_view name) const {
+    const IndexTensor* t = index.find(name);
+    if (t == nullptr) {
+      throw FormatError(path + ": no tensor " + json_quote(name) + " in this checkpoint");
+    }
+    return static_cast<size_t>(t - index.tensors.data());
+  }
+
+  void init_flags() {
+    flag_base.resize(index.tensors.size());
+    size_t n = 0;
+    for (size_t i = 0; i < index.tensors.size(); ++i) {
+      flag_base[i] = n;
+      n += index.tensors[i].pieces.size();
+    }
+    verified = std::make_unique<std::once_flag[]>(n);
+  }
+
+  std::string piece_ctx(size_t ti, size_t pi) const {
+    const IndexTensor& t = index.tensors[ti];
+    const IndexPiece& p = t.pieces[pi];
+    return detail::join_path(path, p.file) + ": tensor " + json_quote(t.name) +
+           " (piece at offsets " + shape_to_string(p.offsets) + ")";
+  }
+
+  void check_checksum(size_t ti, size_t pi, uint64_t actual) const {
+    const IndexPiece& p = index.tensors[ti].pieces[pi];
+    if (actual != *p.checksum) {
+      throw FormatError(piece_ctx(ti, pi) + ": checksum mismatch: expected " +
+                        format_checksum(*p.checksum) + ", data hashes to " +
+                        format_checksum(actual) + " (corrupted data)");
+    }
+  }
+
+  // Verifies a piece once; false if it has no checksum.
+  bool ensure_verified(size_t ti, size_t pi) const {
+    const IndexPiece& p = index.tensors[ti].pieces[pi];
+    if (!p.checksum) return false;
+    std::call_once(verified[flag_base[ti] + pi], [&] {
+      const PieceRef& r = pieces[ti][pi];
+      check_checksum(ti, pi, files[r.file].compute_checksum(*r.info));
+    });
+    return true;
+  }
+
+  // Copies the intersection `box` of piece (ti, pi) into dst, a row-major buffer holding the
+  // box [dst_off, dst_off + dst_shape).
+  void copy_box(size_t ti, size_t pi, const Box& box, std::span<const int64_t> dst_off,
+                std::span<const int64_t> dst_shape, std::byte* dst, bool verify) const {
+    const IndexTensor& t = index.tensors[ti];
+    const IndexPiece& p = t.pieces[pi];
+    const PieceRef& r = pieces[ti][pi];
+    const ShardFile& f = files[r.file];
+    const uint64_t esz = dtype_size(t.dtype);
+    const size_t ndim = box.shape.size();
+
+    // The largest k such that dims > k are whole in both the piece and the destination: each
+    // run then spans dims k..ndim-1 and is contiguous on both sides.
+    size_t k = ndim == 0 ? 0 : ndim - 1;
+    while (k > 0 && box.shape[k] == p.shape[k] && box.shape[k] == dst_shape[k]) --k;
+    uint64_t run = esz;
+    for (size_t d = k; d < ndim; ++d) run *= static_cast<uint64_t>(box.shape[d]);
+
+    const bool whole_piece = box.shape == p.shape && run == r.info->nbytes;
+    if (verify && p.checksum && whole_piece) {
+      // The piece lands in dst as one contiguous run: read it there and hash it on the way
+      // (once); other threads or later calls copy it plainly.
+      uint64_t dst_byte = 0;
+      if (ndim > 0) {
+        const Shape dstride = strides_of(dst_shape);
+        for (size_t d = 0; d < ndim; ++d) {
+          dst_byte += static_cast<uint64_t>(box.offsets[d] - dst_off[d]) *
+                      static_cast<uint64_t>(dstride[d]) * esz;
+        }
+      }
+      bool copied = false;
+      std::call_once(verified[flag_base[ti] + pi], [&] {
+        Checksummer h;
+        for (uint64_t pos = 0; pos < run; pos += kFusedBlockBytes) {
+          const uint64_t n = std::min(kFusedBlockBytes, run - pos);
+          f.read(*r.info, pos, n, dst + dst_byte + pos);
+          h.update(dst + dst_byte + pos, n);
+        }
+        copied = true;
+        check_checksum(ti, pi, h.digest());
+      });
+      if (copied) return;
+    } else if (verify) {
+      ensure_verified(ti, pi);
+    }
+
+    if (ndim == 0) {
+      copy_run(f, *r.info, 0, esz, dst);
+      return;
+    }
+    const Shape sstride = strides_of(p.shape);
+    const Shape dstride = strides_of(dst_shape);
+    std::vector<int64_t> idx(k, 0);
+    for (;;) {
+      uint64_t s = 0, q = 0;
+      for (size_t d = 0; d <= k; ++d) {
+        const int64_t i = d < k ? idx[d] : 0;
+        s += static_cast<uint64_t>(box.offsets[d] - p.offsets[d] + i) *
+             static_cast<uint64_t>(sstride[d]);
+        q += static_cast<uint64_t>(box.offsets[d] - dst_off[d] + i) *
+             static_cast<uint64_t>(dstride[d]);
+      }
+      copy_run(f, *r.info, s * esz, run, dst + q * esz);
+      // Odometer over dims [0, k).
+      size_t d = k;
+      while (d > 0) {
+        --d;
+        if (++idx[d] < box.shape[d]) break;
+        idx[d] = 0;
+        if (d == 0) return;
+      }
+      if (k == 0) return;
+    }
+  }
+
+  static void copy_run(const ShardFile& f, const TensorInfo& info, uint64_t offset, uint64_t n,
+                       std::byte* dst) {
+    if (n >= kPreadRunBytes) {
+      f.read(info, offset, n, dst);
+    } else {
+      std::memcpy(dst, f.data(info).data() + offset, n);
+    }
+  }
+};
+
+CheckpointDir::CheckpointDir(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CheckpointDir::CheckpointDir(CheckpointDir&&) noexcept = default;
+CheckpointDir& CheckpointDir::operator=(CheckpointDir&&) noexcept = default;
+CheckpointDir::~CheckpointDir() = default;
+
+CheckpointDir CheckpointDir::open(const std::string& dir) {
+  if (!detail::is_directory(dir)) {
+    throw FormatError(dir + ": not a directory (a checkpoint is a directory)");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->path = dir;
+  const std::vector<std::string> names = list_dir(dir);
+  const bool has_index = std::binary_search(names.begin(), names.end(), kIndexFileName);
+
+  std::map<std::string, size_t> file_slot;
+  auto open_file = [&](const std::string& name) -> size_t {
+    auto [it, inserted] = file_slot.try_emplace(name, impl->files.size());
+    if (inserted) {
+      impl->file_names.push_back(name);
+      impl->files.push_back(
+          ShardFile::open(resolve_piece_path(dir, name), /*verify_checksums=*/false));
+    }
+    return it->second;
+  };
+
+  if (has_index) {
+    impl->layout = CheckpointLayout::kFsdpEma;
+    impl->index = read_index(dir);
+    std::set<std::string> files;
+    for (const IndexTensor& t : impl->index.tensors) {
+      for (const IndexPiece& p : t.pieces) files.insert(p.file);
+    }
+    for (const std::string& f : files) open_file(f);
+    for (size_t i = 0; i < impl->files.size(); ++i) {
+      const ShardHeader& h = impl->files[i].header();
+      if (h.world_size && *h.world_size != impl->index.world_size) {
+        throw FormatError(impl->files[i].path() + ": written for world size " +
+                          std::to_string(*h.world_size) + " but the index says " +
+                          std::to_string(impl->index.world_size));
+      }
+    }
+    std::set<std::pair<size_t, std::string_view>> matched;
+    impl->pieces.resize(impl->index.tensors.size());
+    for (size_t ti = 0; ti < impl->index.tensors.size(); ++ti) {
+      const IndexTensor& t = impl->index.tensors[ti];
+      for (const IndexPiece& p : t.pieces) {
+        const size_t fi = file_slot.at(p.file);
+        const ShardFile& f = impl->files[fi];
+        const std::string ctx = f.path() + ": tensor " + json_quote(t.name);
+        const TensorInfo* info = f.find(t.name);
+        if (info == nullptr) {
+          throw FormatError(ctx + ": listed in the index but missing from the file");
+        }
+        if (!matched.emplace(fi, info->name).second) {
+          throw FormatError(ctx + ": the index lists this file's piece twice");
+        }
+        auto mismatch = [&](const std::string& what, const std::string& in_index,
+                            const std::string& in_file) {
+          return FormatError(ctx + ": " + what + " " + in_index + " in the index but " + in_file +
+                             " in the file header");
+        };
+        if (info->dtype != t.dtype) {
+          throw mismatch("dtype", std::string(dtype_name(t.dtype)),
+                         std::string(dtype_name(info->dtype)));
+        }
+        if (info->shape != p.shape) {
+          throw mismatch("shape", shape_to_string(p.shape), shape_to_string(info->shape));
+        }
+        if (info->offsets != p.offsets) {
+          throw mismatch("offsets", shape_to_string(p.offsets), shape_to_string(info->offsets));
+        }
+        if (f.is_fsdp_ema() && info->global_shape != t.shape) {
+          throw mismatch("global shape", shape_to_string(t.shape),
+                         shape_to_string(info->global_shape));
+        }
+        if (info->checksum && p.checksum && *info->checksum != *p.checksum) {
+          throw mismatch("checksum", format_checksum(*p.checksum),
+                         format_checksum(*info->checksum));
+        }
+        impl->pieces[ti].push_back(Impl::PieceRef{fi, info});
+      }
+    }
+    for (size_t fi = 0; fi < impl->files.size(); ++fi) {
+      for (const TensorInfo& info : impl->files[fi].tensors()) {
+        if (!matched.contains({fi, info.name})) {
+          throw FormatError(impl->files[fi].path() + ": tensor " + json_quote(info.name) +
+                            " is not listed in the index");
+        }
+      }
+    }
+  } else {
+    const std::vector<std::string> st = safetensors_files(names);
+    for (const std::string& n : st) {
+      if (is_our_shard_name(n)) {
+        throw FormatError(dir + ": incomplete checkpoint: fsdp_ema.index.json missing (found " + n +
+                          "; the index is written last, after every rank's file)");
+      }
+    }
+    if (st.empty()) {
+      if (std::binary_search(names.begin(), names.end(), std::string(".metadata"))) {
+        throw FormatError(dir +
+                          ": a native torch.distributed.checkpoint directory (pickled "
+                          ".metadata + .distcp files) is not readable here: pickle is never "
+                          "loaded; save with HuggingFaceStorageWriter instead");
+      }
+      throw FormatError(dir +
+                        ": not a checkpoint: no fsdp_ema.index.json and no .safetensors "
+                        "files");
+    }
+    impl->layout = CheckpointLayout::kDcpHuggingFace;
+    std::map<std::string, IndexTensor> by_name;
+    std::map<std::string, std::vector<Impl::PieceRef>> refs;
+    for (const std::string& n : st) {
+      const size_t fi = open_file(n);
+      const ShardFile& f = impl->files[fi];
+      if (f.is_fsdp_ema()) {
+        throw FormatError(dir + ": incomplete checkpoint: fsdp_ema.index.json missing (" + n +
+                          " is an fsdp_ema shard file)");
+      }
+      for (const TensorInfo& info : f.tensors()) {
+        auto [it, inserted] = by_name.try_emplace(info.name);
+        IndexTensor& t = it->second;
+        if (inserted) {
+          t.name = info.name;
+          t.dtype = info.dtype;
+          t.shape.assign(info.shape.size(), 0);
+        } else if (t.dtype != info.dtype || t.shape.size() != info.shape.size()) {
+          throw FormatError(
+              f.path() + ": tensor " + json_quote(info.name) + " is " +
+              std::string(dtype_name(info.dtype)) + " with " + std::to_string(info.shape.size()) +
+              " dimensions but " + t.pieces.front().file + " has it as " +
+              std::string(dtype_name(t.dtype)) + " with " + std::to_string(t.shape.size()));
+        }
+        for (size_t d = 0; d < info.shape.size(); ++d) {
+          t.shape[d] = std::max(t.shape[d], info.offsets[d] + info.shape[d]);
+        }
+        t.pieces.push_back(IndexPiece{n, info.offsets, info.shape, info.checksum});
+        refs[info.name].push_back(Impl::PieceRef{fi, &info});
+      }
+    }
+    impl->index.world_size = static_cast<int64_t>(std::max<size_t>(1, st.size()));
+    for (auto& entry : by_name) {
+      // Keep pieces and their file references in the same (offset) order. (No structured
+      // binding: clang 14 cannot capture one in the lambda below.)
+      IndexTensor& t = entry.second;
+      std::vector<Impl::PieceRef>& r = refs[entry.first];
+      std::vector<size_t> order(t.pieces.size());
+      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+      std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+        return t.pieces[a].offsets != t.pieces[b].offsets
+                   ? t.pieces[a].offsets < t.pieces[b].offsets
+                   : t.pieces[a].file < t.pieces[b].file;
+      });
+      IndexTensor sorted{t.name, t.dtype, t.shape, {}};
+      std::vector<Impl::PieceRef> sorted_refs;
+      for (size_t i : order) {
+        sorted.pieces.push_back(std::move(t.pieces[i]));
+        sorted_refs.push_back(r[i]);
+      }
+      impl->index.tensors.push_back(std::move(sorted));
+      impl->pieces.push_back(std::move(sorted_refs));
+    }
+    validate_index(impl->index, dir, /*require_checksums=*/false);
+  }
+  impl->init_flags();
+  return CheckpointDir(std::move(impl));
+}
+
+const std::string& CheckpointDir::path() const { return impl_->path; }
+CheckpointLayout CheckpointDir::layout() const { return impl_->layout; }
+int64_t CheckpointDir::world_size() const { return impl_->index.world_size; }
+const CheckpointIndex& CheckpointDir::index() const { return impl_->index; }
+const std::vector<IndexTensor>& CheckpointDir::tensors() const { return impl_->index.tensors; }
+const IndexTensor* CheckpointDir::find(std::string_view name) const {
+  return impl_->index.find(name);
+}
+const IndexTensor& CheckpointDir::tensor(std::string_view name) const {
+  return impl_->index.tensors[impl_->tensor_index(name)];
+}
+uint64_t CheckpointDir::tensor_nbytes(std::string_view name) const {
+  const IndexTensor& t = tensor(name);
+  return *nbytes(t.shape, t.dtype);  // validated at open
+}
+const std::vector<std::string>& CheckpointDir::files() const { return impl_->file_names; }
+
+const ShardFile& CheckpointDir::shard_file(std::string_view file) const {
+  auto it = std::lower_bound(impl_->file_names.begin(), impl_->file_names.end(), file);
+  if (it == impl_->file_names.end() || *it != file) {
+    throw FormatError(impl_->path + ": no shard file " + json_quote(file) + " in this checkpoint");
+  }
+  return impl_->files[static_cast<size_t>(it - impl_->file_names.begin())];
+}
+
+std::vector<std::string> CheckpointDir::stray_files() const {
+  std::vector<std::string> out;
+  for (const std::string& n : safetensors_files(list_dir(impl_->path))) {
+    if (!std::binary_search(impl_->file_names.begin(), impl_->file_names.end(), n)) {
+      out.push_back(n);
+    }
+  }
+  return out;
+}
+
+void CheckpointDir::read_slice(std::string_view name, std::span<const int64_t> offsets,
+                               std::span<const int64_t> shape, void* dst, size_t dst_bytes,
+                               bool verify) const {
+  const size_t ti = impl_->tensor_index(name);
+  const IndexTensor& t = impl_->index.tensors[ti];
+  const std::string ctx = impl_->path + ": tensor " + json_quote(t.name);
+  const size_t ndim = t.shape.size();
+  if (offsets.size() != ndim || shape.size() != ndim) {
+    throw FormatError(ctx + ": slice offsets " + shape_to_string(offsets) + " and shape " +
+                      shape_to_string(shape) + " need " + std::to_string(ndim) +
+                      " entries each (global shape " + shape_to_string(t.shape) + ")");
+  }
+  for (size_t d = 0; d < ndim; ++d) {
+    if (offsets[d] < 0 || shape[d] < 0 || offsets[d] > t.shape[d] ||
+        shape[d] > t.shape[d] - offsets[d]) {
+      throw FormatError(ctx + ": slice at offsets " + shape_to_string(offsets) + " with shape " +
+                        shape_to_string(shape) + " is outside global shape " +
+                        shape_to_string(t.shape));
+    }
+  }
+  const uint64_t need = *nbytes(shape, t.dtype);
+  if (dst_bytes != need) {
+    throw FormatError(ctx + ": destination has " + std::to_string(dst_bytes) +
+                      " bytes but the slice of shape " + shape_to_string(shape) + " of " +
+                      std::string(dtype_name(t.dtype)) + " needs " + std::to_string(need));
+  }
+  if (need == 0) return;
+  if (dst == nullptr) throw FormatError(ctx + ": destination is null");
+  const Box want{Shape(offsets.begin(), offsets.end()), Shape(shape.begin(), shape.end())};
+  for (size_t pi = 0; pi < t.pieces.size(); ++pi) {
+    const IndexPiece& p = t.pieces[pi];
+    auto box = intersect(want, Box{p.offsets, p.shape});
+    if (!box) continue;
+    impl_->copy_box(ti, pi, *box, want.offsets, want.shape, static_cast<std::byte*>(dst), verify);
+  }
+}
+
+void CheckpointDir::read_full(std::string_view name, void* dst, size_t dst_bytes,
+                              bool verify) const {
+  const IndexTensor& t = tensor(name);
+  const Shape zeros(t.shape.size(), 0);
+  read_slice(name, zeros, t.shape, dst, dst_bytes, verify);
+}
+
+void CheckpointDir::read_rows(std::string_view name, int64_t row_begin, int64_t row_end, void* dst,
+                              size_t dst_bytes, bool verify) const {
+  const IndexTensor& t = tensor(name);
+  const std::string ctx = impl_->path + ": tensor " + json_quote(t.name);
+  if (t.shape.empty()) throw FormatError(ctx + ": is 0-dim, it has no rows");
+  if (row_begin < 0 || row_begin > row_end || row_end > t.shape[0]) {
+    throw FormatError(ctx + ": rows [" + std::to_string(row_begin) + ", " +
+                      std::to_string(row_end) + ") are not inside its " +
+                      std::to_string(t.shape[0]) + " rows");
+  }
+  Shape offsets(t.shape.size(), 0), shape = t.shape;
+  offsets[0] = row_begin;
+  shape[0] = row_end - row_begin;
+  read_slice(name, offsets, shape, dst, dst_bytes, verify);
+}
+
+void CheckpointDir::read_chunk(std::string_view name, int64_t rank, int64_t world, void* dst,
+                               size_t dst_bytes, bool verify) const {
+  const IndexTensor& t = tensor(name);
+  if (t.shape.empty()) {
+    throw FormatError(impl_->path + ": tensor " + json_quote(t.name) +
+                      ": is 0-dim, it cannot be chunked along dim 0");
+  }
+  const RowRange r = chunk_rows(t.shape[0], rank, world);
+  read_rows(name, r.begin, r.end, dst, dst_bytes, verify);
+}
+
+void CheckpointDir::read_flat(std::string_view name, uint64_t elem_begin, uint64_t elem_end,
+                              void* dst, size_t dst_bytes, bool verify) const {
+  const IndexTensor& t = tensor(name);
+  const std::string ctx = impl_->path + ": tensor " + json_quote(t.name);
+  const uint64_t total = *numel(t.shape);
+  const uint64_t esz = dtype_size(t.dtype);
+  if (elem_begin > elem_end || elem_end > total) {
+    throw FormatError(ctx + ": elements [" + std::to_string(elem_begin) + ", " +
+                      std::to_string(elem_end) + ") are not inside its " + std::to_string(total));
+  }
+  if (dst_bytes != (elem_end - elem_begin) * esz) {
+    throw FormatError(ctx + ": destination has " + std::to_string(dst_bytes) + " bytes but " +
+                      std::to_string(elem_end - elem_begin) + " elements need " +
+                      std::to_string((elem_end - elem_begin) * esz));
+  }
+  if (elem_begin == elem_end) return;
+  auto* out = static_cast<std::byte*>(dst);
+  if (t.shape.empty()) {
+    read_full(name, out, esz, verify);
+    return;
+  }
+  // Split the flat range into boxes, each contiguous in the output: a partial leading row, whole
+  // rows, a partial trailing row, recursively per dimension.
+  const size_t ndim = t.shape.size();
+  Shape offsets(ndim, 0), shape(ndim, 1);
+  auto emit = [&](size_t dim, int64_t lo, int64_t hi) {
+    // Box: the fixed prefix in `offsets[0..dim)`, [lo, hi) in `dim`, whole dims after it.
+    Shape o(offsets.begin(), offsets.end()), s(ndim, 1);
+    o[dim] = lo;
+    s[dim] = hi - lo;
+    for (size_t d = dim + 1; d < ndim; ++d) {
+      o[d] = 0;
+      s[d] = t.shape[d];
+    }
+    const uint64_t bytes = *nbytes(s, t.dtype);
+    read_slice(name, o, s, out, bytes, verify);
+    out += bytes;
+  };
+  // inner[d] = elements per index of dim d.
+  Shape inner = strides_of(t.shape);
+  std::function<void(size_t, uint64_t, uint64_t)> split = [&](size_t dim, uint64_t b, uint64_t e) {
+    if (b >= e) return;
+    const auto in = static_cast<uint64_t>(inner[dim]);
+    uint64_t r0 = b / in;
+    const uint64_t r1 = e / in;
+    if (r0 == r1) {
+      // Inside one index of `dim`: recurse into the next dimension.
+      offsets[dim] = static_cast<int64_t>(r0);
+      split(dim + 1, b - r0 * in, e - r0 * in);
+      return;
+    }
+    if (b % in != 0) {
+      offsets[dim] = static_cast<int64_t>(r0);
+      split(dim + 1, b - r0 * in, in);
+      ++r0;
+    }
+    if (r1 > r0) emit(dim, static_cast<int64_t>(r0), static_cast<int64_t>(r1));
+    if (e % in != 0) {
+      offsets[dim] = static_cast<int64_t>(r1);
+      split(dim + 1, 0, e - r1 * in);
+    }
+  };
+  split(0, elem_begin, elem_end);
+}
+
+bool CheckpointDir::verify_piece(std::string_view name, size_t piece) const {
+  const size_t ti = impl_->tensor_index(name);
+  if (piece >= impl_->index.tensors[ti].pieces.size()) {
+    throw FormatError(impl_->path + ": tensor " + json_quote(name) + " has no piece " +
+                      std::to_string(piece));
+  }
+  return impl_->ensure_verified(ti, piece);
+}
+
+size_t CheckpointDir::verify_all() const {
+  size_t n = 0;
+  for (size_t ti = 0; ti < impl_->index.tensors.size(); ++ti) {
+    for (size_t pi = 0; pi < impl_->index.tensors[ti].pieces.size(); ++pi) {
+      n += impl_->ensure_verified(ti, pi) ? 1 : 0;
+    }
+  }
+  return n;
+}
+
+}  // namespace fsdp_ema::format

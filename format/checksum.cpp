@@ -1,0 +1,87 @@
+#include "format/checksum.h"
+
+#include <utility>
+
+#include "format/xxh3_ops.h"
+
+namespace fsdp_ema::format {
+namespace {
+
+const detail::Xxh3Ops& ops() {
+  static const detail::Xxh3Ops& chosen = []() -> const detail::Xxh3Ops& {
+#if defined(FSDP_EMA_FORMAT_HAVE_AVX2)
+    if (__builtin_cpu_supports("avx2")) return detail::kXxh3Avx2;
+#endif
+    return detail::kXxh3Default;
+  }();
+  return chosen;
+}
+
+int hex_value(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  return -1;
+}
+
+}  // namespace
+
+std::string format_checksum(uint64_t value) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out(kChecksumPrefix);
+  out.resize(kChecksumPrefix.size() + 16);
+  for (int i = 15; i >= 0; --i) {
+    out[kChecksumPrefix.size() + static_cast<size_t>(i)] = kHex[value & 0xf];
+    value >>= 4;
+  }
+  return out;
+}
+
+std::optional<uint64_t> parse_checksum(std::string_view text) {
+  if (text.size() != kChecksumPrefix.size() + 16 || !text.starts_with(kChecksumPrefix)) {
+    return std::nullopt;
+  }
+  uint64_t value = 0;
+  for (char c : text.substr(kChecksumPrefix.size())) {
+    const int v = hex_value(c);
+    if (v < 0) return std::nullopt;
+    value = (value << 4) | static_cast<uint64_t>(v);
+  }
+  return value;
+}
+
+uint64_t checksum_of(const void* data, size_t size) { return ops().oneshot(data, size); }
+
+Checksummer::Checksummer() : state_(ops().create()) {}
+
+Checksummer::~Checksummer() {
+  if (state_ != nullptr) ops().destroy(state_);
+}
+
+Checksummer::Checksummer(Checksummer&& other) noexcept
+    : state_(std::exchange(other.state_, nullptr)) {}
+
+Checksummer& Checksummer::operator=(Checksummer&& other) noexcept {
+  if (this != &other) {
+    if (state_ != nullptr) ops().destroy(state_);
+    state_ = std::exchange(other.state_, nullptr);
+  }
+  return *this;
+}
+
+void Checksummer::reset() {
+  if (state_ == nullptr) state_ = ops().create();
+  ops().reset(state_);
+}
+
+void Checksummer::update(const void* data, size_t size) {
+  if (size == 0) return;
+  if (state_ == nullptr) state_ = ops().create();
+  ops().update(state_, data, size);
+}
+
+uint64_t Checksummer::digest() const {
+  if (state_ == nullptr) return checksum_of(nullptr, 0);
+  return ops().digest(state_);
+}
+
+}  // namespace fsdp_ema::format

@@ -1,0 +1,26 @@
+// Conversions among the floating dtypes F64, F32, F16 and BF16: round to nearest even (one
+// rounding, also F64 -> F16/BF16), overflow to infinity, NaN kept NaN (sign kept, quiet).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "format/dtype.h"
+
+namespace fsdp_ema::format {
+
+// True for any pair of F64, F32, F16, BF16 (including the identity).
+bool can_cast(DType from, DType to);
+
+// Converts `count` elements; src and dst need no alignment and must not overlap. Throws
+// FormatError when !can_cast(from, to).
+void cast_elements(DType from, const void* src, DType to, void* dst, size_t count);
+
+uint16_t f32_to_bf16_bits(float value);
+uint16_t f32_to_f16_bits(float value);
+uint16_t f64_to_bf16_bits(double value);
+uint16_t f64_to_f16_bits(double value);
+float bf16_bits_to_f32(uint16_t bits);
+float f16_bits_to_f32(uint16_t bits);
+
+}  // namespace fsdp_ema::format

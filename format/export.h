@@ -1,0 +1,52 @@
+// Consolidated export: the full tensors of a checkpoint as a Hugging Face style directory.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "format/dtype.h"
+
+namespace fsdp_ema::format {
+
+struct ExportProgress {
+  uint64_t bytes_done = 0;   // tensor bytes written so far (output dtype)
+  uint64_t bytes_total = 0;  // tensor bytes of the whole export
+  std::string_view tensor;   // the tensor being written
+  size_t file_index = 0;     // 0-based output file
+  size_t num_files = 1;
+};
+
+struct ExportOptions {
+  // Largest tensor data per output file; above it the export is split into
+  // model-00001-of-0000N.safetensors ... (a tensor larger than the limit gets a file of its
+  // own). 0 = no limit. Default 5 GB, the Hugging Face default.
+  uint64_t max_file_bytes = 5'000'000'000;
+  // Cast every F64/F32/F16/BF16 tensor to this dtype (round to nearest even, NaN kept); other
+  // tensors (integers, bool, F8) are written unchanged. Must be one of those four.
+  std::optional<DType> dtype;
+  // Called from the writing thread after every chunk and at the end.
+  std::function<void(const ExportProgress&)> progress;
+  bool verify = true;  // check the checksum of every piece read
+  bool fsync = true;
+  bool overwrite = false;  // replace model files already in out_dir (else error)
+};
+
+struct ExportResult {
+  std::vector<std::string> files;  // written safetensors file names, in order
+  bool wrote_index = false;        // model.safetensors.index.json (only with several files)
+  uint64_t total_size = 0;         // sum of tensor bytes (the index's "total_size")
+};
+
+// Reads checkpoint `dir` (any layout CheckpointDir opens) and writes `out_dir` (created if
+// missing; must not be `dir`): model.safetensors, or model-0000k-of-0000N.safetensors plus
+// model.safetensors.index.json ({"metadata": {"total_size": N}, "weight_map": {name: file}}).
+// Every file is written atomically (temporary + rename), holds full tensors and
+// "__metadata__": {"format": "pt"}. Tensors are assigned to files in name order.
+ExportResult export_consolidated(const std::string& dir, const std::string& out_dir,
+                                 const ExportOptions& options = {});
+
+}  // namespace fsdp_ema::format

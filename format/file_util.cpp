@@ -1,0 +1,265 @@
+#include "format/file_util.h"
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <random>
+#include <utility>
+
+#include "format/error.h"
+
+namespace fsdp_ema::format::detail {
+
+std::string errno_text(int err) {
+  char buf[256];
+  // GNU strerror_r returns the message pointer (which may or may not be buf).
+  const char* msg = strerror_r(err, buf, sizeof(buf));
+  return msg;
+}
+
+UniqueFd& UniqueFd::operator=(UniqueFd&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = o.release();
+  }
+  return *this;
+}
+
+UniqueFd::~UniqueFd() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+int UniqueFd::release() { return std::exchange(fd_, -1); }
+
+void UniqueFd::close_or_throw(const std::string& path) {
+  const int fd = release();
+  if (fd >= 0 && ::close(fd) != 0) {
+    throw FormatError(path + ": close failed: " + errno_text(errno));
+  }
+}
+
+UniqueFd open_read_only(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw FormatError(path + ": cannot open: " + errno_text(errno));
+  return UniqueFd(fd);
+}
+
+UniqueFd create_exclusive(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) throw FormatError(path + ": cannot create: " + errno_text(errno));
+  return UniqueFd(fd);
+}
+
+uint64_t fd_size(int fd, const std::string& path) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw FormatError(path + ": fstat failed: " + errno_text(errno));
+  if (!S_ISREG(st.st_mode)) throw FormatError(path + ": not a regular file");
+  return static_cast<uint64_t>(st.st_size);
+}
+
+void pwrite_all(int fd, const void* data, size_t size, uint64_t offset, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
+  while (size > 0) {
+    // Linux transfers at most 0x7ffff000 bytes per call.
+    const size_t n = std::min<size_t>(size, size_t{1} << 30);
+    const ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(offset));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      throw FormatError(path + ": write of " + std::to_string(n) + " bytes at offset " +
+                        std::to_string(offset) + " failed: " + errno_text(errno));
+    }
+    if (w == 0)
+      throw FormatError(path + ": write made no progress at offset " + std::to_string(offset));
+    p += w;
+    size -= static_cast<size_t>(w);
+    offset += static_cast<uint64_t>(w);
+  }
+}
+
+void pread_all(int fd, void* data, size_t size, uint64_t offset, const std::string& path) {
+  char* p = static_cast<char*>(data);
+  while (size > 0) {
+    const size_t n = std::min<size_t>(size, size_t{1} << 30);
+    const ssize_t r = ::pread(fd, p, n, static_cast<off_t>(offset));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      throw FormatError(path + ": read of " + std::to_string(n) + " bytes at offset " +
+                        std::to_string(offset) + " failed: " + errno_text(errno));
+    }
+    if (r == 0) {
+      throw FormatError(path + ": unexpected end of file at offset " + std::to_string(offset) +
+                        " (" + std::to_string(size) + " more bytes expected): truncated?");
+    }
+    p += r;
+    size -= static_cast<size_t>(r);
+    offset += static_cast<uint64_t>(r);
+  }
+}
+
+void fsync_fd(int fd, const std::string& path) {
+  while (::fsync(fd) != 0) {
+    if (errno == EINTR) continue;
+    throw FormatError(path + ": fsync failed: " + errno_text(errno));
+  }
+}
+
+void fsync_directory(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) throw FormatError(dir + ": cannot open directory to fsync it: " + errno_text(errno));
+  UniqueFd owner(fd);
+  while (::fsync(fd) != 0) {
+    if (errno == EINTR) continue;
+    // Some file systems refuse fsync on directories; the rename itself is then what we get.
+    if (errno == EINVAL || errno == EROFS) return;
+    throw FormatError(dir + ": directory fsync failed: " + errno_text(errno));
+  }
+}
+
+void start_writeback(int fd, uint64_t offset, uint64_t size) {
+#if defined(__linux__)
+  (void)::sync_file_range(fd, static_cast<off_t>(offset), static_cast<off_t>(size),
+                          SYNC_FILE_RANGE_WRITE);
+#else
+  (void)fd;
+  (void)offset;
+  (void)size;
+#endif
+}
+
+std::string parent_dir(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+std::string base_name(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+std::string join_path(const std::string& dir, std::string_view name) {
+  if (dir.empty()) return std::string(name);
+  if (dir.back() == '/') return dir + std::string(name);
+  return dir + "/" + std::string(name);
+}
+
+std::string temp_path_for(const std::string& final_path) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::random_device rd;
+  uint64_t r = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  std::string suffix(16, '0');
+  for (char& c : suffix) {
+    c = kHex[r & 0xf];
+    r >>= 4;
+  }
+  return join_path(parent_dir(final_path), "." + base_name(final_path) + ".tmp-" +
+                                               std::to_string(::getpid()) + "-" + suffix);
+}
+
+void rename_replace(const std::string& from, const std::string& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0) {
+    throw FormatError(to + ": cannot rename " + from + " into place: " + errno_text(errno));
+  }
+}
+
+bool rename_no_replace(const std::string& from, const std::string& to) {
+#if defined(__linux__) && defined(RENAME_NOREPLACE)
+  if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) == 0) {
+    return true;
+  }
+  if (errno == EEXIST) return false;
+  if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP) {
+    throw FormatError(to + ": cannot rename " + from + " into place: " + errno_text(errno));
+  }
+#endif
+  // link(2) fails with EEXIST atomically, where hard links exist.
+  if (::link(from.c_str(), to.c_str()) == 0) {
+    ::unlink(from.c_str());
+    return true;
+  }
+  if (errno == EEXIST) return false;
+  if (errno != EPERM && errno != ENOTSUP && errno != EXDEV) {
+    throw FormatError(to + ": cannot link " + from + " into place: " + errno_text(errno));
+  }
+  // Last resort on file systems with neither: check, then rename (not atomic).
+  if (path_exists(to)) return false;
+  rename_replace(from, to);
+  return true;
+}
+
+bool write_file_atomically(const std::string& final_path, std::string_view content, bool fsync,
+                           bool replace) {
+  const std::string tmp = temp_path_for(final_path);
+  UniqueFd fd = create_exclusive(tmp);
+  try {
+    pwrite_all(fd.get(), content.data(), content.size(), 0, tmp);
+    if (fsync) fsync_fd(fd.get(), tmp);
+    fd.close_or_throw(tmp);
+    if (replace) {
+      rename_replace(tmp, final_path);
+    } else if (!rename_no_replace(tmp, final_path)) {
+      remove_quietly(tmp);
+      return false;
+    }
+  } catch (...) {
+    remove_quietly(tmp);
+    throw;
+  }
+  if (fsync) fsync_directory(parent_dir(final_path));
+  return true;
+}
+
+std::string read_small_file(const std::string& path, uint64_t max_bytes) {
+  UniqueFd fd = open_read_only(path);
+  const uint64_t size = fd_size(fd.get(), path);
+  if (size > max_bytes) {
+    throw FormatError(path + ": file is " + std::to_string(size) + " bytes, more than the " +
+                      std::to_string(max_bytes) + "-byte limit");
+  }
+  std::string out(size, '\0');
+  pread_all(fd.get(), out.data(), out.size(), 0, path);
+  return out;
+}
+
+bool path_exists(const std::string& path) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+bool is_directory(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+void remove_quietly(const std::string& path) noexcept { (void)::unlink(path.c_str()); }
+
+MappedFile::MappedFile(int fd, uint64_t size, const std::string& path) : size_(size) {
+  if (size == 0) return;
+  void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) throw FormatError(path + ": mmap failed: " + errno_text(errno));
+  data_ = static_cast<const std::byte*>(p);
+}
+
+MappedFile::MappedFile(MappedFile&& o) noexcept
+    : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+
+MappedFile& MappedFile::operator=(MappedFile&& o) noexcept {
+  if (this != &o) {
+    if (data_ != nullptr) ::munmap(const_cast<std::byte*>(data_), size_);
+    data_ = std::exchange(o.data_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+  }
+  return *this;
+}
+
+MappedFile::~MappedFile() {
+  if (data_ != nullptr) ::munmap(const_cast<std::byte*>(data_), size_);
+}
+
+}  // namespace fsdp_ema::format::detail

@@ -1,0 +1,94 @@
+// Internal: POSIX file helpers with FormatError messages (fds, pread/pwrite loops, fsync, atomic
+// replacement, read-only mappings).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace fsdp_ema::format::detail {
+
+std::string errno_text(int err);
+
+// Owns a file descriptor.
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  UniqueFd(UniqueFd&& o) noexcept : fd_(o.release()) {}
+  UniqueFd& operator=(UniqueFd&& o) noexcept;
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+  ~UniqueFd();
+  int get() const { return fd_; }
+  int release();
+  // close(2), throwing on error (a failed close can mean lost writes on NFS).
+  void close_or_throw(const std::string& path);
+
+ private:
+  int fd_ = -1;
+};
+
+UniqueFd open_read_only(const std::string& path);
+// O_CREAT | O_EXCL | O_WRONLY, mode 0644 (before umask).
+UniqueFd create_exclusive(const std::string& path);
+uint64_t fd_size(int fd, const std::string& path);
+
+void pwrite_all(int fd, const void* data, size_t size, uint64_t offset, const std::string& path);
+// Throws "unexpected end of file" when the file is shorter than offset + size.
+void pread_all(int fd, void* data, size_t size, uint64_t offset, const std::string& path);
+
+void fsync_fd(int fd, const std::string& path);
+void fsync_directory(const std::string& dir);
+// Starts write-back of a range without waiting (sync_file_range), so that a final fsync has
+// little left to do. Errors are ignored: the fsync reports them.
+void start_writeback(int fd, uint64_t offset, uint64_t size);
+
+std::string parent_dir(const std::string& path);  // "." for a bare name
+std::string base_name(const std::string& path);
+std::string join_path(const std::string& dir, std::string_view name);
+
+// "<dir>/.<name>.tmp-<pid>-<16 hex random>": a hidden sibling that never ends in ".safetensors",
+// so DCP's reader (which lists *.safetensors) never picks it up.
+std::string temp_path_for(const std::string& final_path);
+
+// rename(2), throwing on error.
+void rename_replace(const std::string& from, const std::string& to);
+// Renames only if `to` does not exist, atomically where the file system allows it
+// (renameat2 RENAME_NOREPLACE, else link + unlink). Returns false if `to` exists.
+bool rename_no_replace(const std::string& from, const std::string& to);
+
+// Writes `content` to `final_path` through a temporary + fsync + rename + directory fsync.
+// With replace = false, returns false (and writes nothing) if final_path exists.
+bool write_file_atomically(const std::string& final_path, std::string_view content, bool fsync,
+                           bool replace);
+
+// Reads a whole (small) file; throws if it is larger than max_bytes.
+std::string read_small_file(const std::string& path, uint64_t max_bytes);
+
+bool path_exists(const std::string& path);
+bool is_directory(const std::string& path);
+
+// Removes a file if it exists, ignoring errors (cleanup paths).
+void remove_quietly(const std::string& path) noexcept;
+
+// A read-only shared mapping of a whole file (nothing for an empty file).
+class MappedFile {
+ public:
+  MappedFile() = default;
+  MappedFile(int fd, uint64_t size, const std::string& path);
+  MappedFile(MappedFile&& o) noexcept;
+  MappedFile& operator=(MappedFile&& o) noexcept;
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  ~MappedFile();
+  const std::byte* data() const { return data_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  const std::byte* data_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+}  // namespace fsdp_ema::format::detail

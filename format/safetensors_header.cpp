@@ -1,0 +1,230 @@
+#include "format/safetensors_header.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "format/error.h"
+#include "format/json_strict.h"
+
+namespace fsdp_ema::format {
+namespace {
+
+using detail::Json;
+
+std::string entry_context(const std::string& file, const std::string& name) {
+  return file + ": tensor " + detail::json_quote(name);
+}
+
+HeaderTensor parse_entry(const std::string& file, const std::string& name, const Json& value,
+                         uint64_t data_bytes) {
+  const std::string ctx = entry_context(file, name);
+  if (name.empty()) throw FormatError(file + ": a tensor has an empty name");
+  if (!value.is_object()) {
+    throw FormatError(ctx + ": entry is a JSON " + detail::json_type_name(value) +
+                      ", expected an object with dtype, shape and data_offsets");
+  }
+  HeaderTensor t;
+  t.name = name;
+
+  auto dtype_it = value.find("dtype");
+  if (dtype_it == value.end() || !dtype_it->is_string()) {
+    throw FormatError(ctx + ": missing or non-string \"dtype\"");
+  }
+  const auto& dtype_name_str = dtype_it->get_ref<const std::string&>();
+  auto dtype = parse_dtype(dtype_name_str);
+  if (!dtype) {
+    throw FormatError(ctx + ": unknown dtype " + detail::json_quote(dtype_name_str) +
+                      " (known: F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL F8_E4M3 F8_E5M2)");
+  }
+  t.dtype = *dtype;
+
+  auto shape_it = value.find("shape");
+  if (shape_it == value.end()) throw FormatError(ctx + ": missing \"shape\"");
+  auto shape = detail::as_shape(*shape_it);
+  if (!shape) {
+    throw FormatError(ctx + ": \"shape\" must be an array of non-negative integers, got " +
+                      shape_it->dump(-1, ' ', false, Json::error_handler_t::replace));
+  }
+  t.shape = std::move(*shape);
+
+  auto off_it = value.find("data_offsets");
+  if (off_it == value.end()) throw FormatError(ctx + ": missing \"data_offsets\"");
+  auto offsets = detail::as_shape(*off_it);
+  if (!offsets || offsets->size() != 2) {
+    throw FormatError(ctx + ": \"data_offsets\" must be [begin, end] with non-negative integers");
+  }
+  t.begin = static_cast<uint64_t>((*offsets)[0]);
+  t.end = static_cast<uint64_t>((*offsets)[1]);
+  const std::string range =
+      "data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) + "]";
+  if (t.end < t.begin) throw FormatError(ctx + ": " + range + " end before begin");
+  if (t.end > data_bytes) {
+    throw FormatError(ctx + ": " + range + " past the end of the data section (" +
+                      std::to_string(data_bytes) + " bytes): file truncated?");
+  }
+  auto need = nbytes(t.shape, t.dtype);
+  if (!need) {
+    throw FormatError(ctx + ": shape " + shape_to_string(t.shape) + " of " +
+                      std::string(dtype_name(t.dtype)) + " overflows a 64-bit byte count");
+  }
+  if (*need != t.end - t.begin) {
+    throw FormatError(ctx + ": " + range + " hold " + std::to_string(t.end - t.begin) +
+                      " bytes but shape " + shape_to_string(t.shape) + " of " +
+                      std::string(dtype_name(t.dtype)) + " needs " + std::to_string(*need));
+  }
+  return t;
+}
+
+}  // namespace
+
+uint64_t parse_header_length(std::span<const std::byte> first8, uint64_t file_bytes,
+                             const std::string& file) {
+  if (first8.size() < 8 || file_bytes < 8) {
+    throw FormatError(file + ": file is " + std::to_string(file_bytes) +
+                      " bytes, shorter than the 8-byte header length: truncated or not a "
+                      "safetensors file");
+  }
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint64_t>(first8[static_cast<size_t>(i)]);
+  if (n > kMaxHeaderBytes) {
+    throw FormatError(file + ": header length " + std::to_string(n) + " exceeds the " +
+                      std::to_string(kMaxHeaderBytes) +
+                      "-byte limit: corrupt or not a safetensors file");
+  }
+  if (n > file_bytes - 8) {
+    throw FormatError(file + ": header length " + std::to_string(n) +
+                      " runs past the end of the file (" + std::to_string(file_bytes) +
+                      " bytes): truncated or not a safetensors file");
+  }
+  if (n < 2) {
+    throw FormatError(file + ": header length " + std::to_string(n) +
+                      " is too small for a JSON object");
+  }
+  return n;
+}
+
+SafetensorsHeader parse_safetensors_header(std::string_view header_json, uint64_t file_bytes,
+                                           const std::string& file) {
+  SafetensorsHeader h;
+  h.header_bytes = header_json.size();
+  h.data_start = 8 + h.header_bytes;
+  h.file_bytes = file_bytes;
+  if (file_bytes < h.data_start) {
+    throw FormatError(file + ": header runs past the end of the file: truncated");
+  }
+  const uint64_t data_bytes = file_bytes - h.data_start;
+
+  const Json root = detail::parse_json_strict(header_json, file + ": header");
+  if (!root.is_object()) {
+    throw FormatError(file + ": header is a JSON " + detail::json_type_name(root) +
+                      ", expected an object");
+  }
+  h.tensors.reserve(root.size());
+  for (const auto& [key, value] : root.items()) {
+    if (key == "__metadata__") {
+      if (!value.is_object()) {
+        throw FormatError(file + ": \"__metadata__\" is a JSON " + detail::json_type_name(value) +
+                          ", expected an object of strings");
+      }
+      h.has_metadata = true;
+      for (const auto& [mkey, mvalue] : value.items()) {
+        if (!mvalue.is_string()) {
+          throw FormatError(file + ": \"__metadata__\" entry " + detail::json_quote(mkey) +
+                            " is a JSON " + detail::json_type_name(mvalue) +
+                            ", but metadata values must be strings");
+        }
+        h.metadata.emplace(mkey, mvalue.get<std::string>());
+      }
+      continue;
+    }
+    h.tensors.push_back(parse_entry(file, key, value, data_bytes));
+  }
+
+  std::sort(h.tensors.begin(), h.tensors.end(), [](const HeaderTensor& a, const HeaderTensor& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  uint64_t expected = 0;
+  const HeaderTensor* prev = nullptr;
+  for (const HeaderTensor& t : h.tensors) {
+    if (t.begin < expected) {
+      throw FormatError(entry_context(file, t.name) + ": data_offsets [" + std::to_string(t.begin) +
+                        ", " + std::to_string(t.end) + "] overlap tensor " +
+                        detail::json_quote(prev->name) + " ending at " + std::to_string(expected));
+    }
+    if (t.begin > expected) {
+      throw FormatError(entry_context(file, t.name) + ": data_offsets [" + std::to_string(t.begin) +
+                        ", " + std::to_string(t.end) + "] leave a gap of " +
+                        std::to_string(t.begin - expected) + " bytes after offset " +
+                        std::to_string(expected) + " (tensors must be contiguous)");
+    }
+    expected = t.end;
+    prev = &t;
+  }
+  if (expected != data_bytes) {
+    throw FormatError(file + ": " + std::to_string(data_bytes - expected) +
+                      " trailing bytes after the last tensor (data section is " +
+                      std::to_string(data_bytes) + " bytes, tensors end at " +
+                      std::to_string(expected) + ")");
+  }
+  return h;
+}
+
+SafetensorsHeader parse_safetensors_bytes(std::span<const std::byte> file,
+                                          const std::string& name) {
+  const uint64_t n =
+      parse_header_length(file.first(std::min<size_t>(8, file.size())), file.size(), name);
+  std::string_view json(reinterpret_cast<const char*>(file.data()) + 8, n);
+  return parse_safetensors_header(json, file.size(), name);
+}
+
+std::string serialize_safetensors_header(
+    std::span<const HeaderTensor> tensors,
+    const std::vector<std::pair<std::string, std::string>>& metadata, bool include_metadata,
+    uint64_t alignment) {
+  std::string json = "{";
+  bool first = true;
+  if (include_metadata) {
+    json += "\"__metadata__\":{";
+    for (size_t i = 0; i < metadata.size(); ++i) {
+      if (i > 0) json += ',';
+      json += detail::json_quote(metadata[i].first);
+      json += ':';
+      json += detail::json_quote(metadata[i].second);
+    }
+    json += '}';
+    first = false;
+  }
+  for (const HeaderTensor& t : tensors) {
+    if (!first) json += ',';
+    first = false;
+    json += detail::json_quote(t.name);
+    json += ":{\"dtype\":\"";
+    json += dtype_name(t.dtype);
+    json += "\",\"shape\":[";
+    for (size_t d = 0; d < t.shape.size(); ++d) {
+      if (d > 0) json += ',';
+      json += std::to_string(t.shape[d]);
+    }
+    json += "],\"data_offsets\":[";
+    json += std::to_string(t.begin);
+    json += ',';
+    json += std::to_string(t.end);
+    json += "]}";
+  }
+  json += '}';
+  if (alignment == 0) alignment = 1;
+  const uint64_t unpadded = 8 + json.size();
+  const uint64_t padded = (unpadded + alignment - 1) / alignment * alignment;
+  json.append(padded - unpadded, ' ');
+
+  std::string out(8, '\0');
+  uint64_t n = json.size();
+  for (int i = 0; i < 8; ++i) {
+    out[static_cast<size_t>(i)] = static_cast<char>(n & 0xff);
+    n >>= 8;
+  }
+  out += json;
+  return out;
+}
+
+}  // namespace fsdp_ema::format

@@ -1,0 +1,51 @@
+// Writing one safetensors file atomically: tensors ordered for natural alignment, data streamed
+// through double-buffered chunks by a background writer thread, checksums computed on the way.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "format/dtype.h"
+#include "format/shape.h"
+#include "format/write_options.h"
+
+namespace fsdp_ema::format {
+
+// One tensor to write; exactly one data source unless nbytes is 0.
+struct RawTensor {
+  std::string name;
+  DType dtype = DType::kF32;
+  Shape shape;
+  uint64_t nbytes = 0;  // must equal numel(shape) * dtype_size(dtype); the caller checked it
+  const void* host_data = nullptr;
+  FillFn fill;
+};
+
+struct RawWriteResult {
+  uint64_t file_bytes = 0;
+  std::vector<size_t> order;          // file order: order[k] = input index of the k-th tensor
+  std::vector<uint64_t> checksums;    // XXH3-64 per input index
+  std::vector<uint64_t> data_offset;  // absolute file offset per input index
+};
+
+// Builds the "__metadata__" entries once the tensors' checksums are known (they are called twice:
+// first with zero checksums to size the header, then with the real ones; the two results must have
+// the same serialized length, which holds for fixed-width checksum strings).
+using MetadataFn = std::function<std::vector<std::pair<std::string, std::string>>(
+    std::span<const uint64_t> checksums_by_input_index)>;
+
+// The file order of the tensors: descending element size, then name. Every data offset is then a
+// multiple of its element size with no padding (the data section starts 64-aligned).
+std::vector<size_t> file_order(std::span<const RawTensor> tensors);
+
+// Writes `path` through "<dir>/.<name>.tmp-<pid>-<random>": data, then the header, fsync, rename
+// over `path`, directory fsync. On any error (including one thrown by a FillFn) the temporary is
+// removed and the error rethrown; `path` is then untouched.
+RawWriteResult write_safetensors_file(const std::string& path, std::span<const RawTensor> tensors,
+                                      const MetadataFn& metadata, const WriteOptions& options);
+
+}  // namespace fsdp_ema::format

@@ -1,0 +1,194 @@
+#include "format/shard_writer.h"
+
+#include <cstdio>
+#include <limits>
+#include <set>
+#include <unordered_set>
+#include <utility>
+
+#include "format/checksum.h"
+#include "format/error.h"
+#include "format/file_util.h"
+#include "format/json_strict.h"
+#include "format/safetensors_writer.h"
+#include "format/shard_file.h"
+
+namespace fsdp_ema::format {
+namespace {
+
+using detail::json_quote;
+
+std::string shape_json(std::span<const int64_t> s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i > 0) out += ',';
+    out += std::to_string(s[i]);
+  }
+  return out + "]";
+}
+
+bool is_reserved_metadata_key(const std::string& key) {
+  return key == kMetaFormat || key == kMetaDcpVersion || key == kMetaDcpShardingInfo ||
+         key.starts_with("fsdp_ema_");
+}
+
+uint64_t validate(const std::string& path, size_t i, const TensorToWrite& t) {
+  const std::string ctx =
+      "write_shard_file(" + path + "): tensor #" + std::to_string(i) + " " + json_quote(t.name);
+  if (t.name.empty()) {
+    throw FormatError("write_shard_file(" + path + "): tensor #" + std::to_string(i) +
+                      " has an empty name");
+  }
+  if (!detail::is_valid_utf8(t.name)) throw FormatError(ctx + ": name is not valid UTF-8");
+  if (t.name == "__metadata__") throw FormatError(ctx + ": name is reserved by safetensors");
+  const size_t ndim = t.shape.size();
+  if (t.offsets.size() != ndim || t.global_shape.size() != ndim) {
+    throw FormatError(ctx + ": shape " + shape_to_string(t.shape) + ", offsets " +
+                      shape_to_string(t.offsets) + " and global shape " +
+                      shape_to_string(t.global_shape) + " must have one entry per dimension each");
+  }
+  for (size_t d = 0; d < ndim; ++d) {
+    if (t.shape[d] < 0 || t.offsets[d] < 0 || t.global_shape[d] < 0) {
+      throw FormatError(ctx + ": negative size or offset in dimension " + std::to_string(d));
+    }
+    if (t.offsets[d] > t.global_shape[d] || t.shape[d] > t.global_shape[d] - t.offsets[d]) {
+      throw FormatError(ctx + ": offsets " + shape_to_string(t.offsets) + " + shape " +
+                        shape_to_string(t.shape) + " exceed global shape " +
+                        shape_to_string(t.global_shape) + " in dimension " + std::to_string(d));
+    }
+  }
+  if (!numel(t.global_shape)) {
+    throw FormatError(ctx + ": global shape " + shape_to_string(t.global_shape) + " overflows");
+  }
+  auto bytes = nbytes(t.shape, t.dtype);
+  if (!bytes) {
+    throw FormatError(ctx + ": shape " + shape_to_string(t.shape) + " of " +
+                      std::string(dtype_name(t.dtype)) + " overflows a 64-bit byte count");
+  }
+  if (t.host_data != nullptr && t.fill) {
+    throw FormatError(ctx + ": has both host_data and a fill callback; give one");
+  }
+  if (*bytes > 0 && t.host_data == nullptr && !t.fill) {
+    throw FormatError(ctx + ": has " + std::to_string(*bytes) +
+                      " bytes but neither host_data nor a fill callback");
+  }
+  return *bytes;
+}
+
+}  // namespace
+
+TensorToWrite TensorToWrite::full(std::string name, DType dtype, Shape shape, const void* data) {
+  TensorToWrite t;
+  t.name = std::move(name);
+  t.dtype = dtype;
+  t.offsets.assign(shape.size(), 0);
+  t.global_shape = shape;
+  t.shape = std::move(shape);
+  t.host_data = data;
+  return t;
+}
+
+std::string shard_file_name(int64_t rank, int64_t world_size) {
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), "shard-%05lld-of-%05lld.safetensors",
+                static_cast<long long>(rank), static_cast<long long>(world_size));
+  return buf;
+}
+
+uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> tensors,
+                          const WriteOptions& options, ShardDescription* written) {
+  if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
+    throw FormatError("write_shard_file(" + path + "): rank " + std::to_string(options.rank) +
+                      " is not in [0, world_size " + std::to_string(options.world_size) + ")");
+  }
+  for (const auto& [key, value] : options.metadata) {
+    if (is_reserved_metadata_key(key)) {
+      throw FormatError("write_shard_file(" + path + "): metadata key " + json_quote(key) +
+                        " is reserved");
+    }
+    if (!detail::is_valid_utf8(key) || !detail::is_valid_utf8(value)) {
+      throw FormatError("write_shard_file(" + path + "): metadata entry " + json_quote(key) +
+                        " is not valid UTF-8");
+    }
+  }
+  std::vector<RawTensor> raw(tensors.size());
+  std::unordered_set<std::string_view> names;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorToWrite& t = tensors[i];
+    raw[i].nbytes = validate(path, i, t);
+    if (!names.insert(t.name).second) {
+      throw FormatError("write_shard_file(" + path + "): tensor name " + json_quote(t.name) +
+                        " appears twice");
+    }
+    raw[i].name = t.name;
+    raw[i].dtype = t.dtype;
+    raw[i].shape = t.shape;
+    raw[i].host_data = t.host_data;
+    raw[i].fill = t.fill;
+  }
+
+  // The sharding metadata does not depend on checksums; build it once, in file order.
+  const std::vector<size_t> order = file_order(raw);
+  std::string sharding = "{", global_shapes = "{";
+  for (size_t k = 0; k < order.size(); ++k) {
+    const TensorToWrite& t = tensors[order[k]];
+    if (k > 0) {
+      sharding += ',';
+      global_shapes += ',';
+    }
+    sharding += json_quote(t.name) + ":{\"saved_offsets\":" + shape_json(t.offsets) + "}";
+    global_shapes += json_quote(t.name) + ":" + shape_json(t.global_shape);
+  }
+  sharding += '}';
+  global_shapes += '}';
+
+  auto metadata = [&](std::span<const uint64_t> checksums) {
+    std::string sums = "{";
+    for (size_t k = 0; k < order.size(); ++k) {
+      if (k > 0) sums += ',';
+      sums +=
+          json_quote(tensors[order[k]].name) + ":\"" + format_checksum(checksums[order[k]]) + "\"";
+    }
+    sums += '}';
+    std::vector<std::pair<std::string, std::string>> md = {
+        {std::string(kMetaFormat), "pt"},
+        {std::string(kMetaDcpVersion), "1.0"},
+        {std::string(kMetaDcpShardingInfo), sharding},
+        {std::string(kMetaFormatVersion), std::to_string(kShardFormatVersion)},
+        {std::string(kMetaRank), std::to_string(options.rank)},
+        {std::string(kMetaWorldSize), std::to_string(options.world_size)},
+        {std::string(kMetaGlobalShapes), global_shapes},
+        {std::string(kMetaChecksums), std::move(sums)},
+    };
+    for (const auto& [k, v] : options.metadata) md.emplace_back(k, v);
+    return md;
+  };
+
+  const RawWriteResult r = write_safetensors_file(path, raw, metadata, options);
+
+  if (written != nullptr) {
+    ShardDescription d;
+    d.file = detail::base_name(path);
+    d.rank = options.rank;
+    d.world_size = options.world_size;
+    d.file_bytes = r.file_bytes;
+    d.tensors.reserve(tensors.size());
+    for (const size_t idx : r.order) {
+      TensorToWrite& t = tensors[idx];
+      TensorInfo info;
+      info.name = std::move(t.name);
+      info.dtype = t.dtype;
+      info.shape = std::move(t.shape);
+      info.offsets = std::move(t.offsets);
+      info.global_shape = std::move(t.global_shape);
+      info.checksum = r.checksums[idx];
+      info.data_offset = r.data_offset[idx];
+      info.nbytes = raw[idx].nbytes;
+      d.tensors.push_back(std::move(info));
+    }
+    *written = std::move(d);
+  }
+  return r.file_bytes;
+}
+
+}  // namespace fsdp_ema::format

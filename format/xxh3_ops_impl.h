@@ -1,0 +1,39 @@
+// Internal: the body of one per-ISA XXH3 translation unit. Define FSDP_EMA_XXH3_OPS_NAME to the
+// Xxh3Ops object to define, then include this file once. xxhash is compiled inline (all of its
+// symbols static), so the per-ISA copies never clash and libxxhash is not needed at run time.
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include <new>
+
+#include "format/xxh3_ops.h"
+
+namespace fsdp_ema::format::detail {
+namespace {
+
+uint64_t oneshot(const void* data, size_t size) { return XXH3_64bits(data, size); }
+
+void* create() {
+  XXH3_state_t* s = XXH3_createState();
+  if (s == nullptr) throw std::bad_alloc();
+  XXH3_64bits_reset(s);
+  return s;
+}
+
+void destroy(void* state) { XXH3_freeState(static_cast<XXH3_state_t*>(state)); }
+
+void reset(void* state) { XXH3_64bits_reset(static_cast<XXH3_state_t*>(state)); }
+
+void update(void* state, const void* data, size_t size) {
+  XXH3_64bits_update(static_cast<XXH3_state_t*>(state), data, size);
+}
+
+uint64_t digest(const void* state) {
+  return XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state));
+}
+
+}  // namespace
+
+extern const Xxh3Ops FSDP_EMA_XXH3_OPS_NAME = {oneshot, create, destroy, reset, update, digest};
+
+}  // namespace fsdp_ema::format::detail
