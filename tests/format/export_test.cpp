@@ -1,0 +1,155 @@
+// export_consolidated: Hugging Face layout, splitting, casting, atomic replacement.
+#include "format/export.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "format/checkpoint_dir.h"
+#include "format/dtype_cast.h"
+#include "format/shard_file.h"
+#include "tests/format/fixture_model.h"
+#include "tests/format/test_util.h"
+
+namespace fsdp_ema::format {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::ElementsAre;
+using testing::error_of;
+using ::testing::HasSubstr;
+using testing::TempDir;
+
+class Export : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = testing::reference_model();
+    ckpt_ = root_.subdir("ckpt");
+    testing::write_checkpoint(ckpt_, model_, 3);
+  }
+  TempDir root_;
+  std::string ckpt_;
+  std::vector<testing::RefTensor> model_;
+};
+
+TEST_F(Export, OneFileHoldsEveryFullTensor) {
+  const std::string out = root_.file("out");
+  std::vector<ExportProgress> seen;
+  ExportOptions o;
+  o.progress = [&](const ExportProgress& p) { seen.push_back(p); };
+  const ExportResult r = export_consolidated(ckpt_, out, o);
+  EXPECT_THAT(r.files, ElementsAre("model.safetensors"));
+  EXPECT_FALSE(r.wrote_index);
+  EXPECT_THAT(testing::list_names(out), ElementsAre("model.safetensors"));
+  const ShardFile f = ShardFile::open(out + "/model.safetensors");
+  EXPECT_EQ(f.metadata(), (std::map<std::string, std::string>{{"format", "pt"}}));
+  uint64_t total = 0;
+  for (const auto& t : model_) {
+    const TensorInfo& info = f.tensor(t.name);
+    EXPECT_EQ(info.dtype, t.dtype);
+    EXPECT_EQ(info.shape, t.shape);
+    EXPECT_EQ(info.data_offset % dtype_size(t.dtype), 0u);
+    const auto bytes = f.data(info);
+    EXPECT_TRUE(std::equal(bytes.begin(), bytes.end(), t.data.begin(), t.data.end())) << t.name;
+    total += t.data.size();
+  }
+  EXPECT_EQ(r.total_size, total);
+  ASSERT_FALSE(seen.empty());
+  for (size_t i = 1; i < seen.size(); ++i) EXPECT_GE(seen[i].bytes_done, seen[i - 1].bytes_done);
+  EXPECT_EQ(seen.back().bytes_done, total);
+  EXPECT_EQ(seen.back().bytes_total, total);
+  // The export is itself a readable checkpoint directory (one piece per tensor).
+  const CheckpointDir back = CheckpointDir::open(out);
+  EXPECT_EQ(back.tensors().size(), model_.size());
+}
+
+TEST_F(Export, SplitsAboveTheSizeLimitWithAHuggingFaceIndex) {
+  const std::string out = root_.file("out");
+  ExportOptions o;
+  o.max_file_bytes = 150;
+  const ExportResult r = export_consolidated(ckpt_, out, o);
+  ASSERT_GT(r.files.size(), 2u);
+  const size_t n = r.files.size();
+  for (size_t k = 0; k < n; ++k) {
+    char want[64];
+    std::snprintf(want, sizeof(want), "model-%05zu-of-%05zu.safetensors", k + 1, n);
+    EXPECT_EQ(r.files[k], want);
+  }
+  EXPECT_TRUE(r.wrote_index);
+  const auto index =
+      nlohmann::json::parse(testing::read_text(out + "/model.safetensors.index.json"));
+  EXPECT_EQ(index.at("metadata").at("total_size"), r.total_size);
+  const auto& map = index.at("weight_map");
+  EXPECT_EQ(map.size(), model_.size());
+  for (const auto& t : model_) {
+    const std::string file = map.at(t.name);
+    const ShardFile f = ShardFile::open(out + "/" + file);
+    const auto bytes = f.data(t.name);
+    EXPECT_TRUE(std::equal(bytes.begin(), bytes.end(), t.data.begin(), t.data.end())) << t.name;
+  }
+  for (const std::string& file : r.files) {
+    const ShardFile f = ShardFile::open(out + "/" + file);
+    uint64_t data = 0;
+    for (const auto& t : f.tensors()) data += t.nbytes;
+    // Over the limit only when a single tensor is larger than it ("big.f64" is 432 bytes).
+    if (f.tensors().size() > 1) {
+      EXPECT_LE(data, 150u) << file;
+    }
+  }
+}
+
+TEST_F(Export, CastsFloatingTensorsAndKeepsIntegers) {
+  const std::string out = root_.file("out");
+  ExportOptions o;
+  o.dtype = DType::kBF16;
+  export_consolidated(ckpt_, out, o);
+  const ShardFile f = ShardFile::open(out + "/model.safetensors");
+  for (const auto& t : model_) {
+    const TensorInfo& info = f.tensor(t.name);
+    const bool castable = can_cast(t.dtype, DType::kBF16);
+    EXPECT_EQ(info.dtype, castable ? DType::kBF16 : t.dtype) << t.name;
+    const auto bytes = f.data(info);
+    if (!castable) {
+      EXPECT_TRUE(std::equal(bytes.begin(), bytes.end(), t.data.begin(), t.data.end()));
+      continue;
+    }
+    const size_t n = t.data.size() / dtype_size(t.dtype);
+    std::vector<std::byte> want(n * 2);
+    cast_elements(t.dtype, t.data.data(), DType::kBF16, want.data(), n);
+    EXPECT_TRUE(std::equal(bytes.begin(), bytes.end(), want.begin(), want.end())) << t.name;
+  }
+}
+
+TEST_F(Export, RefusesToClobberAnEarlierExportUnlessAsked) {
+  const std::string out = root_.file("out");
+  ExportOptions split;
+  split.max_file_bytes = 150;
+  export_consolidated(ckpt_, out, split);
+  EXPECT_THAT(error_of([&] { export_consolidated(ckpt_, out); }),
+              AllOf(HasSubstr(out), HasSubstr("already holds model"), HasSubstr("overwrite")));
+  ExportOptions o;
+  o.overwrite = true;
+  export_consolidated(ckpt_, out, o);
+  // The numbered files and index of the earlier export are gone: only the new file remains.
+  EXPECT_THAT(testing::list_names(out), ElementsAre("model.safetensors"));
+}
+
+TEST_F(Export, RefusesTheCheckpointDirectoryItself) {
+  EXPECT_THAT(error_of([&] { export_consolidated(ckpt_, ckpt_ + "/."); }),
+              HasSubstr("another directory than the checkpoint"));
+}
+
+TEST_F(Export, StopsOnCorruptedData) {
+  const std::string file = ckpt_ + "/" + shard_file_name(0, 3);
+  auto bytes = testing::read_bytes(file);
+  bytes[ShardFile::open(file).tensor("ids").data_offset] ^= std::byte{1};
+  testing::write_bytes(file, bytes);
+  EXPECT_THAT(error_of([&] { export_consolidated(ckpt_, root_.file("out")); }),
+              AllOf(HasSubstr("tensor \"ids\""), HasSubstr("checksum mismatch")));
+  // Nothing half-written is left under the final name.
+  EXPECT_TRUE(testing::list_names(root_.file("out")).empty());
+}
+
+}  // namespace
+}  // namespace fsdp_ema::format

@@ -1,0 +1,39 @@
+// libFuzzer target: the safetensors header parser (plus our metadata interpretation and checksum
+// checks) and the index parser, both on every input. Parsers must throw FormatError or succeed;
+// anything else (a crash, a sanitizer report, another exception type) is a bug.
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+
+#include "format/checksum.h"
+#include "format/error.h"
+#include "format/index.h"
+#include "format/safetensors_header.h"
+#include "format/shard_file.h"
+
+namespace fmt = fsdp_ema::format;
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(data), size);
+  try {
+    fmt::ShardHeader h =
+        fmt::interpret_shard_header(fmt::parse_safetensors_bytes(bytes, "fuzz"), "fuzz");
+    // Invariants of an accepted header: every tensor inside the input, byte counts consistent.
+    for (const fmt::TensorInfo& t : h.tensors) {
+      if (t.data_offset > size || t.nbytes > size - t.data_offset) __builtin_trap();
+      if (fmt::nbytes(t.shape, t.dtype) != t.nbytes) __builtin_trap();
+      if (t.checksum) (void)fmt::checksum_of(bytes.subspan(t.data_offset, t.nbytes));
+    }
+  } catch (const fmt::FormatError&) {
+  }
+  try {
+    const fmt::CheckpointIndex index = fmt::parse_index_json(
+        std::string_view(reinterpret_cast<const char*>(data), size), "fuzz.index.json");
+    // An accepted index round-trips through its own serialization.
+    const fmt::CheckpointIndex again = fmt::parse_index_json(fmt::index_to_json(index), "again");
+    if (again.tensors.size() != index.tensors.size()) __builtin_trap();
+  } catch (const fmt::FormatError&) {
+  }
+  return 0;
+}
