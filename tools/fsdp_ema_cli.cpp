@@ -1,0 +1,220 @@
+// fsdp-ema: inspect, verify and export fsdp_ema (and DCP HuggingFace) checkpoint directories.
+// Exit status: 0 success, 1 failed check or unreadable checkpoint, 2 bad command line.
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cctype>
+#include <cinttypes>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "format/checkpoint_dir.h"
+#include "format/error.h"
+#include "format/export.h"
+#include "format/index.h"
+#include "tools/progress.h"
+
+#ifndef FSDP_EMA_VERSION
+#define FSDP_EMA_VERSION "unknown"
+#endif
+
+namespace {
+
+namespace fmt = fsdp_ema::format;
+using fsdp_ema::tools::human_bytes;
+using fsdp_ema::tools::Progress;
+
+std::string with_commas(uint64_t v) {
+  std::string s = std::to_string(v);
+  for (int i = static_cast<int>(s.size()) - 3; i > 0; i -= 3) s.insert(static_cast<size_t>(i), ",");
+  return s;
+}
+
+int cmd_inspect(const std::string& dir) {
+  const fmt::CheckpointDir ckpt = fmt::CheckpointDir::open(dir);
+  const fmt::CheckpointIndex& index = ckpt.index();
+  uint64_t total_bytes = 0, file_bytes = 0;
+  size_t pieces = 0;
+  for (const std::string& f : ckpt.files()) file_bytes += ckpt.shard_file(f).file_bytes();
+
+  std::printf("checkpoint:  %s\n", dir.c_str());
+  if (ckpt.layout() == fmt::CheckpointLayout::kFsdpEma) {
+    std::printf("format:      fsdp_ema (index format_version %" PRId64 ")\n", index.format_version);
+    std::printf("world size:  %" PRId64 "\n", ckpt.world_size());
+  } else {
+    std::printf("format:      DCP HuggingFace / safetensors directory (no index, no checksums)\n");
+    std::printf("world size:  %" PRId64 " (number of files)\n", ckpt.world_size());
+  }
+  std::printf("files:       %zu (%s)\n", ckpt.files().size(), human_bytes(file_bytes).c_str());
+  for (const auto& [k, v] : index.metadata)
+    std::printf("metadata:    %s = %s\n", k.c_str(), v.c_str());
+
+  size_t name_w = 4;
+  for (const fmt::IndexTensor& t : index.tensors) name_w = std::max(name_w, t.name.size());
+  name_w = std::min<size_t>(name_w, 60);
+  std::printf("\n%-*s  %-7s  %-20s  %15s  %6s\n", static_cast<int>(name_w), "NAME", "DTYPE",
+              "SHAPE", "BYTES", "PIECES");
+  for (const fmt::IndexTensor& t : index.tensors) {
+    const uint64_t b = ckpt.tensor_nbytes(t.name);
+    total_bytes += b;
+    pieces += t.pieces.size();
+    std::printf("%-*s  %-7s  %-20s  %15s  %6zu\n", static_cast<int>(name_w), t.name.c_str(),
+                std::string(fmt::dtype_name(t.dtype)).c_str(),
+                fmt::shape_to_string(t.shape).c_str(), with_commas(b).c_str(), t.pieces.size());
+  }
+  std::printf("\ntotal: %zu tensors, %s bytes (%s) in %zu pieces\n", index.tensors.size(),
+              with_commas(total_bytes).c_str(), human_bytes(total_bytes).c_str(), pieces);
+  return 0;
+}
+
+int cmd_verify(const std::string& dir, size_t max_failures) {
+  std::optional<fmt::CheckpointDir> ckpt;
+  try {
+    ckpt.emplace(fmt::CheckpointDir::open(dir));
+  } catch (const fmt::FormatError& e) {
+    std::printf("FAIL: %s\n", e.what());
+    std::printf("verify: %s is not a valid checkpoint\n", dir.c_str());
+    return 1;
+  }
+  size_t failures = 0, pieces = 0, verified = 0;
+  uint64_t bytes = 0;
+  auto fail = [&](const std::string& msg) {
+    if (failures < max_failures) std::printf("FAIL: %s\n", msg.c_str());
+    ++failures;
+  };
+  for (const std::string& f : ckpt->stray_files()) {
+    fail(dir + "/" + f +
+         ": not listed in the index (DCP's HuggingFace reader would read it as part of the "
+         "checkpoint; remove it)");
+  }
+  for (const fmt::IndexTensor& t : ckpt->tensors()) {
+    for (size_t p = 0; p < t.pieces.size(); ++p) {
+      ++pieces;
+      try {
+        if (ckpt->verify_piece(t.name, p)) ++verified;
+      } catch (const fmt::FormatError& e) {
+        fail(e.what());
+      }
+    }
+    bytes += ckpt->tensor_nbytes(t.name);
+  }
+  if (failures > max_failures) {
+    std::printf("... and %zu more failures\n", failures - max_failures);
+  }
+  if (failures > 0) {
+    std::printf("verify: %zu failure(s) in %s\n", failures, dir.c_str());
+    return 1;
+  }
+  std::printf("OK: %zu tensors, %zu pieces, %s; coverage checked, %zu checksums verified%s\n",
+              ckpt->tensors().size(), pieces, human_bytes(bytes).c_str(), verified,
+              verified < pieces ? " (DCP files carry no checksums)" : "");
+  return 0;
+}
+
+std::optional<fmt::DType> parse_cast_dtype(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (s == "bf16" || s == "bfloat16") return fmt::DType::kBF16;
+  if (s == "f16" || s == "fp16" || s == "float16" || s == "half") return fmt::DType::kF16;
+  if (s == "f32" || s == "fp32" || s == "float32" || s == "float") return fmt::DType::kF32;
+  if (s == "f64" || s == "fp64" || s == "float64" || s == "double") return fmt::DType::kF64;
+  return std::nullopt;
+}
+
+int cmd_export(const std::string& dir, const std::string& out, const std::string& dtype,
+               uint64_t max_file_size, bool overwrite, bool no_verify, bool quiet) {
+  fmt::ExportOptions opts;
+  if (!dtype.empty()) opts.dtype = parse_cast_dtype(dtype);  // validated by the CLI parser
+  opts.max_file_bytes = max_file_size;
+  opts.overwrite = overwrite;
+  opts.verify = !no_verify;
+  Progress progress(stderr, Progress::pick_mode(stderr, quiet), "export");
+  uint64_t total = 0;
+  opts.progress = [&](const fmt::ExportProgress& p) {
+    total = p.bytes_total;
+    progress.update(p.bytes_done, p.bytes_total, p.tensor);
+  };
+  const fmt::ExportResult r = fmt::export_consolidated(dir, out, opts);
+  progress.finish(total, total);
+  if (!quiet) {
+    std::printf("exported %s (%s) to %s:", with_commas(r.total_size).c_str(),
+                human_bytes(r.total_size).c_str(), out.c_str());
+    for (const std::string& f : r.files) std::printf(" %s", f.c_str());
+    if (r.wrote_index) std::printf(" model.safetensors.index.json");
+    std::printf("\n");
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "fsdp-ema: inspect, verify and export fsdp_ema checkpoints (directories of safetensors "
+      "shard files + fsdp_ema.index.json) and torch DCP HuggingFace-sharded directories.\n"
+      "Exit status: 0 success, 1 failed check or unreadable checkpoint, 2 usage error."};
+  app.set_version_flag("--version", std::string("fsdp-ema ") + FSDP_EMA_VERSION +
+                                        " (checkpoint format version " +
+                                        std::to_string(fmt::kIndexFormatVersion) + ")");
+  app.require_subcommand(1);
+
+  std::string dir, out, dtype;
+  size_t max_failures = 10;
+  uint64_t max_file_size = 5'000'000'000;
+  bool overwrite = false, no_verify = false, quiet = false;
+
+  CLI::App* inspect = app.add_subcommand(
+      "inspect",
+      "Print the format, world size and every tensor (dtype, global shape, bytes, pieces)");
+  inspect->add_option("DIR", dir, "Checkpoint directory")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+
+  CLI::App* verify = app.add_subcommand(
+      "verify",
+      "Check every header, the index, the coverage of every tensor and every checksum; exit 0 "
+      "only if all is good");
+  verify->add_option("DIR", dir, "Checkpoint directory")->required()->check(CLI::ExistingDirectory);
+  verify->add_option("--max-failures", max_failures, "Failures to print (default 10)");
+
+  CLI::App* exp = app.add_subcommand(
+      "export",
+      "Write the full tensors to OUT in Hugging Face layout: model.safetensors, or "
+      "model-0000k-of-0000n.safetensors + model.safetensors.index.json above --max-file-size");
+  exp->add_option("DIR", dir, "Checkpoint directory")->required()->check(CLI::ExistingDirectory);
+  exp->add_option("OUT", out, "Output directory (created if missing)")->required();
+  exp->add_option("--dtype", dtype,
+                  "Cast floating tensors to bf16, f16, f32 or f64 (round to nearest even); "
+                  "integer tensors are kept")
+      ->check(CLI::Validator(
+          [](std::string& s) {
+            return parse_cast_dtype(s) ? std::string() : "must be bf16, f16, f32 or f64";
+          },
+          "bf16|f16|f32|f64"));
+  exp->add_option("--max-file-size", max_file_size,
+                  "Largest tensor data per file, e.g. 5GB, 500MB, 2GiB; 0 = one file (default 5GB)")
+      ->transform(CLI::AsSizeValue(true));
+  exp->add_flag("--overwrite", overwrite, "Replace model files already in OUT");
+  exp->add_flag("--no-verify", no_verify, "Skip checksum verification while reading");
+  exp->add_flag("-q,--quiet", quiet, "No progress and no summary");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+
+  try {
+    if (*inspect) return cmd_inspect(dir);
+    if (*verify) return cmd_verify(dir, max_failures);
+    if (*exp) {
+      return cmd_export(dir, out, dtype, max_file_size, overwrite, no_verify, quiet);
+    }
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "\nfsdp-ema: error: %s\n", e.what());
+    return 1;
+  }
+  return 2;
+}
