@@ -215,7 +215,7 @@ def main():
         args.elements = 50_000_000 if args.device == "cpu" else 1_000_000_000
     sizes = shard_sizes(args.elements, args.tensors)
     print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
-          f"ATen CPU capability {torch.backends.cpu.get_cpu_capability()}")
+          f"fsdp_ema CPU kernel ISA {torch.ops.fsdp_ema.cpu_capability()}")
     results, checks = {}, []
     for label, dtype in (("fp32 EMA / fp32 params", torch.float32),
                          ("fp32 EMA / bf16 params", torch.bfloat16)):

@@ -10,50 +10,69 @@
 namespace fsdp_ema::kernels {
 namespace {
 
-// Elements per work item: large enough to amortize scheduling, small enough to balance threads.
+// Smallest share of elements worth a thread of its own.
 constexpr int64_t kChunk = 1 << 16;
 
-bool use_avx2() {
-#if defined(FSDP_EMA_HAVE_AVX2_KERNEL)
-  // ATEN_CPU_CAPABILITY=default forces the baseline kernels in ATen; honour it here too.
-  const char* forced = std::getenv("ATEN_CPU_CAPABILITY");
-  if (forced != nullptr && std::strcmp(forced, "default") == 0) return false;
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-#else
-  return false;
+enum class Isa { kDefault, kAvx2, kAvx512 };
+
+// The best kernel this CPU runs, capped like ATen's by ATEN_CPU_CAPABILITY (default/avx2/avx512).
+Isa detect_isa() {
+#if defined(FSDP_EMA_HAVE_X86_KERNELS)
+  Isa cap = Isa::kAvx512;
+  if (const char* forced = std::getenv("ATEN_CPU_CAPABILITY")) {
+    if (std::strcmp(forced, "default") == 0) cap = Isa::kDefault;
+    if (std::strcmp(forced, "avx2") == 0) cap = Isa::kAvx2;
+  }
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("avx512dq");
+  if (avx512 && cap == Isa::kAvx512) return Isa::kAvx512;
+  if (avx2 && cap != Isa::kDefault) return Isa::kAvx2;
 #endif
+  return Isa::kDefault;
 }
 
 UpdateRangeFn pick_kernel() {
-#if defined(FSDP_EMA_HAVE_AVX2_KERNEL)
-  if (use_avx2()) return &update_cpu_avx2;
+  switch (detect_isa()) {
+#if defined(FSDP_EMA_HAVE_X86_KERNELS)
+    case Isa::kAvx512: return &update_cpu_avx512;
+    case Isa::kAvx2: return &update_cpu_avx2;
 #endif
-  return &update_cpu_default;
+    default: return &update_cpu_default;
+  }
 }
 
 }  // namespace
 
-const char* update_cpu_capability() { return use_avx2() ? "avx2" : "default"; }
+const char* update_cpu_capability() {
+  switch (detect_isa()) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "default";
+  }
+}
 
 void update_cpu(const UpdatePair* pairs, int64_t num_pairs, double decay) {
   static const UpdateRangeFn kernel = pick_kernel();
-  // chunk_end[i] = number of chunks in pairs [0, i]; one flat range covers every pair.
-  std::vector<int64_t> chunk_end(num_pairs);
+  // elem_end[i] = elements in pairs [0, i]. The flat element range of all pairs is split evenly
+  // between the threads (balanced by elements, not by tensors), each walking its share pair by
+  // pair.
+  std::vector<int64_t> elem_end(num_pairs);
   int64_t total = 0;
   for (int64_t i = 0; i < num_pairs; ++i) {
-    total += (pairs[i].numel + kChunk - 1) / kChunk;
-    chunk_end[i] = total;
+    total += pairs[i].numel;
+    elem_end[i] = total;
   }
   if (total == 0) return;
-  at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
-    int64_t p = std::upper_bound(chunk_end.begin(), chunk_end.end(), begin) - chunk_end.begin();
-    for (int64_t c = begin; c < end; ++c) {
-      while (chunk_end[p] <= c) ++p;
-      const int64_t first = p == 0 ? 0 : chunk_end[p - 1];
-      const int64_t lo = (c - first) * kChunk;
-      const int64_t hi = std::min(lo + kChunk, pairs[p].numel);
-      kernel(pairs[p], lo, hi, decay);
+  at::parallel_for(0, total, kChunk, [&](int64_t begin, int64_t end) {
+    int64_t p = std::upper_bound(elem_end.begin(), elem_end.end(), begin) - elem_end.begin();
+    for (int64_t pos = begin; pos < end; ++p) {
+      const int64_t first = p == 0 ? 0 : elem_end[p - 1];
+      const int64_t stop = std::min(end, elem_end[p]);
+      if (stop > pos) kernel(pairs[p], pos - first, stop - first, decay);
+      pos = std::max(pos, stop);
     }
   });
 }

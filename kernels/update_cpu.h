@@ -15,8 +15,9 @@ void update_cpu(const UpdatePair* pairs, int64_t num_pairs, double decay);
 using UpdateRangeFn = void (*)(const UpdatePair& pair, int64_t begin, int64_t end, double decay);
 void update_cpu_default(const UpdatePair& pair, int64_t begin, int64_t end, double decay);
 void update_cpu_avx2(const UpdatePair& pair, int64_t begin, int64_t end, double decay);
+void update_cpu_avx512(const UpdatePair& pair, int64_t begin, int64_t end, double decay);
 
-// Name of the instruction set update_cpu uses on this machine ("avx2" or "default").
+// Name of the instruction set update_cpu uses on this machine: "avx512", "avx2" or "default".
 const char* update_cpu_capability();
 
 }  // namespace fsdp_ema::kernels

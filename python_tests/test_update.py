@@ -321,14 +321,16 @@ def test_torchscript_keeps_update_on_an_inline_list():
     assert torch.equal(scripted.ema, torch.arange(6.0).reshape(2, 3) * 0.5)
 
 
-def test_baseline_isa_kernel_matches_lerp():
-    """ATEN_CPU_CAPABILITY=default selects the kernel built without AVX2; it must agree too."""
+@pytest.mark.parametrize("isa", ["default", "avx2"])
+def test_every_isa_kernel_matches_lerp(isa):
+    """ATEN_CPU_CAPABILITY caps the kernel's instruction set; every build must agree with lerp."""
     import subprocess
     import sys
     from pathlib import Path
 
     script = """
 import torch, fsdp_ema
+print(torch.ops.fsdp_ema.cpu_capability())
 g = torch.Generator().manual_seed(0)
 for et in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
     for mt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
@@ -343,6 +345,10 @@ for et in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
 print("ok")
 """
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", PYTHONPATH=str(root / "python"))
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=isa, PYTHONPATH=str(root / "python"))
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert out.returncode == 0, out.stderr
+    used, result = out.stdout.split()
+    assert result == "ok"
+    if isa == "default" or torch.backends.cpu.get_cpu_capability() != "DEFAULT":
+        assert used == isa  # the requested kernel really ran

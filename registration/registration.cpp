@@ -2,6 +2,7 @@
 // in registration_cuda.cpp so that a CPU-only build has no CUDA dependency.
 #include <torch/library.h>
 
+#include "kernels/update_cpu.h"
 #include "ops/checkpoint.h"
 #include "ops/update.h"
 
@@ -51,6 +52,10 @@ TORCH_LIBRARY(fsdp_ema, m) {
       "Device? device=None) -> Tensor[]");
   // JSON description of a checkpoint directory: layout, world size, tensors (dtype, shape).
   m.def("checkpoint_info(str directory) -> str");
+
+  // The instruction set of the CPU update kernel in use: "avx512", "avx2" or "default" (capped
+  // by ATEN_CPU_CAPABILITY, as ATen's own kernels are).
+  m.def("cpu_capability() -> str");
 }
 
 // Ops with no tensor argument (or any device's tensors) take the same kernel everywhere.
@@ -60,6 +65,7 @@ TORCH_LIBRARY_IMPL(fsdp_ema, CompositeExplicitAutograd, m) {
   m.impl("load_shard", &fsdp_ema::ops::load_shard);
   m.impl("load_tensors", &fsdp_ema::ops::load_tensors);
   m.impl("checkpoint_info", &fsdp_ema::ops::checkpoint_info);
+  m.impl("cpu_capability", [] { return std::string(fsdp_ema::kernels::update_cpu_capability()); });
 }
 
 TORCH_LIBRARY_IMPL(fsdp_ema, CPU, m) {
