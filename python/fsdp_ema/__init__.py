@@ -22,6 +22,7 @@ from ._library import library_path, load_library
 load_library()
 
 from . import checkpoint  # noqa: E402
+from .sharded_ema import ShardedEMA, Warmup  # noqa: E402
 
 
 # save_shard writes a file and returns a byte count callers usually ignore. Under torch.compile:
@@ -36,7 +37,7 @@ def _save_shard_fake(directory, rank, world_size, names, shards, offsets, global
 
 torch.fx.node.has_side_effect(torch.ops.fsdp_ema.save_shard.default)
 
-__all__ = ["update_", "load_library", "library_path", "checkpoint"]
+__all__ = ["update_", "load_library", "library_path", "checkpoint", "ShardedEMA", "Warmup"]
 
 Decay = Union[float, torch.Tensor]
 

@@ -1,0 +1,51 @@
+"""Small torch.distributed helpers shared by ShardedEMA and its FSDP1 layout code."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def chunk_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rows ``[begin, end)`` of ``torch.chunk(t, world_size)[rank]`` (empty past the last chunk).
+
+    This is FSDP2's ``Shard(0)`` layout, FSDP1's sharded state dict layout and the layout
+    ``fsdp_ema.checkpoint.load`` returns.
+    """
+    size = -(-rows // world_size)
+    begin = min(rank * size, rows)
+    return begin, min(begin + size, rows)
+
+
+def comm_device(group: dist.ProcessGroup | None, preferred: torch.device) -> torch.device:
+    """A device ``group``'s backend can run collectives on, ``preferred`` when it can."""
+    backend = str(dist.get_backend(group)).lower()
+    if preferred.type == "cpu" and "gloo" not in backend and "cpu" not in backend:
+        accelerator = torch.accelerator.current_accelerator()
+        return torch.device(accelerator.type, torch.accelerator.current_device_index())
+    if preferred.type != "cpu" and "gloo" in backend and preferred.type not in backend:
+        return torch.device("cpu")
+    return preferred
+
+
+def raise_if_any_rank_failed(error: BaseException | None, group: dist.ProcessGroup | None,
+                             what: str, device: torch.device) -> None:
+    """Collective: every rank raises if any rank passes an error, naming the ranks that failed.
+
+    Call it where every rank arrives whether or not its own part succeeded, so that one rank's
+    failure cannot leave the others waiting in a later collective.
+    """
+    if group is None:
+        if error is not None:
+            raise error
+        return
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32,
+                        device=comm_device(group, device))
+    flags[dist.get_rank(group)] = int(error is not None)
+    dist.all_reduce(flags, group=group)
+    failed = flags.nonzero().flatten().tolist()
+    if not failed:
+        return
+    if error is not None:
+        raise RuntimeError(f"{what} failed on rank(s) {failed}; here: {error}") from error
+    raise RuntimeError(f"{what} failed on rank(s) {failed} (their errors say why)")
