@@ -1,0 +1,409 @@
+"""ShardedEMA in one process (plain modules): values, schedules, torch.compile, swap, state
+dicts, names, checkpoint directories and errors. The distributed cases are in
+test_sharded_ema.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import fsdp_ema
+from fsdp_ema import ShardedEMA, Warmup
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 7)
+        self.norm = nn.BatchNorm1d(7)
+        self.head = nn.Linear(7, 2)
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.norm(self.inp(x))))
+
+
+def make(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return Net().to(dtype)
+
+
+def train(model, steps, ema=None, seed=1, on_step=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(seed)
+    for i in range(steps):
+        x, y = torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)
+        F.mse_loss(model(x.to(next(model.parameters()).dtype)).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if ema is not None:
+            ema.update()
+        if on_step is not None:
+            on_step(i)
+
+
+def weights(model):
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def lerp_reference(ema, state, decay, buffers="average"):
+    out = {}
+    for n, t in state.items():
+        if t.is_floating_point() and (buffers == "average" or n in ema["_params"]):
+            out[n] = torch.lerp(ema[n], t.float(), 1 - decay)
+        else:
+            out[n] = t.clone()
+    out["_params"] = ema["_params"]
+    return out
+
+
+def start_reference(model):
+    ref = {n: (t.float() if t.is_floating_point() else t.clone()) for n, t in weights(model).items()}
+    ref["_params"] = {n for n, _ in model.named_parameters()}
+    return ref
+
+
+# --- values -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("buffers", ["average", "copy"])
+def test_plain_ema_equals_lerp_reference(dtype, buffers):
+    model = make(dtype)
+    ema = ShardedEMA(model, 0.7, buffers=buffers)
+    ref = start_reference(model)
+
+    def step(_):
+        nonlocal ref
+        ref = lerp_reference(ref, weights(model), 0.7, buffers)
+
+    train(model, 5, ema, on_step=step)
+    state = ema.state_dict()
+    assert int(state.pop(ShardedEMA.STEP_KEY)) == 5
+    assert sorted(state) == sorted(n for n in ref if n != "_params")  # no non-persistent buffer
+    for name, t in state.items():
+        expected = ref[name]
+        assert t.dtype == (torch.float32 if expected.is_floating_point() and
+                           (buffers == "average" or name in ref["_params"]) else expected.dtype)
+        # One float32 lerp per step, rounded the same way up to the last bit.
+        torch.testing.assert_close(t, expected.to(t.dtype), rtol=1e-6, atol=1e-7, msg=name)
+    assert int(state["norm.num_batches_tracked"]) == 5  # integer buffers are copied
+
+
+def test_ema_memory_is_the_model_numel_in_the_ema_dtype():
+    model = make(torch.bfloat16)
+    ema = ShardedEMA(model, 0.9)
+    numel = sum(t.numel() for n, t in model.state_dict().items() if "num_batches" not in n)
+    assert ema.nbytes == numel * 4 + 8  # float32 EMA, int64 num_batches_tracked
+    assert ShardedEMA(model, 0.9, dtype=None).nbytes == numel * 2 + 8
+    assert ShardedEMA(model, 0.9, include_buffers=False).nbytes == sum(
+        p.numel() for p in model.parameters()) * 4
+
+
+def test_decay_one_keeps_and_decay_zero_copies_exactly():
+    model = make()
+    keep = ShardedEMA(model, 1.0)
+    copy = ShardedEMA(model, 0.0)
+    start = weights(model)
+    train(model, 3, None)
+    keep.update()
+    copy.update()
+    now = weights(model)
+    for name, t in keep.state_dict().items():
+        if name != ShardedEMA.STEP_KEY and "num_batches" not in name:
+            assert torch.equal(t, start[name]), name
+    for name, t in copy.state_dict().items():
+        if name != ShardedEMA.STEP_KEY:
+            assert torch.equal(t, now[name]), name
+
+
+# --- schedules ----------------------------------------------------------------------------------
+
+def test_warmup_decay_equals_the_formula_every_step():
+    model = make()
+    warmup = Warmup(gamma=2.0, power=0.75, min_decay=0.1)
+    ema = ShardedEMA(model, 0.85, warmup=warmup)
+    decays = []
+    train(model, 40, ema, on_step=lambda i: decays.append(float(ema.last_decay)))
+    for s, d in enumerate(decays):
+        expected = min(max(1 - (1 + s / 2.0) ** -0.75, 0.1), 0.85)
+        assert d == pytest.approx(expected, rel=0, abs=1e-15), s
+    assert decays[0] == 0.1 and decays[-1] == 0.85  # the clamps are hit at both ends
+    assert ema.decay_at(7) == pytest.approx(decays[7], abs=1e-15)
+
+
+def test_warmup_default_copies_on_the_first_update():
+    model = make()
+    ema = ShardedEMA(model, 0.999, warmup=True)
+    train(model, 1, ema)
+    assert float(ema.last_decay) == 0.0
+    for name, t in ema.state_dict().items():
+        if name != ShardedEMA.STEP_KEY:
+            assert torch.equal(t, weights(model)[name].to(t.dtype)), name
+
+
+def test_update_every_and_start_step_are_honoured():
+    model = make()
+    ema = ShardedEMA(model, 0.5, update_every=3, start_step=4, include_buffers=False)
+    history = []
+
+    def step(i):
+        history.append(({n: t.clone() for n, t in ema.state_dict().items()},
+                        weights(model), float(ema.last_decay)))
+
+    prev = {n: t.clone() for n, t in ema.state_dict().items()}
+    train(model, 12, ema, on_step=step)
+    for k, (state, w, decay) in enumerate(history):
+        if k < 4:
+            assert decay == 0.0  # before start_step the EMA tracks the weights exactly
+            for name, t in state.items():
+                if name != ShardedEMA.STEP_KEY:
+                    assert torch.equal(t, w[name]), (k, name)
+        elif k % 3:
+            assert decay == 1.0  # skipped: bit-identical to the previous step
+            for name, t in state.items():
+                if name != ShardedEMA.STEP_KEY:
+                    assert torch.equal(t, prev[name]), (k, name)
+        else:
+            assert decay == 0.5
+            for name, t in state.items():
+                if name != ShardedEMA.STEP_KEY:
+                    torch.testing.assert_close(t, torch.lerp(prev[name], w[name], 0.5))
+        assert decay == ema.decay_at(k)
+        prev = state
+
+
+def test_compiled_step_with_warmup_compiles_once_in_20_steps_and_matches_eager():
+    """SGD step + ema.update() as one torch.compile(fullgraph=True) graph (inductor), as in
+    examples/ema_compiled_loop.py (torch.optim's step() graph-breaks by design)."""
+    eager_model, compiled_model = make(), make()
+    kwargs = dict(warmup=Warmup(power=0.75), update_every=2, start_step=2)
+    eager_ema = ShardedEMA(eager_model, 0.99, **kwargs)
+    compiled_ema = ShardedEMA(compiled_model, 0.99, **kwargs)
+
+    def step(params, ema):
+        with torch.no_grad():
+            torch._foreach_add_(params, [p.grad for p in params], alpha=-0.1)
+        ema.update()
+
+    counter = CompileCounterWithBackend("inductor")
+    torch._dynamo.reset()
+    compiled_step = torch.compile(step, backend=counter, fullgraph=True)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        x, y = torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)
+        for model in (eager_model, compiled_model):
+            model.zero_grad()
+            F.mse_loss(model(x), y).backward()
+        step(list(eager_model.parameters()), eager_ema)
+        compiled_step(list(compiled_model.parameters()), compiled_ema)
+    assert counter.frame_count == 1, "ema.update() in a compiled step recompiled"
+    assert int(compiled_ema.step) == 20
+    assert float(compiled_ema.last_decay) == eager_ema.decay_at(19)
+    compiled_state, eager_state = compiled_ema.state_dict(), eager_ema.state_dict()
+    for name, t in eager_state.items():
+        # Inductor may fuse the SGD arithmetic differently (last-bit differences that the
+        # training then carries along).
+        torch.testing.assert_close(compiled_state[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# --- swap ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_swap_round_trip_is_bit_exact_and_eval_uses_the_ema(dtype):
+    model = make(dtype)
+    ema = ShardedEMA(model, 0.8)
+    train(model, 4, ema)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(5)).to(dtype)
+    model.eval()
+    before = weights(model)
+    ema_model = make(dtype)
+    ema_model.load_state_dict({n: t.to(before[n].dtype)
+                               for n, t in ema.state_dict().items() if n != ShardedEMA.STEP_KEY})
+    ema_model.eval()
+    with torch.no_grad():
+        raw = model(x)
+        with ema.swap() as swapped:
+            assert swapped is model
+            inside = model(x)
+        after = model(x)
+        expected = ema_model(x)
+    assert torch.equal(inside, expected)
+    assert not torch.equal(inside, raw)
+    assert torch.equal(after, raw)
+    for name, t in weights(model).items():
+        assert torch.equal(t.view(-1).view(torch.uint8), before[name].view(-1).view(torch.uint8))
+
+
+def test_swap_restores_even_when_the_block_raises():
+    model = make()
+    ema = ShardedEMA(model, 0.5)
+    train(model, 2, ema)
+    before = weights(model)
+    with pytest.raises(KeyError), ema.swap():
+        raise KeyError("eval failed")
+    for name, t in weights(model).items():
+        assert torch.equal(t, before[name]), name
+
+
+def test_swap_cannot_nest_and_update_inside_swap_is_an_error():
+    model = make()
+    ema = ShardedEMA(model, 0.5)
+    with ema.swap():
+        with pytest.raises(RuntimeError, match="already active"), ema.swap():
+            pass
+        with pytest.raises(RuntimeError, match="inside swap"):
+            ema.update()
+    ema.update()  # fine again afterwards
+
+
+# --- names and state dicts ----------------------------------------------------------------------
+
+def test_state_dict_keys_are_clean_fqns_under_wrappers():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    plain = sorted(ShardedEMA(make(), 0.9).state_dict())
+    model = make()
+    model.inp = checkpoint_wrapper(model.inp)
+    compiled = torch.compile(model)
+    assert sorted(ShardedEMA(compiled, 0.9).state_dict()) == plain
+    assert "inp.weight" in plain and ShardedEMA.STEP_KEY in plain
+
+
+def test_a_submodule_named_module_keeps_its_name():
+    outer = nn.Module()
+    outer.module = nn.Linear(2, 2)
+    assert sorted(ShardedEMA(outer, 0.9).state_dict()) == sorted(
+        ["module.weight", "module.bias", ShardedEMA.STEP_KEY])
+
+
+def test_tied_parameters_are_averaged_once():
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight
+    ema = ShardedEMA(model, 0.9)
+    assert sorted(ema.state_dict()) == ["0.weight", ShardedEMA.STEP_KEY]
+    assert ema.nbytes == 15 * 4
+
+
+def test_load_state_dict_round_trip_and_step():
+    model = make()
+    ema = ShardedEMA(model, 0.8, warmup=True)
+    train(model, 3, ema)
+    other = ShardedEMA(make(seed=9), 0.8, warmup=True)
+    other.load_state_dict(ema.state_dict())
+    assert int(other.step) == 3
+    for name, t in ema.state_dict().items():
+        assert torch.equal(other.state_dict()[name], t), name
+
+
+def test_load_state_dict_lists_missing_unexpected_and_misshaped_names():
+    ema = ShardedEMA(make(), 0.8)
+    state = {n: t.clone() for n, t in ema.state_dict().items()}
+    del state["inp.bias"]
+    state["extra.weight"] = torch.zeros(2)
+    state["head.weight"] = torch.zeros(3, 7)
+    with pytest.raises(ValueError) as err:
+        ema.load_state_dict(state)
+    message = str(err.value)
+    assert "missing 1 name(s): 'inp.bias'" in message
+    assert "unexpected 1 name(s): 'extra.weight'" in message
+    assert "'head.weight' is [3, 7] there but [2, 7] here" in message
+    del state["head.weight"]
+    before = {n: t.clone() for n, t in ema.state_dict().items()}
+    ema.load_state_dict(state, strict=False)  # loads what matches
+    assert torch.equal(ema.state_dict()["inp.bias"], before["inp.bias"])
+
+
+# --- checkpoint directories ---------------------------------------------------------------------
+
+def test_save_load_round_trip_and_seed_recipe_names(tmp_path):
+    model = make()
+    ema = ShardedEMA(model, 0.8)
+    train(model, 3, ema)
+    ema.save_ema_shard_weights(tmp_path / "ema")
+    ema.save_shard_weights(tmp_path / "weights")
+    assert fsdp_ema.checkpoint.info(tmp_path / "ema")["world_size"] == 1
+    state = ema.state_dict()
+    loaded = fsdp_ema.checkpoint.load(tmp_path / "ema")
+    assert sorted(loaded) == sorted(n for n in state if n != ShardedEMA.STEP_KEY)
+    for name, t in loaded.items():
+        assert torch.equal(t, state[name]), name
+    for name, t in fsdp_ema.checkpoint.load(tmp_path / "weights").items():
+        assert torch.equal(t, model.state_dict()[name]), name
+    fresh = ShardedEMA(make(seed=5), 0.8)
+    fresh.load(tmp_path / "ema")
+    for name, t in fresh.state_dict().items():
+        if name != ShardedEMA.STEP_KEY:
+            assert torch.equal(t, state[name]), name
+
+
+def test_load_from_a_checkpoint_of_another_model_lists_the_differences(tmp_path):
+    fsdp_ema.checkpoint.save(tmp_path, {"inp.weight": torch.zeros(7, 5), "other": torch.zeros(1)})
+    ema = ShardedEMA(make(), 0.8)
+    with pytest.raises(ValueError) as err:
+        ema.load(tmp_path)
+    message = str(err.value)
+    assert message.startswith("ShardedEMA.load: missing 8 name(s): ")
+    assert "'head.bias'" in message and "unexpected 1 name(s): 'other'" in message
+    assert "'inp.weight' is [7, 5] there but [7, 6] here" in message
+
+
+def test_save_refuses_a_committed_directory_unless_overwrite(tmp_path):
+    model = make()
+    ema = ShardedEMA(model, 0.8)
+    ema.save(tmp_path)
+    with pytest.raises(FileExistsError, match="already holds a committed checkpoint"):
+        ema.save(tmp_path)
+    train(model, 1, ema)
+    ema.save(tmp_path, overwrite=True)
+    assert torch.equal(fsdp_ema.checkpoint.load(tmp_path)["inp.weight"],
+                       ema.state_dict()["inp.weight"])
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+def test_model_without_floating_parameters_is_an_error():
+    model = nn.Module()
+    model.register_buffer("count", torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="Module has no floating-point parameters to average"):
+        ShardedEMA(model)
+
+
+def test_replaced_parameter_of_another_shape_is_a_sharding_change():
+    model = make()
+    ema = ShardedEMA(model, 0.9)
+    model.inp.weight = nn.Parameter(torch.zeros(8, 6))
+    with pytest.raises(RuntimeError, match=r"sharding changed.*'inp\.weight' has a local shard "
+                                           r"of shape \[8, 6\] here, it had \[7, 6\]"):
+        ema.update()
+
+
+def test_replaced_parameter_of_the_same_shape_is_followed():
+    model = make()
+    ema = ShardedEMA(model, 0.0)
+    model.inp.weight = nn.Parameter(torch.full((7, 6), 3.0))
+    ema.update()
+    assert torch.equal(ema.state_dict()["inp.weight"], torch.full((7, 6), 3.0))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(decay=1.5), "decay must be in"),
+    (dict(update_every=0), "update_every must be an integer >= 1"),
+    (dict(start_step=-1), "start_step must be an integer >= 0"),
+    (dict(dtype=torch.int32), "dtype must be one of"),
+    (dict(buffers="sum"), "buffers must be 'average' or 'copy'"),
+    (dict(warmup=Warmup(min_decay=0.99999)), "min_decay <= decay"),
+])
+def test_bad_arguments_are_rejected(kwargs, message):
+    kwargs = {"decay": 0.999, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        ShardedEMA(make(), **kwargs)
+
+
+def test_meta_parameters_are_rejected():
+    with torch.device("meta"):
+        model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="meta device"):
+        ShardedEMA(model)
