@@ -61,7 +61,8 @@ def lerp_reference(ema, state, decay, buffers="average"):
 
 
 def start_reference(model):
-    ref = {n: (t.float() if t.is_floating_point() else t.clone()) for n, t in weights(model).items()}
+    ref = {n: t.float() if t.is_floating_point() else t.clone()
+           for n, t in weights(model).items()}
     ref["_params"] = {n for n, _ in model.named_parameters()}
     return ref
 
