@@ -45,6 +45,7 @@ class FlatLayout:
         self.rank: int = handle.rank
         self.world_size: int = handle.world_size
         self.sharded: bool = bool(handle.uses_sharded_strategy)
+        self.strategy: str = handle._sharding_strategy.name
         self.shard_numel: int = int(flat_param._sharded_size.numel())
         starts, offset = [], 0
         for numel, is_padding in zip(flat_param._numels_with_padding, flat_param._is_padding_mask):
@@ -68,10 +69,12 @@ class FlatLayout:
                     f"this torch version lays out flat parameters differently than expected")
 
     def require_sharded(self, what: str) -> None:
-        if not self.sharded:
+        # NO_SHARD replicates the flat parameter and the HYBRID strategies shard it within a
+        # replica group: neither is laid out as dim-0 chunks over the whole world.
+        if not self.sharded or "HYBRID" in self.strategy:
             raise NotImplementedError(
-                f"ShardedEMA.{what}: FSDP1 units with sharding strategy NO_SHARD are not supported "
-                f"(update() and swap() are); use DDP or a sharded strategy")
+                f"ShardedEMA.{what}: FSDP1 units with sharding strategy {self.strategy} are not "
+                f"supported (update() and swap() are); use FULL_SHARD or SHARD_GRAD_OP, or FSDP2")
 
     # --- which rank holds what -----------------------------------------------------------------
 

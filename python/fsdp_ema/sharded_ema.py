@@ -610,7 +610,10 @@ class ShardedEMA:
             self._refresh()
         decay = self._scheduled_decay(self._step)
         for g in self._groups:
-            d = decay if g.device == self._device else decay.to(g.device)
+            # The op reads a CPU decay on the host (no sync); only a device decay for a group
+            # on another device needs a copy (CPU-offloaded shards next to device buffers).
+            d = decay if g.device == decay.device or decay.device.type == "cpu" else decay.to(
+                g.device)
             if g.ema_average:
                 torch.ops.fsdp_ema.update_(g.ema_average, g.model_average, d)
             if g.ema_copy:
