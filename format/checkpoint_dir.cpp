@@ -20,10 +20,7 @@ namespace {
 
 using detail::json_quote;
 
-// Runs at least this long are copied with pread (no page faults, errors instead of SIGBUS);
-// shorter ones with memcpy from the mapping.
-constexpr uint64_t kPreadRunBytes = uint64_t{64} << 10;
-// Block of a fused copy + checksum: read into the destination, hashed while still in cache.
+// Block of a fused copy + checksum: copied into the destination, hashed while still in cache.
 constexpr uint64_t kFusedBlockBytes = uint64_t{1} << 20;
 
 bool is_digits(std::string_view s) {
@@ -176,10 +173,12 @@ struct CheckpointDir::Impl {
       }
       bool copied = false;
       std::call_once(verified[flag_base[ti] + pi], [&] {
+        const std::span<const std::byte> src = f.data(*r.info);
+        detail::advise_willneed(src.data(), src.size());
         Checksummer h;
         for (uint64_t pos = 0; pos < run; pos += kFusedBlockBytes) {
           const uint64_t n = std::min(kFusedBlockBytes, run - pos);
-          f.read(*r.info, pos, n, dst + dst_byte + pos);
+          std::memcpy(dst + dst_byte + pos, src.data() + pos, n);
           h.update(dst + dst_byte + pos, n);
         }
         copied = true;
@@ -191,7 +190,7 @@ struct CheckpointDir::Impl {
     }
 
     if (ndim == 0) {
-      copy_run(f, *r.info, 0, esz, dst);
+      f.read(*r.info, 0, esz, dst);
       return;
     }
     const Shape sstride = strides_of(p.shape);
@@ -206,7 +205,7 @@ struct CheckpointDir::Impl {
         q += static_cast<uint64_t>(box.offsets[d] - dst_off[d] + i) *
              static_cast<uint64_t>(dstride[d]);
       }
-      copy_run(f, *r.info, s * esz, run, dst + q * esz);
+      f.read(*r.info, s * esz, run, dst + q * esz);
       // Odometer over dims [0, k).
       size_t d = k;
       while (d > 0) {
@@ -216,15 +215,6 @@ struct CheckpointDir::Impl {
         if (d == 0) return;
       }
       if (k == 0) return;
-    }
-  }
-
-  static void copy_run(const ShardFile& f, const TensorInfo& info, uint64_t offset, uint64_t n,
-                       std::byte* dst) {
-    if (n >= kPreadRunBytes) {
-      f.read(info, offset, n, dst);
-    } else {
-      std::memcpy(dst, f.data(info).data() + offset, n);
     }
   }
 };

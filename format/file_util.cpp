@@ -44,7 +44,8 @@ void UniqueFd::close_or_throw(const std::string& path) {
 }
 
 UniqueFd open_read_only(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO must not hang (fd_size then refuses anything but a regular file).
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) throw FormatError(path + ": cannot open: " + errno_text(errno));
   return UniqueFd(fd);
 }
@@ -238,6 +239,15 @@ bool is_directory(const std::string& path) {
 }
 
 void remove_quietly(const std::string& path) noexcept { (void)::unlink(path.c_str()); }
+
+void advise_willneed(const void* addr, size_t size) noexcept {
+  constexpr size_t kMinBytes = size_t{4} << 20;
+  if (size < kMinBytes) return;
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(addr) & ~(page - 1);
+  const auto end = reinterpret_cast<uintptr_t>(addr) + size;
+  (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_WILLNEED);
+}
 
 MappedFile::MappedFile(int fd, uint64_t size, const std::string& path) : size_(size) {
   if (size == 0) return;

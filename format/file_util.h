@@ -73,6 +73,10 @@ bool is_directory(const std::string& path);
 // Removes a file if it exists, ignoring errors (cleanup paths).
 void remove_quietly(const std::string& path) noexcept;
 
+// Asks the kernel to read a mapped range ahead (madvise WILLNEED) when it is large enough for
+// that to pay; a hint only.
+void advise_willneed(const void* addr, size_t size) noexcept;
+
 // A read-only shared mapping of a whole file (nothing for an empty file).
 class MappedFile {
  public:

@@ -18,9 +18,6 @@ namespace {
 using detail::Json;
 using detail::json_quote;
 
-// Bytes hashed per pread: small enough to stay in L2 between the read and the hash.
-constexpr size_t kVerifyBlock = size_t{1} << 20;
-
 std::optional<int64_t> parse_decimal(std::string_view s) {
   int64_t v = 0;
   if (s.empty()) return std::nullopt;
@@ -183,8 +180,7 @@ ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& fil
 
 struct ShardFile::Impl {
   std::string path;
-  detail::UniqueFd fd;
-  detail::MappedFile map;
+  detail::MappedFile map;  // the descriptor is closed once mapped: thousands of files stay open
   ShardHeader header;
   std::unordered_map<std::string, size_t> by_name;
 };
@@ -197,15 +193,17 @@ ShardFile::~ShardFile() = default;
 ShardFile ShardFile::open(const std::string& path, bool verify_checksums) {
   auto impl = std::make_unique<Impl>();
   impl->path = path;
-  impl->fd = detail::open_read_only(path);
-  const uint64_t size = detail::fd_size(impl->fd.get(), path);
-  std::byte first8[8] = {};
-  if (size >= 8) detail::pread_all(impl->fd.get(), first8, 8, 0, path);
-  const uint64_t n = parse_header_length(std::span<const std::byte>(first8, 8), size, path);
-  std::string json(n, '\0');
-  detail::pread_all(impl->fd.get(), json.data(), n, 8, path);
-  impl->header = interpret_shard_header(parse_safetensors_header(json, size, path), path);
-  impl->map = detail::MappedFile(impl->fd.get(), size, path);
+  {
+    const detail::UniqueFd fd = detail::open_read_only(path);
+    const uint64_t size = detail::fd_size(fd.get(), path);
+    std::byte first8[8] = {};
+    if (size >= 8) detail::pread_all(fd.get(), first8, 8, 0, path);
+    const uint64_t n = parse_header_length(std::span<const std::byte>(first8, 8), size, path);
+    std::string json(n, '\0');
+    detail::pread_all(fd.get(), json.data(), n, 8, path);
+    impl->header = interpret_shard_header(parse_safetensors_header(json, size, path), path);
+    impl->map = detail::MappedFile(fd.get(), size, path);
+  }
   for (size_t i = 0; i < impl->header.tensors.size(); ++i) {
     impl->by_name.emplace(impl->header.tensors[i].name, i);
   }
@@ -253,23 +251,15 @@ void ShardFile::read(const TensorInfo& t, uint64_t offset, uint64_t length, void
                       " is outside its " + std::to_string(t.nbytes) + " bytes");
   }
   if (length == 0) return;
-  detail::pread_all(impl_->fd.get(), dst, length, t.data_offset + offset, impl_->path);
+  const std::byte* src = impl_->map.data() + t.data_offset + offset;
+  detail::advise_willneed(src, length);
+  std::memcpy(dst, src, length);
 }
 
 uint64_t ShardFile::compute_checksum(const TensorInfo& t) const {
-  if (t.nbytes <= kVerifyBlock) {
-    std::vector<std::byte> buf(t.nbytes);
-    read(t, 0, t.nbytes, buf.data());
-    return checksum_of(buf.data(), buf.size());
-  }
-  std::unique_ptr<std::byte[]> buf(new std::byte[kVerifyBlock]);
-  Checksummer h;
-  for (uint64_t pos = 0; pos < t.nbytes; pos += kVerifyBlock) {
-    const uint64_t n = std::min<uint64_t>(kVerifyBlock, t.nbytes - pos);
-    read(t, pos, n, buf.get());
-    h.update(buf.get(), n);
-  }
-  return h.digest();
+  const auto bytes = data(t);
+  detail::advise_willneed(bytes.data(), bytes.size());
+  return checksum_of(bytes);
 }
 
 bool ShardFile::verify(const TensorInfo& t) const {

@@ -44,8 +44,11 @@ struct ShardHeader {
 // keys and DCP_SHARDING_INFO are required.
 ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& file);
 
-// One safetensors file, mapped read-only. Move-only. The file must not be truncated or rewritten
-// while open (the mapping would fault); our writers never do that: they rename new files in.
+// One safetensors file, mapped read-only (the descriptor is closed right after mapping, so a
+// reader of thousands of shard files needs no file-descriptor headroom). Move-only. The file must
+// not be truncated in place while open (reading the lost pages would raise SIGBUS, as with any
+// mapping, e.g. the safetensors package's); our writers never do that: they rename new files in,
+// and a mapping keeps the old file's data.
 class ShardFile {
  public:
   // Opens, maps and validates the file; with verify_checksums, also checks every stored checksum.
@@ -72,8 +75,8 @@ class ShardFile {
   std::span<const std::byte> data(const TensorInfo& tensor) const;
   std::span<const std::byte> data(std::string_view name) const;
 
-  // Copies `length` bytes from byte `offset` of the tensor's data with pread (no page faults on
-  // the mapping; a file truncated meanwhile gives an error, not SIGBUS).
+  // Copies `length` bytes from byte `offset` of the tensor's data (from the mapping, with
+  // read-ahead requested for large ranges).
   void read(const TensorInfo& tensor, uint64_t offset, uint64_t length, void* dst) const;
 
   // Checks the stored checksum of one tensor: true when it matches, false when the file stores
