@@ -118,7 +118,10 @@ void check_coverage(const IndexTensor& t, const std::string& where) {
   const std::string ctx = tensor_ctx(where, t.name);
   const size_t ndim = t.shape.size();
   auto total = numel(t.shape);
-  if (!total) throw FormatError(ctx + ": global shape " + shape_to_string(t.shape) + " overflows");
+  if (!total || !nbytes(t.shape, t.dtype)) {
+    throw FormatError(ctx + ": global shape " + shape_to_string(t.shape) + " of " +
+                      std::string(dtype_name(t.dtype)) + " overflows a 64-bit byte count");
+  }
   uint64_t covered = 0;
   std::vector<size_t> nonempty;
   for (size_t i = 0; i < t.pieces.size(); ++i) {

@@ -266,6 +266,9 @@ TEST(IndexJson, MalformedIndicesAreRefusedWithTheReason) {
        "pieces cover 4 of 5 elements"},
       {index_with(R"("w": {"dtype": "F32", "shape": [-4], "pieces": []})"),
        "\"shape\" must be an array of non-negative integers"},
+      {index_with(R"("w": {"dtype": "F64", "shape": [4611686018427387904], "pieces": [)" +
+                  piece_json + "]}"),
+       "global shape [4611686018427387904] of F64 overflows a 64-bit byte count"},
       {"[]", "index is a JSON array"},
       {"{", "invalid JSON"},
   };

@@ -2,6 +2,7 @@
 // the tensor when there is one) and the problem.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include "format/checksum.h"
 #include "format/safetensors_header.h"
@@ -194,6 +195,16 @@ TEST_F(ShardCorruption, InconsistentFsdpEmaMetadataIsRefused) {
   const ShardFile f = ShardFile::open(bad_path());
   EXPECT_EQ(f.tensor("a").offsets, Shape{2});
   EXPECT_EQ(f.tensor("a").global_shape, Shape{4});
+}
+
+TEST_F(ShardCorruption, SpecialFilesAreRefusedWithoutBlocking) {
+  ASSERT_EQ(::mkfifo(dir_.file("fifo.safetensors").c_str(), 0644), 0);
+  EXPECT_THAT(error_of([&] { ShardFile::open(dir_.file("fifo.safetensors")); }),
+              AllOf(HasSubstr("fifo.safetensors"), HasSubstr("not a regular file")));
+  EXPECT_THAT(error_of([&] { ShardFile::open(dir_.path()); }), HasSubstr("not a regular file"));
+  EXPECT_THAT(
+      error_of([&] { ShardFile::open(dir_.file("missing.safetensors")); }),
+      AllOf(HasSubstr("missing.safetensors: cannot open"), HasSubstr("No such file or directory")));
 }
 
 TEST(SafetensorsHeader, AcceptsWhatTheReferenceAcceptsAndSerializesAligned) {
