@@ -38,6 +38,7 @@ Progress::Progress(std::FILE* out, Mode mode, std::string label)
 
 void Progress::update(uint64_t done, uint64_t total, std::string_view detail) {
   if (mode_ == Mode::kQuiet) return;
+  if (mode_ == Mode::kLines && done >= total) return;  // finish() prints the last line
   const auto now = std::chrono::steady_clock::now();
   const int decile = total == 0 ? 10 : static_cast<int>(done * 10 / std::max<uint64_t>(total, 1));
   if (mode_ == Mode::kBar) {
