@@ -4,6 +4,7 @@
 
 #include "kernels/update_cpu.h"
 #include "ops/checkpoint.h"
+#include "ops/gather.h"
 #include "ops/update.h"
 
 // Why `Tensor(a! -> *)[]` rather than the usual `Tensor(a!)[]`: TorchScript's alias analysis
@@ -53,6 +54,10 @@ TORCH_LIBRARY(fsdp_ema, m) {
   // JSON description of a checkpoint directory: layout, world size, tensors (dtype, shape).
   m.def("checkpoint_info(str directory) -> str");
 
+  // Dim-0 shards (torch.chunk rows, possibly empty) of N tensors -> the N full tensors on every
+  // rank of the c10d process group named group_name, with one all-gather.
+  m.def("gather_shards(Tensor[] shards, int[] rows, str group_name) -> Tensor[]");
+
   // The instruction set of the CPU update kernel in use: "avx512", "avx2" or "default" (capped
   // by ATEN_CPU_CAPABILITY, as ATen's own kernels are).
   m.def("cpu_capability() -> str");
@@ -65,6 +70,7 @@ TORCH_LIBRARY_IMPL(fsdp_ema, CompositeExplicitAutograd, m) {
   m.impl("load_shard", &fsdp_ema::ops::load_shard);
   m.impl("load_tensors", &fsdp_ema::ops::load_tensors);
   m.impl("checkpoint_info", &fsdp_ema::ops::checkpoint_info);
+  m.impl("gather_shards", &fsdp_ema::ops::gather_shards);
   m.impl("cpu_capability", [] { return std::string(fsdp_ema::kernels::update_cpu_capability()); });
 }
 
@@ -77,6 +83,7 @@ TORCH_LIBRARY_IMPL(fsdp_ema, CPU, m) {
 
 // Mutating and returning nothing: the meta kernel only validates, which is all tracing needs.
 TORCH_LIBRARY_IMPL(fsdp_ema, Meta, m) {
+  m.impl("gather_shards", &fsdp_ema::ops::gather_shards_meta);  // shapes only, no collective
   for (const char* name : {"update_", "ema_shard_update_"}) {
     m.impl(name, &fsdp_ema::ops::update_meta);
     m.impl((std::string(name) + ".Tensor").c_str(), &fsdp_ema::ops::update_tensor_meta);

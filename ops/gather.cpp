@@ -1,0 +1,155 @@
+#include "ops/gather.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
+#include <c10/util/irange.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <algorithm>
+
+#include "kernels/batched_copy.h"
+
+namespace fsdp_ema::ops {
+
+#if defined(FSDP_EMA_WITH_CUDA)
+// ops/gather_cuda.cpp
+void batched_copy_cuda(std::vector<kernels::CopySegment>& segments, const at::Device& device);
+#endif
+
+namespace {
+
+constexpr const char* kOp = "fsdp_ema::gather_shards: ";
+constexpr int64_t kAlign = 16;  // every packed piece starts 16-byte aligned (vector copies)
+
+int64_t align_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// torch.chunk(rows, world)[rank] as [begin, end).
+std::pair<int64_t, int64_t> chunk_rows(int64_t rows, int64_t rank, int64_t world) {
+  const int64_t cs = (rows + world - 1) / world;
+  const int64_t begin = std::min(rank * cs, rows);
+  return {begin, std::min(begin + cs, rows)};
+}
+
+void validate_lists(at::TensorList shards, at::IntArrayRef rows) {
+  TORCH_CHECK(shards.size() == rows.size(), kOp, "shards has ", shards.size(),
+              " tensors but rows has ", rows.size(), " entries");
+  for (const auto i : c10::irange(shards.size())) {
+    TORCH_CHECK(shards[i].defined(), kOp, "shards[", i, "] is an undefined tensor");
+    TORCH_CHECK(shards[i].dim() >= 1, kOp, "shards[", i,
+                "] is 0-dim; only tensors with a dim 0 to shard can be gathered");
+    TORCH_CHECK(rows[i] >= 0, kOp, "rows[", i, "] is negative: ", rows[i]);
+    TORCH_CHECK(shards[i].device() == shards[0].device(), kOp, "shards[", i, "] is on ",
+                shards[i].device(), " but shards[0] is on ", shards[0].device());
+  }
+}
+
+void batched_copy(std::vector<kernels::CopySegment>& segments, const at::Device& device) {
+  if (device.is_cpu()) {
+    kernels::batched_copy_cpu(segments.data(), static_cast<int64_t>(segments.size()));
+    return;
+  }
+#if defined(FSDP_EMA_WITH_CUDA)
+  if (device.is_cuda()) {
+    batched_copy_cuda(segments, device);
+    return;
+  }
+#endif
+  TORCH_CHECK(false, kOp, "tensors on ", device, " are not supported (CPU or CUDA)");
+}
+
+}  // namespace
+
+std::vector<at::Tensor> gather_shards(at::TensorList shards, at::IntArrayRef rows,
+                                      c10::string_view group_name) {
+  validate_lists(shards, rows);
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  try {
+    group = c10d::resolve_process_group(std::string(group_name));
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, kOp, "group_name '", group_name, "' names no process group (",
+                e.what(), ")");
+  }
+  const int64_t world = group->getSize();
+  const int64_t rank = group->getRank();
+  const size_t n = shards.size();
+
+  // Every rank's packed layout is known locally: rows and trailing shapes are the same
+  // everywhere, so no size exchange is needed before the one all-gather.
+  std::vector<int64_t> row_bytes(n);
+  std::vector<at::Tensor> inputs(n);
+  for (const auto i : c10::irange(n)) {
+    const auto [b, e] = chunk_rows(rows[i], rank, world);
+    TORCH_CHECK(shards[i].size(0) == e - b, kOp, "shards[", i, "] has ", shards[i].size(0),
+                " rows but rank ", rank, " of ", world, " holds ", e - b, " of rows[", i,
+                "] = ", rows[i], " (torch.chunk: rows [", b, ", ", e, "))");
+    inputs[i] = shards[i].contiguous();
+    row_bytes[i] = static_cast<int64_t>(inputs[i].element_size()) *
+                   c10::multiply_integers(shards[i].sizes().slice(1));
+  }
+  // offset[r][i]: where rank r's piece of tensor i starts in rank r's packed buffer.
+  std::vector<std::vector<int64_t>> offset(world, std::vector<int64_t>(n));
+  int64_t max_bytes = kAlign;
+  for (int64_t r = 0; r < world; ++r) {
+    int64_t pos = 0;
+    for (const auto i : c10::irange(n)) {
+      const auto [b, e] = chunk_rows(rows[i], r, world);
+      offset[r][i] = pos;
+      pos = align_up(pos + (e - b) * row_bytes[i]);
+    }
+    max_bytes = std::max(max_bytes, pos);
+  }
+
+  const at::Device device = n > 0 ? shards[0].device() : at::Device(at::kCPU);
+  const auto byte_options = at::TensorOptions().dtype(at::kByte).device(device);
+  at::Tensor packed = at::empty({max_bytes}, byte_options);
+  at::Tensor gathered = at::empty({world * max_bytes}, byte_options);
+
+  std::vector<kernels::CopySegment> segments;
+  for (const auto i : c10::irange(n)) {
+    const int64_t bytes = inputs[i].nbytes();
+    if (bytes == 0) continue;
+    segments.push_back({inputs[i].const_data_ptr(),
+                        static_cast<char*>(packed.data_ptr()) + offset[rank][i], bytes, 0});
+  }
+  batched_copy(segments, device);
+
+  // One collective for all N tensors (gloo on CPU, NCCL on CUDA; the group's timeout applies).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  group->_allgather_base(gathered, packed)->wait();
+#pragma GCC diagnostic pop
+
+  std::vector<at::Tensor> outputs(n);
+  segments.clear();
+  for (const auto i : c10::irange(n)) {
+    std::vector<int64_t> shape(shards[i].sizes().begin(), shards[i].sizes().end());
+    shape[0] = rows[i];
+    outputs[i] = at::empty(shape, shards[i].options().memory_format(at::MemoryFormat::Contiguous));
+    for (int64_t r = 0; r < world; ++r) {
+      const auto [b, e] = chunk_rows(rows[i], r, world);
+      if (e == b || row_bytes[i] == 0) continue;
+      segments.push_back({static_cast<const char*>(gathered.const_data_ptr()) + r * max_bytes +
+                              offset[r][i],
+                          static_cast<char*>(outputs[i].data_ptr()) + b * row_bytes[i],
+                          (e - b) * row_bytes[i], 0});
+    }
+  }
+  batched_copy(segments, device);
+  return outputs;
+}
+
+std::vector<at::Tensor> gather_shards_meta(at::TensorList shards, at::IntArrayRef rows,
+                                           c10::string_view group_name) {
+  validate_lists(shards, rows);
+  std::vector<at::Tensor> outputs;
+  for (const auto i : c10::irange(shards.size())) {
+    std::vector<c10::SymInt> shape(shards[i].sym_sizes().begin(), shards[i].sym_sizes().end());
+    shape[0] = rows[i];
+    outputs.push_back(at::empty_symint(shape, shards[i].options()));
+  }
+  return outputs;
+}
+
+}  // namespace fsdp_ema::ops
