@@ -9,15 +9,19 @@ for the whole module, so the ranks are spawned twice (2, then 3 ranks), not once
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 
-import fsdp_ema
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import PoolManager
-from fsdp_ema import ShardedEMA, Warmup
 from torch import nn
 
+import fsdp_ema
+from dist_utils import PoolManager
+from fsdp_ema import ShardedEMA, Warmup
+
+CLI = Path(__file__).resolve().parents[1] / "build" / "bin" / "fsdp-ema"
 STEPS = 6
 DECAY = 0.8  # low, so that a few steps move the EMA well away from the weights
 KINDS = ["fsdp2", "fsdp1_orig", "fsdp1_flat", "ddp", "plain"]
@@ -353,8 +357,13 @@ def replica_ema(dtype, steps=STEPS):
 def test_ema_shards_equal_slices_of_unsharded_replica_fp32(pools, kind):
     results = pools.get(2).run(run_matrix_case, kind, torch.float32)
     _, replica = replica_ema(torch.float32)
+    layout = {"fsdp2": "dtensor", "fsdp1_orig": "sharded", "fsdp1_flat": "sharded"}.get(kind,
+                                                                                     "full")
     for rank, res in enumerate(results):
         assert res["step"] == STEPS
+        for name, (got, _, _) in res["entries"].items():
+            is_param = name.endswith(("weight", "bias"))
+            assert got == (layout if is_param else "full"), (name, got)
         replay = reference_ema(res["states"], [DECAY] * STEPS)
         assert_entries_match(res["entries"], replay, rank, 2, REPLAY)
         assert_entries_match(res["entries"], replica, rank, 2, REPLICA)
@@ -467,6 +476,7 @@ def test_checkpoints_written_at_2_ranks_read_at_3_ranks_every_kind(pools, saved)
             assert_entries_match(got["ours"], reference, rank, 3, REPLAY)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("source", SAVED_KINDS)
 def test_checkpoints_written_at_2_ranks_read_at_1(saved, source):
     import torch.distributed.checkpoint as dcp
@@ -496,6 +506,20 @@ def test_checkpoints_written_at_2_ranks_read_at_1(saved, source):
     for name, t in ema2.state_dict().items():
         if name != ShardedEMA.STEP_KEY:
             torch.testing.assert_close(t, reference[name].to(t.dtype), **REPLAY)
+    # The C++ reader with no Python: the fsdp-ema tool verifies and consolidates the directory.
+    if CLI.exists():
+        from safetensors.torch import load_file
+
+        out = directory / "exported"
+        for command in (["verify", str(directory / "ema")],
+                        ["export", "-q", str(directory / "ema"), str(out)]):
+            done = subprocess.run([str(CLI), *command], capture_output=True, text=True)
+            assert done.returncode == 0, done.stdout + done.stderr
+        exported = load_file(str(out / "model.safetensors"))
+        assert sorted(exported) == names
+        for name in names:
+            torch.testing.assert_close(exported[name], reference[name].to(exported[name].dtype),
+                                       **REPLAY)
     # save_shard_weights wrote the trained model's own weights.
     weights = fsdp_ema.checkpoint.load(directory / "weights")
     for name, t in states[-1].items():
