@@ -59,6 +59,26 @@ void batched_copy(std::vector<kernels::CopySegment>& segments, const at::Device&
   TORCH_CHECK(false, kOp, "tensors on ", device, " are not supported (CPU or CUDA)");
 }
 
+// The packed send buffer and the gathered receive buffer. On the CPU they are kept between calls
+// (per thread): fresh pages cost a fault each, which for large gathers (bucketed exports) takes
+// longer than the copies themselves. CUDA's caching allocator already reuses device memory.
+std::pair<at::Tensor, at::Tensor> workspace(const at::Device& device, int64_t send_bytes,
+                                            int64_t recv_bytes) {
+  const auto options = at::TensorOptions().dtype(at::kByte).device(device);
+  if (!device.is_cpu()) {
+    return {at::empty({send_bytes}, options), at::empty({recv_bytes}, options)};
+  }
+  thread_local at::Tensor send_cache;
+  thread_local at::Tensor recv_cache;
+  if (!send_cache.defined() || send_cache.numel() < send_bytes) {
+    send_cache = at::empty({send_bytes}, options);
+  }
+  if (!recv_cache.defined() || recv_cache.numel() < recv_bytes) {
+    recv_cache = at::empty({recv_bytes}, options);
+  }
+  return {send_cache.narrow(0, 0, send_bytes), recv_cache.narrow(0, 0, recv_bytes)};
+}
+
 }  // namespace
 
 std::vector<at::Tensor> gather_shards(at::TensorList shards, at::IntArrayRef rows,
@@ -102,9 +122,7 @@ std::vector<at::Tensor> gather_shards(at::TensorList shards, at::IntArrayRef row
   }
 
   const at::Device device = n > 0 ? shards[0].device() : at::Device(at::kCPU);
-  const auto byte_options = at::TensorOptions().dtype(at::kByte).device(device);
-  at::Tensor packed = at::empty({max_bytes}, byte_options);
-  at::Tensor gathered = at::empty({world * max_bytes}, byte_options);
+  auto [packed, gathered] = workspace(device, max_bytes, world * max_bytes);
 
   std::vector<kernels::CopySegment> segments;
   for (const auto i : c10::irange(n)) {
