@@ -251,7 +251,9 @@ void advise_willneed(const void* addr, size_t size) noexcept {
 
 MappedFile::MappedFile(int fd, uint64_t size, const std::string& path) : size_(size) {
   if (size == 0) return;
-  void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  // Private and writable: torch-side callers hand out zero-copy tensors over the mapping, and a
+  // write to one must neither fault nor reach the file (copy-on-write keeps it in this process).
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
   if (p == MAP_FAILED) throw FormatError(path + ": mmap failed: " + errno_text(errno));
   data_ = static_cast<const std::byte*>(p);
 }

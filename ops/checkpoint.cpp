@@ -4,6 +4,7 @@
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 #include <c10/util/irange.h>
 
 #include <memory>
@@ -219,6 +220,33 @@ load_shard(c10::string_view path, bool verify, std::optional<at::Device> device)
   });
 }
 
+at::Tensor read_rows(const std::shared_ptr<const format::CheckpointDir>& dir,
+                     const format::IndexTensor& tensor, format::RowRange rows, bool verify) {
+  std::vector<int64_t> shape(tensor.shape.begin(), tensor.shape.end());
+  const bool whole = shape.empty() || (rows.begin == 0 && rows.end == shape[0]);
+  if (!shape.empty()) shape[0] = rows.size();
+  const auto options = at::TensorOptions().dtype(to_scalar_type(tensor.dtype));
+  for (size_t k = 0; k < tensor.pieces.size(); ++k) {
+    const format::IndexPiece& piece = tensor.pieces[k];
+    const bool exact = piece.shape == format::Shape(shape.begin(), shape.end()) &&
+                       (piece.offsets.empty() || piece.offsets[0] == rows.begin);
+    if (!exact || c10::multiply_integers(shape) == 0) continue;
+    const format::ShardFile& file = dir->shard_file(piece.file);
+    const auto bytes = file.data(file.tensor(tensor.name));
+    if (reinterpret_cast<uintptr_t>(bytes.data()) % format::dtype_size(tensor.dtype) != 0) break;
+    if (verify) dir->verify_piece(tensor.name, k);
+    return at::from_blob(const_cast<std::byte*>(bytes.data()), shape, [dir](void*) {}, options);
+  }
+  at::Tensor t = at::empty(shape, options);
+  if (t.nbytes() == 0) return t;
+  if (whole) {
+    dir->read_full(tensor.name, t.data_ptr(), t.nbytes(), verify);
+  } else {
+    dir->read_rows(tensor.name, rows.begin, rows.end, t.data_ptr(), t.nbytes(), verify);
+  }
+  return t;
+}
+
 std::vector<at::Tensor> load_tensors(c10::string_view directory,
                                      const std::vector<std::string>& names, int64_t rank,
                                      int64_t world_size, bool verify,
@@ -228,29 +256,20 @@ std::vector<at::Tensor> load_tensors(c10::string_view directory,
   TORCH_CHECK(rank >= 0 && rank < world_size, kOp, "rank must be in [0, world_size), got rank ",
               rank, " with world_size ", world_size);
   return translate_errors(kOp, [&] {
-    const format::CheckpointDir dir = format::CheckpointDir::open(std::string(directory));
+    const auto dir = std::make_shared<const format::CheckpointDir>(
+        format::CheckpointDir::open(std::string(directory)));
     // Look every name up (and size every slice) before reading anything.
     std::vector<std::pair<const format::IndexTensor*, format::RowRange>> plan;
     for (const auto& name : names) {
-      const format::IndexTensor& info = dir.tensor(name);
+      const format::IndexTensor& info = dir->tensor(name);
       // A 0-dim tensor has no rows to split: every rank gets all of it (FSDP replicates it).
       format::RowRange rows{0, info.shape.empty() ? 1 : info.shape[0]};
-      if (world_size > 1 && !info.shape.empty()) {
-        rows = format::chunk_rows(info.shape[0], rank, world_size);
-      }
+      if (!info.shape.empty()) rows = format::chunk_rows(info.shape[0], rank, world_size);
       plan.emplace_back(&info, rows);
     }
     std::vector<at::Tensor> out;
     for (const auto& [info, rows] : plan) {
-      std::vector<int64_t> shape(info->shape.begin(), info->shape.end());
-      if (!shape.empty()) shape[0] = rows.size();
-      at::Tensor t = at::empty(shape, at::TensorOptions().dtype(to_scalar_type(info->dtype)));
-      const size_t nbytes = t.nbytes();
-      if (world_size == 1 || info->shape.empty()) {
-        dir.read_full(info->name, t.data_ptr(), nbytes, verify);
-      } else if (nbytes > 0) {
-        dir.read_rows(info->name, rows.begin, rows.end, t.data_ptr(), nbytes, verify);
-      }
+      at::Tensor t = read_rows(dir, *info, rows, verify);
       if (device.has_value() && !device->is_cpu()) t = t.to(*device);
       out.push_back(std::move(t));
     }

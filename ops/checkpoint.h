@@ -7,11 +7,13 @@
 #include <c10/core/Device.h>
 #include <c10/util/ArrayRef.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "format/checkpoint_dir.h"
 #include "format/dtype.h"
 
 namespace fsdp_ema::ops {
@@ -45,6 +47,13 @@ std::vector<at::Tensor> load_tensors(c10::string_view directory,
                                      const std::vector<std::string>& names, int64_t rank,
                                      int64_t world_size, bool verify,
                                      std::optional<at::Device> device);
+
+// The dim-0 rows [rows.begin, rows.end) of `tensor` (all of it for a 0-dim tensor) as a CPU
+// tensor. When one stored piece holds exactly those rows (reading back at the world size that
+// wrote the checkpoint, or a whole tensor one rank wrote) the result maps the file (copy-on-write,
+// no copy) and keeps `dir` open; otherwise the rows are assembled from the pieces.
+at::Tensor read_rows(const std::shared_ptr<const format::CheckpointDir>& dir,
+                     const format::IndexTensor& tensor, format::RowRange rows, bool verify);
 
 // JSON: {"layout", "world_size", "tensors": {name: {"dtype", "shape"}}, "metadata"}.
 std::string checkpoint_info(c10::string_view directory);

@@ -36,12 +36,16 @@ std::string join_names(const std::vector<std::string>& names, size_t limit = 20)
 }  // namespace
 
 struct CheckpointReader::Impl {
-  format::CheckpointDir dir;
+  std::shared_ptr<const format::CheckpointDir> owner;  // also kept by zero-copy tensors
+  const format::CheckpointDir& dir;
 };
 
 CheckpointReader::CheckpointReader(const std::string& directory)
     : impl_(translate([&] {
-        return std::make_unique<Impl>(Impl{format::CheckpointDir::open(directory)});
+        auto dir = std::make_shared<const format::CheckpointDir>(
+            format::CheckpointDir::open(directory));
+        const format::CheckpointDir& ref = *dir;
+        return std::make_unique<Impl>(Impl{std::move(dir), ref});
       })) {}
 
 CheckpointReader::~CheckpointReader() = default;
@@ -78,18 +82,9 @@ at::Tensor CheckpointReader::load_chunk(const std::string& name, int64_t rank, i
               "rank must be in [0, world_size), got rank ", rank, " of ", world_size);
   return translate([&] {
     const format::IndexTensor& info = impl_->dir.tensor(name);
-    std::vector<int64_t> shape(info.shape.begin(), info.shape.end());
-    format::RowRange rows{0, shape.empty() ? 1 : shape[0]};
-    if (!shape.empty()) {
-      rows = format::chunk_rows(shape[0], rank, world_size);
-      shape[0] = rows.size();
-    }
-    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(ops::to_scalar_type(info.dtype)));
-    if (world_size == 1 || info.shape.empty()) {
-      impl_->dir.read_full(name, t.data_ptr(), t.nbytes(), verify);
-    } else if (t.nbytes() > 0) {
-      impl_->dir.read_rows(name, rows.begin, rows.end, t.data_ptr(), t.nbytes(), verify);
-    }
+    format::RowRange rows{0, info.shape.empty() ? 1 : info.shape[0]};
+    if (!info.shape.empty()) rows = format::chunk_rows(info.shape[0], rank, world_size);
+    const at::Tensor t = ops::read_rows(impl_->owner, info, rows, verify);
     return device.is_cpu() ? t : t.to(device);
   });
 }
