@@ -92,11 +92,14 @@ class FlatLayout:
         begin, end = chunk_rows(member.shape[0], rank, self.world_size)
         return torch.Size([end - begin, *member.shape[1:]])
 
-    def _pieces(self, scalar_owners: Sequence[int]) -> list[_Piece]:
-        """Every intersection of a chunk with a flat slice. A 0-dim member's chunk holders are
-        ``scalar_owners`` (every rank when gathering, one rank when scattering back)."""
+    def _pieces(self, scalar_owners: Sequence[int],
+                indices: Sequence[int] | None = None) -> list[_Piece]:
+        """Every intersection of a chunk with a flat slice, for the members ``indices`` (all by
+        default). A 0-dim member's chunk holders are ``scalar_owners`` (every rank when
+        gathering, one rank when scattering back)."""
         pieces, size = [], self.shard_numel
-        for index, member in enumerate(self.members):
+        for index in range(len(self.members)) if indices is None else indices:
+            member = self.members[index]
             owners = scalar_owners if len(member.shape) == 0 else range(self.world_size)
             for q in owners:
                 begin, end = self.chunk(member, q)
@@ -123,11 +126,16 @@ class FlatLayout:
                                [c * itemsize for c in send_counts], group=self.group)
         return recv.view(dtype).to(device)
 
-    def to_chunks(self, flat_slice: torch.Tensor) -> list[torch.Tensor]:
+    def to_chunks(self, flat_slice: torch.Tensor,
+                  indices: Sequence[int] | None = None) -> list[torch.Tensor]:
         """Collective over the unit's group: this rank's dim-0 chunk of every member (0-dim
-        members whole, on every rank), from every rank's flat slice."""
+        members whole, on every rank), from every rank's flat slice. With ``indices`` (increasing
+        member indices, the same on every rank), only those members' chunks, so that the
+        transient buffers scale with them rather than with the unit."""
         self.require_sharded("state_dict/save")
-        pieces = self._pieces(range(self.world_size))
+        members = (self.members if indices is None
+                   else [self.members[i] for i in indices])
+        pieces = self._pieces(range(self.world_size), indices)
         me, base = self.rank, self.rank * self.shard_numel
         sends = sorted((p for p in pieces if p.flat_rank == me),
                        key=lambda p: (p.chunk_rank, p.begin))
@@ -141,9 +149,9 @@ class FlatLayout:
         recv = self._all_to_all([flat_slice[p.begin - base:p.end - base] for p in sends],
                                 send_counts, recv_counts, flat_slice.dtype, flat_slice.device)
         # Received in flat order, which is member order: split it into the chunks.
-        sizes = [self.chunk_shape(m, me).numel() for m in self.members]
+        sizes = [self.chunk_shape(m, me).numel() for m in members]
         return [part.view(self.chunk_shape(m, me))
-                for part, m in zip(torch.split(recv, sizes), self.members)]
+                for part, m in zip(torch.split(recv, sizes), members)]
 
     def from_chunks(self, chunks: Sequence[torch.Tensor], flat_slice: torch.Tensor) -> None:
         """Collective over the unit's group: writes every rank's dim-0 chunks of the members into

@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import math
 import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -420,6 +421,132 @@ def _list_names(names: Sequence[str], limit: int = 8) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+# --- full tensors in bounded buckets ---------------------------------------------------------------
+
+#: Default ``bucket_bytes`` of ``full_state_dict`` and ``export``.
+DEFAULT_BUCKET_BYTES = 256 << 20
+#: Default ``max_file_bytes`` of ``export`` (tensor data per file; Hugging Face's 5 GB).
+DEFAULT_MAX_FILE_BYTES = 5 * 1000**3
+_GATHER_ALIGN = 16  # gather_shards starts every packed piece 16-byte aligned
+
+
+class _Part(NamedTuple):
+    """One full tensor to produce. ``kind``: ``"full"`` (``value`` is already the full tensor),
+    ``"rows"`` (``value`` holds this rank's torch.chunk rows: gathered), ``"flat"`` (the rows
+    come from the FSDP1 exchange of ``slot``'s member ``member`` out of the flat slice
+    ``value``; a 0-dim member needs no gather), ``"dtensor"`` (``value`` is a DTensor of
+    another layout: ``full_tensor()``)."""
+
+    fqn: str
+    shape: torch.Size
+    dtype: torch.dtype
+    kind: str
+    value: Any
+    group: Any = None       # the process group of "rows" and "flat" parts
+    cost: int = 0           # bytes one bucket holds for it (see _part_cost)
+    slot: Any = None
+    member: int = -1
+
+
+def _part_cost(shape: torch.Size, dtype: torch.dtype, world: int) -> int:
+    """Transient bytes gathering one tensor takes on its device, the same on every rank: the
+    full output, this rank's input rows (at most ``ceil(rows / world)``), and gather_shards'
+    packed send buffer and ``world`` times larger receive buffer (pieces 16-byte aligned)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(shape) == 0:
+        return 2 * itemsize
+    row = math.prod(shape[1:]) * itemsize
+    chunk = -(-shape[0] // world) * row + _GATHER_ALIGN
+    return shape.numel() * itemsize + (world + 2) * chunk
+
+
+def _full_parts(slot: _Slot, ema: torch.Tensor) -> list[_Part]:
+    from torch.distributed.tensor import Replicate, Shard
+
+    if isinstance(slot, _Replicated):
+        return [_Part(slot.fqn, ema.shape, ema.dtype, "full", ema)]
+    if isinstance(slot, _Sharded):
+        shape = slot.global_shape
+        if shape.numel() == 0:
+            return [_Part(slot.fqn, shape, ema.dtype, "full", ema.new_empty(shape))]
+        if len(shape) == 0 or all(isinstance(p, Replicate) for p in slot.placements):
+            return [_Part(slot.fqn, shape, ema.dtype, "full", ema)]
+        if slot.chunk is not None:
+            dim = next(i for i, p in enumerate(slot.placements) if isinstance(p, Shard))
+            group = slot.mesh.get_group(dim)
+            return [_Part(slot.fqn, shape, ema.dtype, "rows", ema, group,
+                          _part_cost(shape, ema.dtype, slot.chunk[1]))]
+        return [_Part(slot.fqn, shape, ema.dtype, "dtensor", slot.state_items(ema)[slot.fqn])]
+    assert isinstance(slot, _Flat)
+    layout, parts = slot.layout, []
+    if not layout.sharded:  # NO_SHARD: the flat "slice" is the whole flat parameter
+        for m in layout.members:
+            value = ema[m.start:m.start + m.shape.numel()].view(m.shape)
+            parts.append(_Part(m.fqn, m.shape, ema.dtype, "full", value))
+        return parts
+    layout.require_sharded("full_state_dict/export")
+    for index, m in enumerate(layout.members):
+        if m.shape.numel() == 0:
+            parts.append(_Part(m.fqn, m.shape, ema.dtype, "full", ema.new_empty(m.shape)))
+        else:
+            parts.append(_Part(m.fqn, m.shape, ema.dtype, "flat", ema, layout.group,
+                               _part_cost(m.shape, ema.dtype, layout.world_size), slot, index))
+    return parts
+
+
+def _gather_bucket(bucket: list[_Part]) -> list[torch.Tensor]:
+    """The full tensors of one bucket ("rows"/"flat" parts of one group): the FSDP1 exchange
+    for the members it holds (one all_to_all per unit), then one gather_shards call."""
+    rows: list[Any] = [p.value if p.kind == "rows" else None for p in bucket]
+    by_slot: dict[int, list[int]] = defaultdict(list)
+    for pos, p in enumerate(bucket):
+        if p.kind == "flat":
+            by_slot[id(p.slot)].append(pos)
+    for positions in by_slot.values():
+        first = bucket[positions[0]]
+        chunks = first.slot.layout.to_chunks(first.value, [bucket[i].member for i in positions])
+        for pos, chunk in zip(positions, chunks):
+            rows[pos] = chunk
+    out: list[Any] = list(rows)  # 0-dim FSDP1 members arrive whole from the exchange
+    gather = [i for i, p in enumerate(bucket) if len(p.shape) > 0]
+    if gather:
+        gathered = torch.ops.fsdp_ema.gather_shards(
+            [rows[i] for i in gather], [bucket[i].shape[0] for i in gather],
+            bucket[0].group.group_name)
+        for i, t in zip(gather, gathered):
+            out[i] = t
+    return out
+
+
+def _full_buckets(parts: Sequence[_Part],
+                  bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor, bool]]]:
+    """Collective (every rank runs the same sequence): ``(fqn, full tensor, fresh)`` a bucket
+    at a time; ``fresh`` is False where the tensor is (a view of) the EMA itself. Drop each
+    bucket before asking for the next, or the buckets add up.
+
+    Parts that need a gather are grouped in order into buckets of one process group whose
+    ``_part_cost`` adds up to at most ``bucket_bytes`` (a part costing more is a bucket of its
+    own). Parts already full come as they are, in buckets of their own.
+    """
+    pending: list[_Part] = []
+    pending_cost = 0
+    for p in parts:
+        if p.kind == "full":
+            yield [(p.fqn, p.value, False)]
+            continue
+        if p.kind == "dtensor":
+            yield [(p.fqn, p.value.full_tensor(), True)]
+            continue
+        if pending and (pending_cost + p.cost > bucket_bytes
+                        or p.group.group_name != pending[0].group.group_name):
+            yield [(q.fqn, t, True) for q, t in zip(pending, _gather_bucket(pending))]
+            pending, pending_cost = [], 0
+        pending.append(p)
+        pending_cost += p.cost
+    if pending:
+        yield [(q.fqn, t, True) for q, t in zip(pending, _gather_bucket(pending))]
+
+
 # --- the EMA --------------------------------------------------------------------------------------
 
 class ShardedEMA:
@@ -703,6 +830,120 @@ class ShardedEMA:
             slot.assign(ema, values)
         if self.STEP_KEY in state_dict:
             self._step.copy_(torch.as_tensor(state_dict[self.STEP_KEY]))
+
+    # --- full tensors ------------------------------------------------------------------------------
+
+    def _full_plan(self, bucket_bytes: int, what: str) -> list[_Part]:
+        if int(bucket_bytes) != bucket_bytes or bucket_bytes <= 0:
+            raise ValueError(f"ShardedEMA.{what}: bucket_bytes must be a positive integer, got "
+                             f"{bucket_bytes}")
+        # Planned without communication, so a refusal raises on every rank before any gather.
+        return [part for slot, ema in zip(self._slots, self._ema)
+                for part in _full_parts(slot, ema)]
+
+    @torch.no_grad()
+    def full_state_dict(self, rank0_only: bool = True, cpu_offload: bool = True,
+                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, torch.Tensor]:
+        """The full (unsharded) EMA tensors, keyed by clean FQN in ``state_dict()`` order.
+        Collective: call it on every rank.
+
+        Sharded tensors are gathered in buckets with ``torch.ops.fsdp_ema.gather_shards`` (one
+        all-gather per bucket over the tensors' process group; FSDP1 members first go through
+        one all_to_all per unit and bucket), so the transient memory on the EMA's device stays
+        within ``bucket_bytes`` whatever the model size (a single tensor that needs more is a
+        bucket of its own; see docs/SHARDED_EMA.md for what a bucket counts).
+
+        Args:
+            rank0_only: only rank 0 of the EMA's process group keeps the tensors; the other
+                ranks take part in the gathers and return ``{}``.
+            cpu_offload: each bucket is moved to the CPU as soon as it is gathered; the values
+                never share memory with the EMA. Without it, values stay on the EMA's device,
+                and tensors that are already full there (buffers, DDP/plain models, 0-dim and
+                replicated DTensors) are the EMA's own tensors, as in ``state_dict()``.
+            bucket_bytes: the transient device memory one bucket may take.
+        """
+        parts = self._full_plan(bucket_bytes, "full_state_dict")
+        keep = not rank0_only or self._rank_world()[0] == 0
+        out: dict[str, torch.Tensor] = {}
+        for bucket in _full_buckets(parts, bucket_bytes):
+            if keep:
+                for fqn, t, fresh in bucket:
+                    out[fqn] = t.to("cpu", copy=not fresh) if cpu_offload else t
+            del bucket  # before the next gather
+        return {fqn: out[fqn] for fqn in self._shapes} if keep else {}
+
+    @torch.no_grad()
+    def export(self, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
+               max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+               bucket_bytes: int = DEFAULT_BUCKET_BYTES, overwrite: bool = False) -> int:
+        """Writes the full EMA weights as a consolidated Hugging Face safetensors directory:
+        ``path/model.safetensors``, or ``model-0000k-of-0000n.safetensors`` files plus
+        ``model.safetensors.index.json`` when the tensor data exceeds ``max_file_bytes``.
+        Collective: every rank gathers the buckets (as ``full_state_dict``); rank 0 of the EMA's
+        process group writes each bucket's tensors into place as it arrives, so no rank holds
+        more than a bucket. Returns the bytes of tensor data written.
+
+        ``dtype`` (float32/float64/bfloat16/float16) casts the floating tensors; others are
+        written as they are. Files are written under hidden temporary names, fsync'd and
+        renamed into place, the index last; weight files of an earlier export in ``path`` are
+        replaced only with ``overwrite=True``. A failure raises on every rank.
+        """
+        from . import _hf_export as hf
+
+        path = os.fspath(path)
+        what = f"ShardedEMA.export({path!r})"
+        if dtype is not None and dtype not in _EMA_DTYPES:
+            raise ValueError(f"{what}: dtype must be one of {list(_EMA_DTYPES)} or None, got "
+                             f"{dtype}")
+        if int(max_file_bytes) != max_file_bytes or max_file_bytes <= 0:
+            raise ValueError(f"{what}: max_file_bytes must be a positive integer, got "
+                             f"{max_file_bytes}")
+        parts = self._full_plan(bucket_bytes, "export")
+
+        def cast(d: torch.dtype) -> torch.dtype:
+            return dtype if dtype is not None and d.is_floating_point else d
+
+        plan = hf.Plan([hf.Entry(p.fqn, tuple(p.shape), cast(p.dtype),
+                                 p.shape.numel() * torch.empty((), dtype=cast(p.dtype))
+                                 .element_size()) for p in parts], int(max_file_bytes))
+        writer, error = None, None
+        if self._rank_world()[0] == 0:
+            try:
+                os.makedirs(path, exist_ok=True)
+                existing = sorted(n for n in os.listdir(path) if hf.is_export_file(n))
+                if existing and not overwrite:
+                    raise FileExistsError(f"{path!r} already holds {existing[0]!r}; pass "
+                                          f"overwrite=True to replace the export")
+                writer = hf.Writer(path, plan)
+            except Exception as e:  # noqa: BLE001 (re-raised on every rank below)
+                error = e
+        self._agree(error, what)
+        for bucket in _full_buckets(parts, bucket_bytes):
+            # After a write error rank 0 keeps gathering (the other ranks are in the
+            # collectives) and reports the error at the end.
+            if writer is not None and error is None:
+                try:
+                    for fqn, t, _ in bucket:
+                        to = cast(t.dtype)
+                        # Cast where the tensor is smaller: no bucket grows on the device.
+                        if to.itemsize <= t.dtype.itemsize:
+                            t = t.to(to).cpu()
+                        else:
+                            t = t.cpu().to(to)
+                        writer.write(fqn, t)
+                except Exception as e:  # noqa: BLE001
+                    error = e
+            del bucket
+        if writer is not None:
+            try:
+                if error is None:
+                    writer.commit()
+            except Exception as e:  # noqa: BLE001
+                error = e
+            if error is not None:
+                writer.abort()
+        self._agree(error, what)
+        return plan.total_size
 
     # --- checkpoint directories -------------------------------------------------------------------
 
