@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import statistics
@@ -32,6 +31,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import fsdp_ema  # noqa: E402
 from bench_update import shard_sizes  # noqa: E402
 from fsdp_ema import checkpoint as ckpt  # noqa: E402
+from report import finish  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -201,11 +201,7 @@ def main():
         bases[place].mkdir(parents=True, exist_ok=True)
         results[place] = run_place(place, bases[place], state, args.repeat)
         checks += report(place, results[place])
-    print("\ntargets:")
-    for name, ok, detail in checks:
-        print(f"  [{'PASS' if ok else 'MISS'}] {name}: {detail}")
-    if args.json:
-        args.json.write_text(json.dumps({"results": results, "checks": checks}, indent=2))
+    finish(results, checks, args.json)
 
 
 if __name__ == "__main__":

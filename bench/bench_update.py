@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import math
 import statistics
 import sys
@@ -29,7 +28,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
+sys.path.insert(0, str(ROOT / "bench"))
 import fsdp_ema  # noqa: E402
+from report import finish  # noqa: E402
 
 DECAY = 0.999
 
@@ -224,11 +225,7 @@ def main():
         checks += report(case, results[case])
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    print("\ntargets:")
-    for name, ok, detail in checks:
-        print(f"  [{'PASS' if ok else 'MISS'}] {name}: {detail}")
-    if args.json:
-        args.json.write_text(json.dumps({"results": results, "checks": checks}, indent=2))
+    finish(results, checks, args.json)
 
 
 if __name__ == "__main__":

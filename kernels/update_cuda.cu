@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "kernels/device_table.cuh"
 #include "kernels/update_cuda.h"
 
 namespace fsdp_ema::kernels {
@@ -11,21 +12,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kVec = 4;
-// Entries per fill launch: kernel parameters may hold up to 32764 bytes (CUDA >= 12.1, sm_70+).
-constexpr int kFillEntries = 800;
-
-struct FillArgs {
-  CudaUpdateEntry* dst;
-  int count;
-  CudaUpdateEntry entries[kFillEntries];
-};
-static_assert(sizeof(FillArgs) <= 32764, "fill kernel parameters exceed the CUDA limit");
-
-__global__ void fill_table_kernel(const __grid_constant__ FillArgs args) {
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < args.count; i += gridDim.x * blockDim.x) {
-    args.dst[i] = args.entries[i];
-  }
-}
 
 template <typename Op, typename T> __device__ __forceinline__ Op to_op(T x) {
   return static_cast<Op>(x);
@@ -111,19 +97,7 @@ __global__ void __launch_bounds__(kThreads)
     update_kernel(const CudaUpdateEntry* __restrict__ table, int num_entries, CudaDecay decay) {
   __shared__ int entry_index;
   const int64_t chunk = blockIdx.x;
-  if (threadIdx.x == 0) {
-    // Last entry whose first chunk is <= this block's chunk.
-    int lo = 0, hi = num_entries - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (table[mid].first_chunk <= chunk) {
-        lo = mid;
-      } else {
-        hi = mid - 1;
-      }
-    }
-    entry_index = lo;
-  }
+  if (threadIdx.x == 0) entry_index = find_entry(table, num_entries, chunk);
   __syncthreads();
   const CudaUpdateEntry entry = table[entry_index];
   double d = decay.value;
@@ -131,7 +105,7 @@ __global__ void __launch_bounds__(kThreads)
     d = decay.device_is_double ? *static_cast<const double*>(decay.device_ptr)
                                : static_cast<double>(*static_cast<const float*>(decay.device_ptr));
   }
-  const int64_t local = chunk - entry.first_chunk;
+  const int64_t local = chunk - entry.first_block;
   switch (entry.ema_dtype) {
     case Dtype::kFloat32: return update_chunk_model<float>(entry, local, d);
     case Dtype::kFloat64: return update_chunk_model<double>(entry, local, d);
@@ -151,15 +125,8 @@ cudaError_t launch_update_cuda(const CudaUpdateEntry* entries, int64_t num_entri
                                CudaDecay decay, cudaStream_t stream) {
   if (num_entries == 0 || total_chunks == 0) return cudaSuccess;
   if (total_chunks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
-  for (int64_t first = 0; first < num_entries; first += kFillEntries) {
-    FillArgs args;
-    args.dst = device_table + first;
-    args.count = static_cast<int>(std::min<int64_t>(kFillEntries, num_entries - first));
-    std::copy(entries + first, entries + first + args.count, args.entries);
-    fill_table_kernel<<<(args.count + 127) / 128, 128, 0, stream>>>(args);
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-  }
+  const cudaError_t err = upload_table(entries, num_entries, device_table, stream);
+  if (err != cudaSuccess) return err;
   update_kernel<<<static_cast<unsigned>(total_chunks), kThreads, 0, stream>>>(
       device_table, static_cast<int>(num_entries), decay);
   return cudaGetLastError();

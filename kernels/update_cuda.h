@@ -18,7 +18,7 @@ struct CudaUpdateEntry {
   void* ema;
   const void* model;
   int64_t numel;
-  int64_t first_chunk;  // index of this pair's first block in the flattened grid
+  int64_t first_block;  // index of this pair's first block (chunk) in the flattened grid
   Dtype ema_dtype;
   Dtype model_dtype;
   bool vectorized;  // both pointers aligned to 4 elements: 4-wide loads and stores
@@ -35,9 +35,9 @@ struct CudaDecay {
 // Bytes of device memory the table for `num_entries` pairs needs.
 int64_t cuda_table_bytes(int64_t num_entries);
 
-// Writes `entries` into `device_table` with small fill kernels (parameters carry the data, so this
-// is capturable in CUDA graphs and needs no pinned staging buffer), then launches the update over
-// `total_chunks` blocks, all on `stream`. Returns the first launch error.
+// Writes `entries` into `device_table` (kernels/device_table.cuh: one small fill launch per ~800
+// entries, capturable, no pinned staging), then launches the update over `total_chunks` blocks,
+// all on `stream`. Returns the first launch error.
 cudaError_t launch_update_cuda(const CudaUpdateEntry* entries, int64_t num_entries,
                                int64_t total_chunks, CudaUpdateEntry* device_table,
                                CudaDecay decay, cudaStream_t stream);

@@ -11,6 +11,16 @@ echo "== C++ tests (ctest)"
 (cd "$FSDP_EMA_BUILD" && PATH="$FSDP_EMA_VENV/bin:$PATH" \
   ctest --output-on-failure --parallel "$(nproc)" --timeout 900)
 
+echo "== format/ under AddressSanitizer + UBSan (clang), with a short libFuzzer run"
+# The torch-free checkpoint code on its own: its GoogleTests, CLI checks and the fuzz smoke test.
+SAN_BUILD="$FSDP_EMA_ROOT/build-format-san"
+if [ ! -f "$SAN_BUILD/build.ninja" ]; then
+  cmake -S "$FSDP_EMA_ROOT/format" -B "$SAN_BUILD" -G Ninja -DCMAKE_CXX_COMPILER=clang++ \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFSDP_EMA_FORMAT_SANITIZE=ON >/dev/null
+fi
+cmake --build "$SAN_BUILD" --parallel "$(nproc)"
+(cd "$SAN_BUILD" && ctest --output-on-failure --parallel "$(nproc)" --timeout 300)
+
 echo "== Python tests (pytest)"
 cd "$FSDP_EMA_ROOT"
 "$FSDP_EMA_PYTHON" -m pytest -q python_tests
