@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint as _ckpt
-from ._dist import chunk_rows, raise_if_any_rank_failed
+from ._dist import chunk_rows, comm_device, raise_if_any_rank_failed
 
 __all__ = ["ShardedEMA", "Warmup"]
 
@@ -421,7 +421,7 @@ def _list_names(names: Sequence[str], limit: int = 8) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-# --- full tensors in bounded buckets ---------------------------------------------------------------
+# --- full tensors in bounded buckets --------------------------------------------------------------
 
 #: Default ``bucket_bytes`` of ``full_state_dict`` and ``export``.
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -510,11 +510,16 @@ def _gather_bucket(bucket: list[_Part]) -> list[torch.Tensor]:
     out: list[Any] = list(rows)  # 0-dim FSDP1 members arrive whole from the exchange
     gather = [i for i, p in enumerate(bucket) if len(p.shape) > 0]
     if gather:
+        group = bucket[0].group
+        device = rows[gather[0]].device
+        # CPU shards (CPU-offloaded FSDP2) on a group without a CPU backend go through the
+        # accelerator, and come back.
+        dev = comm_device(group, device)
         gathered = torch.ops.fsdp_ema.gather_shards(
-            [rows[i] for i in gather], [bucket[i].shape[0] for i in gather],
-            bucket[0].group.group_name)
+            [rows[i].to(dev) for i in gather], [bucket[i].shape[0] for i in gather],
+            group.group_name)
         for i, t in zip(gather, gathered):
-            out[i] = t
+            out[i] = t.to(device)
     return out
 
 
@@ -526,7 +531,8 @@ def _full_buckets(parts: Sequence[_Part],
 
     Parts that need a gather are grouped in order into buckets of one process group whose
     ``_part_cost`` adds up to at most ``bucket_bytes`` (a part costing more is a bucket of its
-    own). Parts already full come as they are, in buckets of their own.
+    own; a bucket also holds tensors of one device only). Parts already full come as they are,
+    in buckets of their own.
     """
     pending: list[_Part] = []
     pending_cost = 0
@@ -538,7 +544,8 @@ def _full_buckets(parts: Sequence[_Part],
             yield [(p.fqn, p.value.full_tensor(), True)]
             continue
         if pending and (pending_cost + p.cost > bucket_bytes
-                        or p.group.group_name != pending[0].group.group_name):
+                        or p.group.group_name != pending[0].group.group_name
+                        or p.value.device != pending[0].value.device):
             yield [(q.fqn, t, True) for q, t in zip(pending, _gather_bucket(pending))]
             pending, pending_cost = [], 0
         pending.append(p)
@@ -831,7 +838,7 @@ class ShardedEMA:
         if self.STEP_KEY in state_dict:
             self._step.copy_(torch.as_tensor(state_dict[self.STEP_KEY]))
 
-    # --- full tensors ------------------------------------------------------------------------------
+    # --- full tensors -----------------------------------------------------------------------------
 
     def _full_plan(self, bucket_bytes: int, what: str) -> list[_Part]:
         if int(bucket_bytes) != bucket_bytes or bucket_bytes <= 0:
