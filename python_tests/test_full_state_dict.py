@@ -154,8 +154,9 @@ def _check_export(directory, expected, several):
     assert not [f for f in os.listdir(directory) if f.startswith(".")]  # no temporaries left
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# World outermost: the pool is respawned when the world size changes, so once per world size.
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("world", [2, 3])
 def test_full_state_dict_and_export_equal_the_unsharded_ema(pools, tmp_path, world, kind):
     results = pools.get(world).run(run_full_and_export, kind, str(tmp_path))
     full = assemble([r["entries"] for r in results])
