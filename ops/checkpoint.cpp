@@ -1,5 +1,6 @@
 #include "ops/checkpoint.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -220,6 +221,22 @@ load_shard(c10::string_view path, bool verify, std::optional<at::Device> device)
   });
 }
 
+void verify_pieces(const format::CheckpointDir& dir,
+                   const std::vector<std::pair<const format::IndexTensor*, format::RowRange>>& plan) {
+  std::vector<std::pair<const format::IndexTensor*, size_t>> pieces;
+  for (const auto& [tensor, rows] : plan) {
+    for (size_t k = 0; k < tensor->pieces.size(); ++k) {
+      const format::IndexPiece& piece = tensor->pieces[k];
+      const bool hit = tensor->shape.empty() ||
+                       (piece.offsets[0] < rows.end && piece.offsets[0] + piece.shape[0] > rows.begin);
+      if (hit) pieces.emplace_back(tensor, k);
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dir.verify_piece(pieces[i].first->name, pieces[i].second);
+  });
+}
+
 at::Tensor read_rows(const std::shared_ptr<const format::CheckpointDir>& dir,
                      const format::IndexTensor& tensor, format::RowRange rows, bool verify) {
   std::vector<int64_t> shape(tensor.shape.begin(), tensor.shape.end());
@@ -267,6 +284,7 @@ std::vector<at::Tensor> load_tensors(c10::string_view directory,
       if (!info.shape.empty()) rows = format::chunk_rows(info.shape[0], rank, world_size);
       plan.emplace_back(&info, rows);
     }
+    if (verify) verify_pieces(*dir, plan);
     std::vector<at::Tensor> out;
     for (const auto& [info, rows] : plan) {
       at::Tensor t = read_rows(dir, *info, rows, verify);

@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "format/checkpoint_dir.h"
@@ -54,6 +55,11 @@ std::vector<at::Tensor> load_tensors(c10::string_view directory,
 // no copy) and keeps `dir` open; otherwise the rows are assembled from the pieces.
 at::Tensor read_rows(const std::shared_ptr<const format::CheckpointDir>& dir,
                      const format::IndexTensor& tensor, format::RowRange rows, bool verify);
+
+// Checks, in parallel, every stored piece that intersects the requested rows of each tensor
+// (each piece at most once per CheckpointDir), so that later reads need not hash sequentially.
+void verify_pieces(const format::CheckpointDir& dir,
+                   const std::vector<std::pair<const format::IndexTensor*, format::RowRange>>& plan);
 
 // JSON: {"layout", "world_size", "tensors": {name: {"dtype", "shape"}}, "metadata"}.
 std::string checkpoint_info(c10::string_view directory);

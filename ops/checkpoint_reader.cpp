@@ -91,6 +91,13 @@ at::Tensor CheckpointReader::load_chunk(const std::string& name, int64_t rank, i
 
 std::unordered_map<std::string, at::Tensor> CheckpointReader::load_all(at::Device device,
                                                                        bool verify) const {
+  if (verify) {
+    std::vector<std::pair<const format::IndexTensor*, format::RowRange>> plan;
+    for (const auto& t : impl_->dir.tensors()) {
+      plan.emplace_back(&t, format::RowRange{0, t.shape.empty() ? 1 : t.shape[0]});
+    }
+    translate([&] { ops::verify_pieces(impl_->dir, plan); });
+  }
   std::unordered_map<std::string, at::Tensor> out;
   for (const auto& t : impl_->dir.tensors()) out.emplace(t.name, load(t.name, device, verify));
   return out;
