@@ -14,3 +14,6 @@ FSDP_EMA_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export FSDP_EMA_ROOT
 export FSDP_EMA_BUILD="${FSDP_EMA_BUILD:-$FSDP_EMA_ROOT/build}"
 export PYTHONPATH="$FSDP_EMA_ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
+# ccache hits across checkouts (CI clones into a new folder each time): hash relative paths.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$FSDP_EMA_ROOT}"
+export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-1}"
