@@ -1,0 +1,626 @@
+"""Training-state checkpoints: model, optimizer, EMA, step, RNG and user state in one directory.
+
+``save_training_state(dir, model=..., optimizer=..., ema=..., extra={...})`` writes every tensor
+shard by shard through ``fsdp_ema.checkpoint.save_shard`` (one safetensors file per rank, the
+format of docs/FORMAT.md) and the small non-tensor state as JSON text stored in a uint8 tensor of
+rank 0's file, so the index written last by rank 0 commits (and checksums) all of it at once.
+``load_training_state(dir, model=..., optimizer=..., ema=...)`` restores it at any world size and
+returns ``extra``. Layout and usage: docs/TRAINING_STATE.md.
+
+The model and optimizer state dicts come from ``torch.distributed.checkpoint.state_dict``
+(``get_model_state_dict`` / ``get_optimizer_state_dict`` and the ``set_*`` counterparts), which
+give DTensors for FSDP2, ShardedTensors for FSDP1 and plain tensors otherwise; the EMA's from
+``ShardedEMA.state_dict()``. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import numbers
+import os
+import random
+import shutil
+from collections import defaultdict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint as _ckpt
+from ._dist import chunk_rows, raise_if_any_rank_failed
+
+__all__ = ["save_training_state", "load_training_state", "latest_checkpoint",
+           "read_training_state_json", "META_TENSOR", "INDEX_NAME", "SIDECAR_NAME"]
+
+#: The uint8 tensor (rank 0's file) holding the UTF-8 JSON document of the non-tensor state.
+META_TENSOR = "meta.training_state"
+#: Human-readable copy of that JSON, written beside the shard files before the commit.
+SIDECAR_NAME = "training_state.json"
+INDEX_NAME = "fsdp_ema.index.json"
+FORMAT_NAME = "fsdp_ema.training_state"
+FORMAT_VERSION = 1
+
+MODEL_PREFIX, OPTIM_PREFIX, EMA_PREFIX, RNG_PREFIX = "model.", "optim.state.", "ema.", "rng."
+
+
+# --- JSON for non-tensor values ------------------------------------------------------------------
+# Plain JSON for str/int/bool/None/finite floats/lists/dicts with string keys; a dict of one
+# reserved key tags everything else: {"__tuple__": [...]}, {"__float__": "inf"},
+# {"__dict__": [[key, value], ...]} (non-string keys, or a dict that looks like a tag),
+# {"__bytes__": "<base64>"}, {"__tensor__": {"dtype", "shape", "data": "<base64>"}}.
+
+_TAGS = frozenset({"__tuple__", "__float__", "__dict__", "__bytes__", "__tensor__"})
+
+
+def _encode(v: Any, where: str = "extra") -> Any:
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        v = float(v)
+        return v if math.isfinite(v) else {"__float__": repr(v)}
+    if isinstance(v, torch.Tensor):
+        t = v.detach().cpu().contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return {"__tensor__": {"dtype": str(t.dtype).removeprefix("torch."),
+                               "shape": list(t.shape),
+                               "data": base64.b64encode(data).decode("ascii")}}
+    if isinstance(v, (bytes, bytearray)):
+        return {"__bytes__": base64.b64encode(bytes(v)).decode("ascii")}
+    if isinstance(v, tuple):
+        return {"__tuple__": [_encode(x, f"{where}[{i}]") for i, x in enumerate(v)]}
+    if isinstance(v, list):
+        return [_encode(x, f"{where}[{i}]") for i, x in enumerate(v)]
+    if isinstance(v, Mapping):
+        if all(isinstance(k, str) for k in v) and not (len(v) == 1 and next(iter(v)) in _TAGS):
+            return {k: _encode(x, f"{where}[{k!r}]") for k, x in v.items()}
+        return {"__dict__": [[_encode(k, where), _encode(x, f"{where}[{k!r}]")]
+                             for k, x in v.items()]}
+    if hasattr(v, "tolist") and hasattr(v, "dtype"):  # numpy arrays
+        return _encode(torch.from_numpy(v), where)
+    raise TypeError(f"save_training_state: {where} is a {type(v).__name__}, which is stored "
+                    f"neither as JSON nor as a tensor; pass its state_dict() or plain values")
+
+
+def _decode(v: Any) -> Any:
+    if isinstance(v, list):
+        return [_decode(x) for x in v]
+    if not isinstance(v, dict):
+        return v
+    if len(v) == 1:
+        (tag, body), = v.items()
+        if tag == "__tuple__":
+            return tuple(_decode(x) for x in body)
+        if tag == "__float__":
+            return float(body)
+        if tag == "__dict__":
+            return {_decode(k): _decode(x) for k, x in body}
+        if tag == "__bytes__":
+            return base64.b64decode(body)
+        if tag == "__tensor__":
+            dtype = getattr(torch, body["dtype"])
+            raw = bytearray(base64.b64decode(body["data"]))
+            flat = (torch.frombuffer(raw, dtype=torch.uint8) if raw
+                    else torch.empty(0, dtype=torch.uint8))
+            return flat.view(dtype).reshape(body["shape"]).clone()
+    return {k: _decode(x) for k, x in v.items()}
+
+
+def _json_tensor(doc: Any) -> torch.Tensor:
+    raw = bytearray(json.dumps(doc, sort_keys=True, allow_nan=False).encode("utf-8"))
+    return torch.frombuffer(raw, dtype=torch.uint8).clone()
+
+
+def _tensor_json(t: torch.Tensor) -> Any:
+    return json.loads(bytes(t.contiguous().numpy()).decode("utf-8"))
+
+
+# --- RNG ------------------------------------------------------------------------------------------
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
+        "python": _encode(random.getstate()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode("ascii")
+                         for s in torch.cuda.get_rng_state_all()]
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        pass
+    else:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    return state
+
+
+def _bytes_tensor(b64: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(b64)), dtype=torch.uint8).clone()
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(_bytes_tensor(state["torch_cpu"]))
+    random.setstate(_decode(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        for i, s in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(_bytes_tensor(s), i)
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+# --- tensors: what this rank writes, and where it reads from --------------------------------------
+
+def _is_dtensor(v) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(v, DTensor)
+
+
+def _is_sharded_tensor(v) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(v, ShardedTensor)
+
+
+def _pieces(name: str, value, rank: int) -> dict[str, Any]:
+    """What this rank writes of ``value`` (docs/FORMAT.md §1.3): its non-empty box of a
+    sharded tensor (one replica only), a replicated, 0-dim or empty tensor from rank 0 only."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if _is_dtensor(value):
+        mesh, placements = value.device_mesh, tuple(value.placements)
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            return {}
+        if not all(type(p) in (Shard, Replicate) for p in placements):
+            raise ValueError(f"{name!r}: DTensor placements {placements} are not supported "
+                             f"(Shard and Replicate only)")
+        gshape = list(value.shape)
+        if value.dim() == 0 or value.numel() == 0:
+            if any(coordinate):
+                return {}
+            return {name: value._local_tensor if value.dim() == 0 else torch.empty(
+                gshape, dtype=value.dtype)}
+        if any(c for c, p in zip(coordinate, placements) if not isinstance(p, Shard)):
+            return {}  # another replica writes it
+        local = value._local_tensor
+        if local.numel() == 0:
+            return {}
+        shape, offsets = compute_local_shape_and_global_offset(value.shape, mesh, placements)
+        if tuple(shape) != tuple(local.shape):
+            raise RuntimeError(f"{name!r}: local shard {list(local.shape)} where the placements "
+                               f"{placements} imply {list(shape)}")
+        return {name: (local, list(offsets), gshape)}
+    if _is_sharded_tensor(value):
+        gshape = list(value.size())
+        if math.prod(gshape) == 0:
+            return {name: torch.empty(gshape, dtype=value.dtype)} if rank == 0 else {}
+        shards = [s for s in value.local_shards() if s.tensor.numel() > 0]
+        if len(shards) > 1:
+            raise ValueError(f"{name!r}: a ShardedTensor with {len(shards)} local shards on one "
+                             f"rank is not supported")
+        if not shards:
+            return {}
+        return {name: (shards[0].tensor, list(shards[0].metadata.shard_offsets), gshape)}
+    if isinstance(value, torch.Tensor):
+        return {name: value} if rank == 0 else {}
+    raise TypeError(f"{name!r}: not a tensor ({type(value).__name__})")
+
+
+class _Target:
+    """One tensor of a template state dict to fill in place from the checkpoint: the local
+    tensor to write into, the (rank, world) request for ``fsdp_ema.checkpoint.load`` and, for
+    a whole-tensor request that is not this rank's layout, the box to cut out of it."""
+
+    def __init__(self, name: str, value):
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        self.name, self.box = name, None
+        if _is_dtensor(value):
+            self.local = value._local_tensor
+            self.shape = torch.Size(value.shape)
+            mesh, placements = value.device_mesh, tuple(value.placements)
+            self.request = (0, 1)
+            if mesh.get_coordinate() is None:
+                self.local = None
+                return
+            if (value.dim() > 0 and mesh.ndim == 1 and len(placements) == 1
+                    and type(placements[0]) is Shard and placements[0].dim == 0):
+                k, n = mesh.get_local_rank(), mesh.size()
+                begin, end = chunk_rows(self.shape[0], k, n)
+                if list(self.local.shape) == [end - begin, *self.shape[1:]]:
+                    self.request = (k, n)
+                    return
+            if value.dim() > 0:
+                shape, offsets = compute_local_shape_and_global_offset(value.shape, mesh,
+                                                                       placements)
+                self.box = ([min(o, s) for o, s in zip(offsets, self.shape)], list(shape))
+        elif _is_sharded_tensor(value):
+            self.shape = torch.Size(value.size())
+            shards = value.local_shards()
+            self.request = (0, 1)
+            self.local = shards[0].tensor if shards else None
+            if len(shards) > 1:
+                raise ValueError(f"{name!r}: a ShardedTensor with several local shards")
+            if self.local is None or self.local.numel() == 0:
+                self.local = None
+                return
+            offsets = list(shards[0].metadata.shard_offsets)
+            pg = value._process_group
+            world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+            begin, end = chunk_rows(self.shape[0], rank, world)
+            if (offsets[0] == begin and not any(offsets[1:])
+                    and list(self.local.shape) == [end - begin, *self.shape[1:]]):
+                self.request = (rank, world)
+            else:
+                self.box = (offsets, list(self.local.shape))
+        elif isinstance(value, torch.Tensor):
+            self.local, self.shape, self.request = value, torch.Size(value.shape), (0, 1)
+        else:
+            raise TypeError(f"{name!r}: not a tensor ({type(value).__name__})")
+
+    def fill(self, loaded: torch.Tensor) -> None:
+        if self.local is None:
+            return
+        if self.box is not None:
+            for dim, (begin, size) in enumerate(zip(*self.box)):
+                loaded = loaded.narrow(dim, begin, size)
+        self.local.copy_(loaded)
+
+
+def _read_into(directory: str, targets: list[_Target], available: Mapping[str, Any],
+               verify: bool) -> None:
+    """Fills every target: one ``fsdp_ema.checkpoint.load`` call per (rank, world) request."""
+    for t in targets:
+        if t.name not in available:
+            raise KeyError(f"{t.name!r} is not in the checkpoint")
+        saved = torch.Size(available[t.name]["shape"])
+        if saved != t.shape:
+            raise ValueError(f"{t.name!r} is {list(saved)} in the checkpoint but "
+                             f"{list(t.shape)} here")
+    requests: dict[tuple[int, int], list[_Target]] = defaultdict(list)
+    for t in targets:
+        if t.local is not None:
+            requests[t.request].append(t)
+    with torch.no_grad():
+        for (rank, world), group in requests.items():
+            loaded = _ckpt.load(directory, [t.name for t in group], rank=rank, world_size=world,
+                                verify=verify)
+            for t in group:
+                t.fill(loaded[t.name])
+
+
+# --- collecting state ------------------------------------------------------------------------------
+
+def _rank_world(group) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _default_group():
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def _agree(error, group, what) -> None:
+    raise_if_any_rank_failed(error, group, what, torch.device("cpu"))
+
+
+def _state_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=False, cpu_offload=False)
+
+
+def _model_state(model):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_state_options())
+
+
+def _optim_state(model, optimizer):
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_state_options())
+
+
+def _optim_key(fqn: str, key: str) -> str:
+    return f"{OPTIM_PREFIX}{fqn}.{key}"
+
+
+# --- saving ---------------------------------------------------------------------------------------
+
+def save_training_state(directory: str | os.PathLike, *, model=None, optimizer=None, ema=None,
+                        extra: Mapping[str, Any] | None = None, rng: bool = True,
+                        keep_last: int | None = None, overwrite: bool = False,
+                        verify_json: bool = True) -> int:
+    """Writes a training-state checkpoint into ``directory``. Collective: every rank calls it.
+
+    Args:
+        model: the (FSDP2, FSDP1, DDP or plain) model; its sharded state dict is saved under
+            ``model.<fqn>``.
+        optimizer: its optimizer (needs ``model``): state tensors under
+            ``optim.state.<fqn>.<key>``, ``param_groups`` hyperparameters in the JSON.
+        ema: a ``ShardedEMA``: ``ema.<fqn>`` tensors, its step in the JSON.
+        extra: JSON-able user state (step, epoch, ``lr_scheduler.state_dict()``, data-loader
+            position...); tuples, non-finite floats, bytes and small tensors are tagged (see
+            docs/TRAINING_STATE.md). Returned as it was by ``load_training_state``.
+        rng: save every rank's RNG states (torch CPU, CUDA if initialized, Python, NumPy).
+        keep_last: after the commit, remove all but the ``keep_last`` last committed
+            training-state checkpoints among ``directory``'s siblings (by name order; the new
+            one is never removed).
+        overwrite: replace a committed checkpoint in ``directory`` (else an error).
+
+    A failure on any rank raises on every rank and leaves ``directory`` uncommitted (no index).
+    Returns the bytes of this rank's shard file.
+    """
+    directory = os.fspath(directory)
+    what = f"save_training_state({directory!r})"
+    if keep_last is not None and (int(keep_last) != keep_last or keep_last < 1):
+        raise ValueError(f"{what}: keep_last must be an integer >= 1 or None, got {keep_last}")
+    if optimizer is not None and model is None:
+        raise ValueError(f"{what}: saving an optimizer needs its model (for the FQNs)")
+    group = _default_group()
+    rank, world = _rank_world(group)
+
+    # Collective parts first (FSDP1 state dicts all-gather / all_to_all): every rank gets here.
+    model_sd = _model_state(model) if model is not None else {}
+    optim_sd = _optim_state(model, optimizer) if optimizer is not None else None
+    ema_sd = ema.state_dict() if ema is not None else {}
+
+    index = os.path.join(directory, INDEX_NAME)
+    shards: dict[str, Any] = {}
+    error = None
+    try:
+        if os.path.exists(index) and not overwrite:
+            raise FileExistsError(f"{directory!r} already holds a committed checkpoint; pass "
+                                  f"overwrite=True to replace it")
+        doc: dict[str, Any] = {"format": FORMAT_NAME, "version": FORMAT_VERSION,
+                               "world_size": world}
+        for fqn, v in model_sd.items():
+            shards.update(_pieces(MODEL_PREFIX + fqn, v, rank))
+        doc["model"] = {"tensors": sorted(model_sd)} if model is not None else None
+        if optim_sd is not None:
+            state: dict[str, Any] = {}
+            for fqn, entries in optim_sd["state"].items():
+                state[fqn] = {}
+                for key, v in entries.items():
+                    if isinstance(v, torch.Tensor):
+                        name = _optim_key(fqn, key)
+                        shards.update(_pieces(name, v, rank))
+                        state[fqn][key] = {"tensor": name}
+                    else:
+                        state[fqn][key] = {"value": _encode(v, f"optimizer state {fqn}.{key}")}
+            groups = [{k: _encode(v, f"param_groups[{i}][{k!r}]") for k, v in g.items()}
+                      for i, g in enumerate(optim_sd["param_groups"])]
+            doc["optimizer"] = {"type": type(optimizer).__name__, "state": state,
+                                "param_groups": groups}
+        else:
+            doc["optimizer"] = None
+        if ema is not None:
+            step_key = type(ema).STEP_KEY
+            names = [k for k in ema_sd if k != step_key]
+            for fqn in names:
+                shards.update(_pieces(EMA_PREFIX + fqn, ema_sd[fqn], rank))
+            doc["ema"] = {"step": int(ema_sd[step_key]) if step_key in ema_sd else None,
+                          "decay": ema.decay, "tensors": sorted(names)}
+        else:
+            doc["ema"] = None
+        doc["rng"] = {"ranks": world} if rng else None
+        if rng:
+            shards[f"{RNG_PREFIX}{rank}"] = _json_tensor(_rng_state())
+        doc["extra"] = _encode(dict(extra or {}))
+        meta = _json_tensor(doc)
+        if verify_json:  # the decoder must give back what was passed
+            _decode(_tensor_json(meta)["extra"])
+        if rank == 0:
+            shards[META_TENSOR] = meta
+            os.makedirs(directory, exist_ok=True)
+            if os.path.exists(index):  # overwrite: uncommitted until the new index is there
+                os.remove(index)
+            ours = _ckpt.shard_file_name(0, world).split("-of-")[1]
+            for entry in os.listdir(directory):
+                if (entry.startswith("shard-") and entry.endswith(".safetensors")
+                        and not entry.endswith("-of-" + ours)):
+                    os.remove(os.path.join(directory, entry))
+            _write_atomically(os.path.join(directory, SIDECAR_NAME),
+                              json.dumps(doc, indent=1, sort_keys=True).encode("utf-8"))
+    except Exception as e:  # noqa: BLE001 (re-raised on every rank below)
+        error = e
+    _agree(error, group, what)
+
+    nbytes, error = 0, None
+    try:
+        nbytes = _ckpt.save_shard(directory, shards, rank=rank, world_size=world)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _agree(error, group, what)  # also the barrier: every rank's file is durable past here
+    error = None
+    if rank == 0:
+        try:
+            _ckpt.commit(directory, world)
+            if keep_last is not None:
+                _rotate(directory, int(keep_last))
+        except Exception as e:  # noqa: BLE001
+            error = e
+    _agree(error, group, what)
+    return nbytes
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# --- rotation and lookup ----------------------------------------------------------------------------
+
+def _is_committed_training_state(path: Path) -> bool:
+    if not (path / INDEX_NAME).is_file():
+        return False
+    try:
+        return META_TENSOR in _ckpt.info(path)["tensors"]
+    except Exception:  # noqa: BLE001 (unreadable: not a checkpoint we may count or remove)
+        return False
+
+
+def _committed(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return [p for p in sorted(root.iterdir(), key=lambda p: p.name)
+            if p.is_dir() and not p.name.startswith(".") and _is_committed_training_state(p)]
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The last (in name order) committed training-state checkpoint directory in ``root``, or
+    None. Directories without an index (a save that did not finish) are skipped."""
+    committed = _committed(Path(root))
+    return committed[-1] if committed else None
+
+
+def _rotate(new: str, keep_last: int) -> None:
+    """Removes committed checkpoints beside ``new`` beyond the last ``keep_last`` (name order),
+    never ``new`` itself. Each goes index first, so an interrupted removal leaves an incomplete
+    directory, never a committed one with missing files."""
+    new_path = Path(new).resolve()
+    committed = _committed(new_path.parent)
+    keep = {p.resolve() for p in committed[-keep_last:]} | {new_path}
+    for p in committed:
+        if p.resolve() not in keep:
+            os.remove(p / INDEX_NAME)
+            shutil.rmtree(p)
+
+
+# --- loading ----------------------------------------------------------------------------------------
+
+def read_training_state_json(directory: str | os.PathLike, *, verify: bool = True) -> dict:
+    """The JSON document of a committed training-state checkpoint (from rank 0's file,
+    checksum verified), tags not decoded."""
+    directory = os.fspath(directory)
+    info = _ckpt.info(directory)
+    if META_TENSOR not in info["tensors"]:
+        raise ValueError(f"{directory!r} is a checkpoint but not a training-state checkpoint "
+                         f"(no {META_TENSOR!r})")
+    doc = _tensor_json(_ckpt.load(directory, [META_TENSOR], verify=verify)[META_TENSOR])
+    if doc.get("format") != FORMAT_NAME or doc.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{directory!r}: unknown training-state format "
+                         f"{doc.get('format')!r} version {doc.get('version')!r}")
+    return doc
+
+
+def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=None, ema=None,
+                        rng: bool = True, strict: bool = True, verify: bool = True) -> dict:
+    """Restores what ``save_training_state`` wrote, at the same or another world size, into
+    ``model``, ``optimizer`` and ``ema`` (each optional), and returns ``extra``. Collective.
+
+    Each rank reads only the rows it holds (``fsdp_ema.checkpoint.load`` with its rank and world
+    size) where the layout is torch.chunk dim-0 rows (FSDP2, FSDP1), whole tensors otherwise.
+    RNG states: rank ``r`` restores the state rank ``r`` saved; ranks past the saved world size
+    keep theirs. A failure on any rank raises on every rank.
+    """
+    from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    directory = os.fspath(directory)
+    what = f"load_training_state({directory!r})"
+    if optimizer is not None and model is None:
+        raise ValueError(f"{what}: loading an optimizer needs its model (for the FQNs)")
+    group = _default_group()
+    rank, _ = _rank_world(group)
+
+    doc, available, error = None, None, None
+    try:
+        doc = read_training_state_json(directory, verify=verify)
+        available = _ckpt.info(directory)["tensors"]
+        for part, given in (("model", model), ("optimizer", optimizer), ("ema", ema)):
+            if given is not None and doc.get(part) is None:
+                raise ValueError(f"the checkpoint holds no {part} state")
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _agree(error, group, what)
+
+    # Templates (collective for FSDP1; the optimizer's state is initialized if it is empty).
+    optim_sd = _optim_state(model, optimizer) if optimizer is not None else None
+    model_sd = _model_state(model) if model is not None else None
+    ema_sd = ema.state_dict() if ema is not None else None
+
+    error = None
+    try:
+        targets: list[_Target] = []
+        if model_sd is not None:
+            saved = set(doc["model"]["tensors"])
+            _check_names("model", set(model_sd), saved, strict)
+            model_sd = {k: v for k, v in model_sd.items() if k in saved}
+            targets += [_Target(MODEL_PREFIX + k, v) for k, v in model_sd.items()]
+        if optim_sd is not None:
+            saved_state = doc["optimizer"]["state"]
+            _check_names("optimizer state", set(optim_sd["state"]), set(saved_state), strict)
+            for fqn, entries in optim_sd["state"].items():
+                if fqn not in saved_state:
+                    continue
+                for key, v in list(entries.items()):
+                    entry = saved_state[fqn].get(key)
+                    if entry is None:
+                        raise KeyError(f"optimizer state {fqn}.{key} is not in the checkpoint")
+                    if "tensor" in entry:
+                        targets.append(_Target(entry["tensor"], v))
+                    else:
+                        entries[key] = _decode(entry["value"])
+            saved_groups = [_decode(g) for g in doc["optimizer"]["param_groups"]]
+            if len(saved_groups) != len(optim_sd["param_groups"]):
+                raise ValueError(f"the checkpoint has {len(saved_groups)} param groups, the "
+                                 f"optimizer {len(optim_sd['param_groups'])}")
+            for mine, theirs in zip(optim_sd["param_groups"], saved_groups):
+                if sorted(mine["params"]) != sorted(theirs["params"]):
+                    raise ValueError("the optimizer's param groups hold other parameters than "
+                                     "the checkpoint's")
+                mine.update({k: v for k, v in theirs.items() if k != "params"})
+        if ema_sd is not None:
+            step_key = type(ema).STEP_KEY
+            saved = set(doc["ema"]["tensors"])
+            mine = {k for k in ema_sd if k != step_key}
+            _check_names("EMA", mine, saved, strict)
+            targets += [_Target(EMA_PREFIX + k, ema_sd[k]) for k in mine if k in saved]
+            if doc["ema"]["step"] is not None:
+                ema_sd[step_key] = torch.tensor(doc["ema"]["step"], dtype=torch.int64)
+        _read_into(directory, targets, available, verify)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _agree(error, group, what)
+
+    if model_sd is not None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        set_model_state_dict(model, model_sd, options=StateDictOptions(strict=strict))
+    if optim_sd is not None:
+        set_optimizer_state_dict(model, optimizer, optim_sd, options=_state_options())
+    if ema_sd is not None:
+        ema.load_state_dict(ema_sd, strict=strict)
+
+    if rng and doc.get("rng") and rank < doc["rng"]["ranks"]:
+        name = f"{RNG_PREFIX}{rank}"
+        _set_rng_state(_tensor_json(_ckpt.load(directory, [name], verify=verify)[name]))
+    return _decode(doc["extra"])
+
+
+def _check_names(what: str, mine: set[str], saved: set[str], strict: bool) -> None:
+    if not strict:
+        return
+    missing, unexpected = sorted(mine - saved), sorted(saved - mine)
+    if missing or unexpected:
+        raise ValueError(f"{what}: missing from the checkpoint {missing[:8]}, only in the "
+                         f"checkpoint {unexpected[:8]}")
