@@ -70,7 +70,18 @@ ExportResult export_consolidated(const std::string& dir, const std::string& out_
   }
 
   // Output dtype and size per tensor, then files in name order, split at max_file_bytes.
-  const auto& tensors = ckpt.tensors();
+  std::vector<IndexTensor> tensors;  // the selected tensors, under their exported names
+  std::vector<std::string> source;   // their names in the checkpoint
+  const std::string& prefix = options.select_prefix;
+  for (const IndexTensor& t : ckpt.tensors()) {
+    if (!t.name.starts_with(prefix) || t.name.size() == prefix.size()) continue;
+    source.push_back(t.name);
+    tensors.push_back(t);
+    tensors.back().name = t.name.substr(prefix.size());
+  }
+  if (!prefix.empty() && tensors.empty()) {
+    throw FormatError(dir + ": no tensor name starts with " + json_quote(prefix));
+  }
   std::vector<DType> out_dtype(tensors.size());
   std::vector<uint64_t> out_bytes(tensors.size());
   ExportResult result;
@@ -123,15 +134,16 @@ ExportResult export_consolidated(const std::string& dir, const std::string& out_
       r.nbytes = out_bytes[i];
       const DType src_dtype = t.dtype;
       const DType dst_dtype = out_dtype[i];
-      r.fill = [&ckpt, &t, &progress, &report, &options, src_dtype, dst_dtype](
+      const std::string& src = source[i];
+      r.fill = [&ckpt, &t, &src, &progress, &report, &options, src_dtype, dst_dtype](
                    uint64_t offset, uint64_t length, void* dst) {
         const uint64_t osz = dtype_size(dst_dtype), isz = dtype_size(src_dtype);
         const uint64_t e0 = offset / osz, e1 = (offset + length) / osz;
         if (src_dtype == dst_dtype) {
-          ckpt.read_flat(t.name, e0, e1, dst, length, options.verify);
+          ckpt.read_flat(src, e0, e1, dst, length, options.verify);
         } else {
           std::vector<std::byte> tmp((e1 - e0) * isz);
-          ckpt.read_flat(t.name, e0, e1, tmp.data(), tmp.size(), options.verify);
+          ckpt.read_flat(src, e0, e1, tmp.data(), tmp.size(), options.verify);
           cast_elements(src_dtype, tmp.data(), dst_dtype, dst, e1 - e0);
         }
         progress.bytes_done += length;

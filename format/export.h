@@ -33,6 +33,9 @@ struct ExportOptions {
   bool verify = true;  // check the checksum of every piece read
   bool fsync = true;
   bool overwrite = false;  // replace model files already in out_dir (else error)
+  // Non-empty: export only the tensors whose names start with it (and are longer), named
+  // without it ("ema." selects the EMA of a training-state checkpoint); none selected is an error.
+  std::string select_prefix;
 };
 
 struct ExportResult {

@@ -122,8 +122,10 @@ std::optional<fmt::DType> parse_cast_dtype(std::string s) {
 }
 
 int cmd_export(const std::string& dir, const std::string& out, const std::string& dtype,
-               uint64_t max_file_size, bool overwrite, bool no_verify, bool quiet) {
+               const std::string& what, uint64_t max_file_size, bool overwrite, bool no_verify,
+               bool quiet) {
   fmt::ExportOptions opts;
+  if (!what.empty()) opts.select_prefix = what + ".";  // "ema" or "model" (checked by the parser)
   if (!dtype.empty()) opts.dtype = parse_cast_dtype(dtype);  // validated by the CLI parser
   opts.max_file_bytes = max_file_size;
   opts.overwrite = overwrite;
@@ -158,7 +160,7 @@ int main(int argc, char** argv) {
                                         std::to_string(fmt::kIndexFormatVersion) + ")");
   app.require_subcommand(1);
 
-  std::string dir, out, dtype;
+  std::string dir, out, dtype, what;
   size_t max_failures = 10;
   uint64_t max_file_size = 5'000'000'000;
   bool overwrite = false, no_verify = false, quiet = false;
@@ -191,6 +193,10 @@ int main(int argc, char** argv) {
             return parse_cast_dtype(s) ? std::string() : "must be bf16, f16, f32 or f64";
           },
           "bf16|f16|f32|f64"));
+  exp->add_option("--what", what,
+                  "Training-state checkpoints: export the 'ema.' or 'model.' tensors, named "
+                  "without that prefix (default: every tensor, names as stored)")
+      ->check(CLI::IsMember({"ema", "model"}));
   exp->add_option("--max-file-size", max_file_size,
                   "Largest tensor data per file, e.g. 5GB, 500MB, 2GiB; 0 = one file (default 5GB)")
       ->transform(CLI::AsSizeValue(true));
@@ -209,7 +215,7 @@ int main(int argc, char** argv) {
     if (*inspect) return cmd_inspect(dir);
     if (*verify) return cmd_verify(dir, max_failures);
     if (*exp) {
-      return cmd_export(dir, out, dtype, max_file_size, overwrite, no_verify, quiet);
+      return cmd_export(dir, out, dtype, what, max_file_size, overwrite, no_verify, quiet);
     }
   } catch (const std::exception& e) {
     std::fflush(stdout);

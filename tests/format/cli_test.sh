@@ -81,6 +81,21 @@ expect 0 '' -- "$CLI" export "$WORK/ckpt" "$WORK/out2" --overwrite --quiet
 expect 2 'bf16\|f16\|f32\|f64|must be bf16' -- "$CLI" export "$WORK/ckpt" "$WORK/out3" --dtype int8
 expect 2 'max-file-size' -- "$CLI" export "$WORK/ckpt" "$WORK/out3" --max-file-size lots
 
+# Training-state checkpoints (tests/format/make_training_state_fixture.py): --what selects the
+# "ema." or "model." tensors and strips the prefix; the optimizer state and metadata stay out.
+TS="$DATA/training_state"
+expect 0 'exported 60 ' -- "$CLI" export --what ema "$TS" "$WORK/ts_ema"
+expect 0 '^weight +F32 +\[3, 4\] +48 ' '^bias +F32 +\[3\] +12 ' 'total: 2 tensors, 60 bytes' \
+  -- "$CLI" inspect "$WORK/ts_ema"
+expect 0 'exported 30 ' -- "$CLI" export --what model --dtype bf16 "$TS" "$WORK/ts_model"
+expect 0 '^weight +BF16 +\[3, 4\] +24 ' 'total: 2 tensors, 30 bytes' -- "$CLI" inspect "$WORK/ts_model"
+if "$CLI" inspect "$WORK/ts_ema" | grep -Eq '(ema|model|optim|meta)\.'; then
+  echo "FAILED: --what left prefixed or unselected tensors"; failures=$((failures + 1))
+fi
+expect 0 'exported 1,?117 ' -- "$CLI" export "$TS" "$WORK/ts_all"
+expect 1 'no tensor name starts with "ema\."' -- "$CLI" export --what ema "$WORK/ckpt" "$WORK/ts_none"
+expect 2 'opt not in' -- "$CLI" export --what opt "$TS" "$WORK/ts_bad"
+
 expect 0 'DCP HuggingFace' 'world size: +4' 'layer\.weight +F32 +\[7, 5\] +140 +4' \
   -- "$CLI" inspect "$DATA/dcp_hf_sharded"
 expect 0 '^OK: 8 tensors, 22 pieces' 'DCP files carry no checksums' -- "$CLI" verify "$DATA/dcp_hf_sharded"
