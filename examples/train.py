@@ -388,7 +388,7 @@ def main() -> None:
         }
         (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
         print(f"done: {steps_done} steps in {elapsed:.1f} s ({result['steps_per_s'] or 0:.1f} "
-              f"steps/s; {steady or 0:.1f} steps/s once compiled), "
+              f"steps/s{f'; {steady:.1f} steps/s once compiled' if steady else ''}), "
               f"compiled graphs for the optimizer + EMA step: {result['compiled_graphs']}")
         print(f"validation loss (Python), raw weights: {raw:.6f}")
         print(f"validation loss (Python), EMA weights: {ema_loss:.6f}  "
