@@ -1,0 +1,244 @@
+"""Save and load of a full training state (FSDP2 model + AdamW state + fp32 ShardedEMA) at 2
+ranks (gloo, CPU): fsdp_ema.save_training_state / load_training_state vs dcp.save / dcp.load of
+the same state dicts (get_model_state_dict + get_optimizer_state_dict + ShardedEMA.state_dict,
+then set_* / load_state_dict), and the raw rate (each rank writes / reads its share of the bytes
+as one file), in one run, on tmpfs (/dev/shm) and on the project's disk.
+
+Times are wall times of the slowest rank (barrier before and after), medians of --repeat runs.
+Saves fsync (ours and DCP's FileSystemWriter both do; raw: one fsync). Loads run with a warm page
+cache (nothing drops caches on a shared machine); ours verifies every checksum.
+
+    python bench/bench_training_state.py [--megabytes 1024] [--places tmpfs,disk]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "python"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+WORLD = 2
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def build(total_bytes: int):
+    """An FSDP2 MLP whose fp32 weights + AdamW moments + fp32 EMA take ~total_bytes (4 copies of
+    the weights), with AdamW state after one step."""
+    import fsdp_ema
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    width = 2048
+    layers = max(1, round(total_bytes / 16 / (width * width + width)))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for m in model:
+        fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    opt.zero_grad()
+    ema = fsdp_ema.ShardedEMA(model, 0.999)
+    ema.update()
+    return model, opt, ema
+
+
+def timed(fn, repeat, setup=None):
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(repeat):
+        if setup:
+            setup()
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def worker(rank, init_file, args, out_queue):
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    import fsdp_ema
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=600))
+    model, opt, ema = build(int(args.megabytes * 2**20))
+    local = sum(t.numel() * t.element_size() for t in
+                [p._local_tensor for p in model.parameters()]) * 4
+    total = torch.tensor(local)
+    dist.all_reduce(total)
+    results = {"bytes": int(total), "places": {}}
+
+    def state_dicts():
+        return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
+                "ema": ema.state_dict()}
+
+    for place in args.places.split(","):
+        base = Path("/dev/shm") if place == "tmpfs" else args.disk_dir
+        if rank == 0:
+            base.mkdir(parents=True, exist_ok=True)
+            work = tempfile.mkdtemp(prefix="fsdp_ema_bench_ts_", dir=base)
+        else:
+            work = None
+        box = [work]
+        dist.broadcast_object_list(box)
+        work = Path(box[0])
+        ours, dcp_dir, raw_dir = work / "ours", work / "dcp", work / "raw"
+
+        def fresh(p):
+            def setup():
+                if rank == 0:
+                    shutil.rmtree(p, ignore_errors=True)
+                    p.mkdir()
+                dist.barrier()
+            return setup
+
+        def ours_save():
+            fsdp_ema.save_training_state(ours, model=model, optimizer=opt, ema=ema,
+                                         extra={"step": 1})
+
+        def dcp_save():
+            dcp.save(state_dicts(), checkpoint_id=str(dcp_dir))
+
+        # The raw rate: this rank's share of the bytes (its shard file's size) in one file.
+        row = {"save": {}, "load": {}}
+        row["save"]["fsdp_ema save_training_state"] = timed(ours_save, args.repeat, fresh(ours))
+        row["save"]["dcp.save (get_state_dict)"] = timed(dcp_save, args.repeat, fresh(dcp_dir))
+        share = os.path.getsize(ours / fsdp_ema.checkpoint.shard_file_name(rank, WORLD))
+        payload = torch.randint(0, 255, (share,), dtype=torch.uint8)
+        raw_file = raw_dir / f"rank{rank}.bin"
+
+        def raw_write():
+            with open(raw_file, "wb") as f:
+                f.write(memoryview(payload.numpy()))
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(raw_dir)
+
+        def raw_read():
+            buf = torch.empty(share, dtype=torch.uint8)
+            view = memoryview(buf.numpy())
+            with open(raw_file, "rb", buffering=0) as f:
+                got = 0
+                while got < share:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+
+        row["save"]["raw write (fsync)"] = timed(raw_write, args.repeat, fresh(raw_dir))
+
+        def ours_load():
+            fsdp_ema.load_training_state(ours, model=model, optimizer=opt, ema=ema)
+
+        def dcp_load():
+            sd = state_dicts()
+            dcp.load(sd, checkpoint_id=str(dcp_dir))
+            set_model_state_dict(model, sd["model"])
+            set_optimizer_state_dict(model, opt, sd["optim"])
+            ema.load_state_dict(sd["ema"])
+
+        for fn in (ours_load, dcp_load, raw_read):  # warm the page cache alike
+            fn()
+            dist.barrier()
+        row["load"]["fsdp_ema load_training_state"] = timed(ours_load, args.repeat)
+        row["load"]["dcp.load (+ set_state_dict)"] = timed(dcp_load, args.repeat)
+        row["load"]["raw read"] = timed(raw_read, args.repeat)
+        results["places"][place] = row
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(work, ignore_errors=True)
+    if rank == 0:
+        out_queue.put(results)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--megabytes", type=float, default=1024,
+                        help="weights + AdamW moments + EMA over all ranks (default 1024)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--places", default="tmpfs,disk")
+    parser.add_argument("--disk-dir", type=Path, default=ROOT / "build" / "bench-disk")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    from report import finish
+
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.TemporaryDirectory(prefix="fsdp_ema_bench_init_")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, os.path.join(tmp.name, "init"), args, queue))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    results = queue.get()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise SystemExit("a rank failed")
+    size = results["bytes"]
+    print(f"torch {torch.__version__}, {WORLD} ranks (gloo, CPU, 1 thread each), FSDP2 MLP: "
+          f"weights + AdamW exp_avg/exp_avg_sq + fp32 EMA = {size / 2**20:.0f} MiB")
+    checks = []
+    for place, row in results["places"].items():
+        print(f"\n{place}:")
+        for kind, ours_name, dcp_name, raw_name in (
+                ("save", "fsdp_ema save_training_state", "dcp.save (get_state_dict)",
+                 "raw write (fsync)"),
+                ("load", "fsdp_ema load_training_state", "dcp.load (+ set_state_dict)",
+                 "raw read")):
+            rows = row[kind]
+            print(f"  {kind:5s} {'method':34s} {'s':>8s} {'GB/s':>8s} {'vs ours':>8s}")
+            for name, s in rows.items():
+                print(f"        {name:34s} {s:8.3f} {size / s / 1e9:8.2f} "
+                      f"{s / rows[ours_name]:7.2f}x")
+            ours = rows[ours_name]
+            if place == "tmpfs":
+                ratio = rows[dcp_name] / ours
+                checks.append((f"{place}: {kind} vs DCP", ratio >= 1.5,
+                               f"{ratio:.2f}x faster (target >= 1.5x)"))
+            else:
+                ratio = rows[raw_name] / ours
+                checks.append((f"{place}: {kind} vs raw", ratio >= 0.8,
+                               f"{ratio:.0%} of the raw rate (target >= 80%)"))
+    finish(results, checks, args.json)
+
+
+if __name__ == "__main__":
+    main()
