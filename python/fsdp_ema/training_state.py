@@ -343,8 +343,7 @@ def _optim_key(fqn: str, key: str) -> str:
 
 def save_training_state(directory: str | os.PathLike, *, model=None, optimizer=None, ema=None,
                         extra: Mapping[str, Any] | None = None, rng: bool = True,
-                        keep_last: int | None = None, overwrite: bool = False,
-                        verify_json: bool = True) -> int:
+                        keep_last: int | None = None, overwrite: bool = False) -> int:
     """Writes a training-state checkpoint into ``directory``. Collective: every rank calls it.
 
     Args:
@@ -421,11 +420,8 @@ def save_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
         if rng:
             shards[f"{RNG_PREFIX}{rank}"] = _json_tensor(_rng_state())
         doc["extra"] = _encode(dict(extra or {}))
-        meta = _json_tensor(doc)
-        if verify_json:  # the decoder must give back what was passed
-            _decode(_tensor_json(meta)["extra"])
         if rank == 0:
-            shards[META_TENSOR] = meta
+            shards[META_TENSOR] = _json_tensor(doc)
             os.makedirs(directory, exist_ok=True)
             if os.path.exists(index):  # overwrite: uncommitted until the new index is there
                 os.remove(index)
@@ -507,11 +503,13 @@ def _rotate(new: str, keep_last: int) -> None:
 
 # --- loading ----------------------------------------------------------------------------------------
 
-def read_training_state_json(directory: str | os.PathLike, *, verify: bool = True) -> dict:
+def read_training_state_json(directory: str | os.PathLike, *, verify: bool = True,
+                             info: dict | None = None) -> dict:
     """The JSON document of a committed training-state checkpoint (from rank 0's file,
-    checksum verified), tags not decoded."""
+    checksum verified), tags not decoded. ``info``: ``fsdp_ema.checkpoint.info(directory)``
+    if the caller has it."""
     directory = os.fspath(directory)
-    info = _ckpt.info(directory)
+    info = info if info is not None else _ckpt.info(directory)
     if META_TENSOR not in info["tensors"]:
         raise ValueError(f"{directory!r} is a checkpoint but not a training-state checkpoint "
                          f"(no {META_TENSOR!r})")
@@ -544,8 +542,9 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
 
     doc, available, error = None, None, None
     try:
-        doc = read_training_state_json(directory, verify=verify)
-        available = _ckpt.info(directory)["tensors"]
+        info = _ckpt.info(directory)
+        doc = read_training_state_json(directory, verify=verify, info=info)
+        available = info["tensors"]
         for part, given in (("model", model), ("optimizer", optimizer), ("ema", ema)):
             if given is not None and doc.get(part) is None:
                 raise ValueError(f"the checkpoint holds no {part} state")
