@@ -1,6 +1,7 @@
 """save_training_state / load_training_state under real torch.distributed (gloo on the CPU).
 
-Exact resume at the same world size (FSDP2 fp32 and bf16 params with an fp32 EMA, FSDP1):
+Exact resume at the same world size (FSDP2 fp32 and bf16 params with an fp32 EMA, FSDP1 with
+use_orig_params False and True):
 run A trains 2N steps; run B trains N, saves, and fresh objects (other weights, other RNG
 state) load and train N more; everything is compared bit for bit. The directories saved at 2
 ranks are then loaded at 3 ranks and at 1 and compared with the full tensors at the save, and
@@ -29,7 +30,7 @@ from fsdp_ema import ShardedEMA, Warmup, training_state
 
 CLI = Path(__file__).resolve().parents[1] / "build" / "bin" / "fsdp-ema"
 N = 3  # steps before the save, and after it
-KINDS = ["fsdp2_fp32", "fsdp2_bf16", "fsdp1"]
+KINDS = ["fsdp2_fp32", "fsdp2_bf16", "fsdp1", "fsdp1_orig"]
 
 
 class Net(nn.Module):
@@ -67,12 +68,12 @@ def build(kind, seed=0):
         for m in (model.inp, model.hidden, model.head):
             fully_shard(m, mesh=mesh)
         model = fully_shard(model, mesh=mesh)
-    elif kind == "fsdp1":
+    elif kind.startswith("fsdp1"):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
-                     use_orig_params=False, device_id=torch.device("cpu"))
+                     use_orig_params=kind == "fsdp1_orig", device_id=torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
     ema = ShardedEMA(model, 0.999, warmup=Warmup(power=0.75), dtype=torch.float32)
@@ -152,7 +153,7 @@ def run_resume(rank, world, kind, directory, steps):
     """Fresh objects with other weights and another RNG state load the checkpoint; their full
     state right after the load, then after ``steps`` more steps."""
     model, opt, sched, ema = build(kind, seed=77)
-    if world == 1 and kind == "fsdp1":
+    if world == 1 and kind.startswith("fsdp1"):
         # FSDP1 at 1 rank is NO_SHARD, whose EMA state dict ShardedEMA refuses: a plain model.
         kind = "plain"
         model, opt, sched, ema = build(kind, seed=77)
