@@ -77,7 +77,8 @@ void remove_quietly(const std::string& path) noexcept;
 // that to pay; a hint only.
 void advise_willneed(const void* addr, size_t size) noexcept;
 
-// A read-only shared mapping of a whole file (nothing for an empty file).
+// A private copy-on-write mapping of a whole file (nothing for an empty file): readers hand out
+// zero-copy tensors over it, and a write to one stays in this process, never in the file.
 class MappedFile {
  public:
   MappedFile() = default;
