@@ -257,7 +257,8 @@ def test_directory_layout_names_and_json(runs):
     shards = [fsdp_ema.checkpoint.load_shard(Path(directory) / f"shard-0000{r}-of-00002"
                                              ".safetensors") for r in range(2)]
     assert shards[0]["model.inp.weight"][1] == [0, 0] and shards[1]["model.inp.weight"][1] == [4, 0]
-    assert "optim.state.inp.weight.step" in shards[0] and "optim.state.inp.weight.step" not in shards[1]
+    step = "optim.state.inp.weight.step"
+    assert step in shards[0] and step not in shards[1]
     assert "model.head.weight" in shards[0] and "model.head.weight" not in shards[1]  # 1 row
     assert "meta.training_state" not in shards[1] and "rng.1" in shards[1]
     # The JSON (checksummed in rank 0's file) and its readable copy agree.
@@ -274,7 +275,8 @@ def test_directory_layout_names_and_json(runs):
                                                 "optim.state.hidden.weight.exp_avg"])
     assert bit_equal(full["model.hidden.weight"], saved["model.hidden.weight"])
     assert bit_equal(full["ema.hidden.weight"], saved["ema.hidden.weight"])
-    assert bit_equal(full["optim.state.hidden.weight.exp_avg"], saved["optim.hidden.weight.exp_avg"])
+    assert bit_equal(full["optim.state.hidden.weight.exp_avg"],
+                     saved["optim.hidden.weight.exp_avg"])
 
 
 def test_failure_on_one_rank_raises_everywhere_and_leaves_no_index(pools, tmp_path):

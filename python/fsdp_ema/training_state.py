@@ -47,7 +47,7 @@ FORMAT_VERSION = 1
 MODEL_PREFIX, OPTIM_PREFIX, EMA_PREFIX, RNG_PREFIX = "model.", "optim.state.", "ema.", "rng."
 
 
-# --- JSON for non-tensor values ------------------------------------------------------------------
+# --- JSON for non-tensor values -------------------------------------------------------------------
 # Plain JSON for str/int/bool/None/finite floats/lists/dicts with string keys; a dict of one
 # reserved key tags everything else: {"__tuple__": [...]}, {"__float__": "inf"},
 # {"__dict__": [[key, value], ...]} (non-string keys, or a dict that looks like a tag),
@@ -301,7 +301,7 @@ def _read_into(directory: str, targets: list[_Target], available: Mapping[str, A
                 t.fill(loaded[t.name])
 
 
-# --- collecting state ------------------------------------------------------------------------------
+# --- collecting state -----------------------------------------------------------------------------
 
 def _rank_world(group) -> tuple[int, int]:
     if group is None:
@@ -463,7 +463,7 @@ def _write_atomically(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-# --- rotation and lookup ----------------------------------------------------------------------------
+# --- rotation and lookup --------------------------------------------------------------------------
 
 def _is_committed_training_state(path: Path) -> bool:
     if not (path / INDEX_NAME).is_file():
@@ -501,7 +501,7 @@ def _rotate(new: str, keep_last: int) -> None:
             shutil.rmtree(p)
 
 
-# --- loading ----------------------------------------------------------------------------------------
+# --- loading --------------------------------------------------------------------------------------
 
 def read_training_state_json(directory: str | os.PathLike, *, verify: bool = True,
                              info: dict | None = None) -> dict:
