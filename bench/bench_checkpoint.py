@@ -31,17 +31,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 import fsdp_ema  # noqa: E402
 from bench_update import shard_sizes  # noqa: E402
 from fsdp_ema import checkpoint as ckpt  # noqa: E402
+from rawio import raw_read, raw_write  # noqa: E402
 from report import finish  # noqa: E402
 
 warnings.filterwarnings("ignore")
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def make_state(gigabytes: float, count: int) -> dict:
@@ -52,28 +45,6 @@ def make_state(gigabytes: float, count: int) -> dict:
 
 def nbytes(state: dict) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
-
-
-def raw_write(path: Path, flat: torch.Tensor) -> None:
-    with open(path, "wb") as f:
-        f.write(memoryview(flat.numpy()).cast("B"))
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(path.parent)
-
-
-def raw_read(path: Path, size: int) -> torch.Tensor:
-    """One sequential read of the file into freshly allocated memory, as any load must do."""
-    buf = torch.empty(size, dtype=torch.uint8)
-    view = memoryview(buf.numpy())
-    with open(path, "rb", buffering=0) as f:
-        got = 0
-        while got < size:
-            n = f.readinto(view[got:])
-            if not n:
-                break
-            got += n
-    return buf
 
 
 def touch(tensors) -> None:

@@ -30,16 +30,9 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
+import rawio  # noqa: E402
 
 WORLD = 2
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def build(total_bytes: int):
@@ -144,22 +137,10 @@ def worker(rank, init_file, args, out_queue):
         raw_file = raw_dir / f"rank{rank}.bin"
 
         def raw_write():
-            with open(raw_file, "wb") as f:
-                f.write(memoryview(payload.numpy()))
-                f.flush()
-                os.fsync(f.fileno())
-            fsync_dir(raw_dir)
+            rawio.raw_write(raw_file, payload)
 
         def raw_read():
-            buf = torch.empty(share, dtype=torch.uint8)
-            view = memoryview(buf.numpy())
-            with open(raw_file, "rb", buffering=0) as f:
-                got = 0
-                while got < share:
-                    n = f.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
+            rawio.raw_read(raw_file, share)
 
         row["save"]["raw write (fsync)"] = timed(raw_write, args.repeat, fresh(raw_dir))
 

@@ -1,0 +1,39 @@
+"""The "raw" rows of the I/O benchmarks: the same bytes as one plain file write or read."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raw_write(path: Path, data: torch.Tensor) -> None:
+    """One write of a contiguous CPU tensor's bytes, fsync of the file and of its directory."""
+    with open(path, "wb") as f:
+        f.write(memoryview(data.numpy()).cast("B"))
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(path.parent)
+
+
+def raw_read(path: Path, size: int) -> torch.Tensor:
+    """One sequential read of the file into freshly allocated memory, as any load must do."""
+    buf = torch.empty(size, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    with open(path, "rb", buffering=0) as f:
+        got = 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    return buf
