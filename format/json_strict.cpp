@@ -41,7 +41,22 @@ Json parse_json_strict(std::string_view text, const std::string& what, int max_d
     return Json::parse(text.begin(), text.end(), callback, /*allow_exceptions=*/true,
                        /*ignore_comments=*/false);
   } catch (const Json::exception& e) {
-    throw FormatError(what + ": invalid JSON: " + e.what());
+    // The parser's message quotes the offending input ("last read: '...'"), which may be any
+    // bytes: escape them so that the message is valid UTF-8 (Python turns a C++ error whose
+    // message is not UTF-8 into a UnicodeDecodeError instead of a RuntimeError).
+    std::string msg;
+    for (const char ch : std::string_view(e.what())) {
+      const auto c = static_cast<unsigned char>(ch);
+      if (c >= 0x20 && c < 0x7F) {
+        msg += ch;
+      } else {
+        static constexpr char kHex[] = "0123456789abcdef";
+        msg += "\\x";
+        msg += kHex[c >> 4];
+        msg += kHex[c & 0xF];
+      }
+    }
+    throw FormatError(what + ": invalid JSON: " + msg);
   }
 }
 

@@ -244,3 +244,153 @@ def test_sigkill_during_multi_file_save(tmp_path):
           f"with_leftover_tmp={n_hidden} full_save_s={full:.3f} lost=0")
     for o in outcomes:
         print("  ", o)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Exhaustive single-byte flips and truncations of a small checkpoint
+# --------------------------------------------------------------------------------------------
+
+def small_tensors():
+    return {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7,
+            "b": torch.tensor([1, -2, 3], dtype=torch.int64),
+            "h": torch.tensor([0.5, -1.25], dtype=torch.bfloat16),
+            "m": torch.tensor([True, False, True])}
+
+
+def try_load(directory, expected):
+    """"rejected" (RuntimeError naming the file), "equal", or fails the test."""
+    try:
+        got = ckpt.load(directory)
+        got = {k: v.clone() for k, v in got.items()}   # not a view of the mapped file
+    except RuntimeError as e:
+        return "rejected", str(e)
+    assert sorted(got) == sorted(expected)
+    for name, t in got.items():
+        assert bit_equal(t, expected[name]), f"silently wrong value for {name}"
+    return "equal", None
+
+
+@pytest.mark.parametrize("target", ["shard", "index"])
+def test_every_byte_flip_and_truncation(tmp_path, target):
+    expected = small_tensors()
+    good = tmp_path / "good"
+    ckpt.save(good, expected)
+    fname = ckpt.shard_file_name(0, 1) if target == "shard" else INDEX
+    original = (good / fname).read_bytes()
+    assert len(original) < 2048
+    work = tmp_path / "work"
+    shutil.copytree(good, work)
+    path = work / fname
+
+    def put(data):
+        path.unlink()                  # a new inode: no earlier mapping sees the change
+        path.write_bytes(data)
+
+    counts = {"flips": 0, "flips_rejected": 0, "flips_equal": 0, "truncations": 0,
+              "truncations_rejected": 0}
+    corrupt_samples = []
+    for pos in range(len(original)):
+        for mask in (0xFF, 0x01):
+            data = bytearray(original)
+            data[pos] ^= mask
+            put(bytes(data))
+            outcome, msg = try_load(work, expected)
+            counts["flips"] += 1
+            counts["flips_" + outcome] += 1
+            if outcome == "equal" and os.environ.get("REL_DEBUG"):
+                print("equal", target, pos, hex(mask), original[pos:pos + 1])
+            if outcome == "rejected":
+                # A flipped index may be caught by the cross-check against the file it names
+                # (possibly a flipped name): the message names that file in the directory.
+                assert (fname if target == "shard" else str(work)) in msg, msg
+                if (pos * 7 + mask) % 97 == 0:
+                    corrupt_samples.append(bytes(data))
+    for length in range(len(original)):
+        put(original[:length])
+        outcome, msg = try_load(work, expected)
+        counts["truncations"] += 1
+        if outcome == "equal":
+            # Only the index's trailing newline may go (the JSON is still complete).
+            assert target == "index" and not original[length:].strip(), length
+            counts["truncations_equal"] = counts.get("truncations_equal", 0) + 1
+            continue
+        assert (fname if target == "shard" else str(work)) in msg, msg
+        counts["truncations_rejected"] += 1
+        if length % 173 == 0:
+            corrupt_samples.append(original[:length])
+    put(original)
+    assert try_load(work, expected) == ("equal", None)
+
+    # The CLI on a sample (a subprocess each): non-zero on every corrupt file, 0 on the original.
+    assert verify_cli(work).returncode == 0
+    for data in corrupt_samples:
+        put(data)
+        res = verify_cli(work)
+        assert res.returncode != 0, res.stdout
+    counts["cli_rejected"] = len(corrupt_samples)
+    counts["bytes"] = len(original)
+    print(f"\nRELIABILITY flips[{target}]: " + " ".join(f"{k}={v}" for k, v in counts.items()))
+
+
+# --------------------------------------------------------------------------------------------
+# 3. No pickle on the load path; unknown format versions
+# --------------------------------------------------------------------------------------------
+
+NO_PICKLE = textwrap.dedent("""
+    import pickle, sys
+    calls = []
+    def trap(name):
+        def f(*a, **k):
+            calls.append(name)
+            raise AssertionError("pickle." + name + " called on the load path")
+        return f
+    class Trap:
+        def __init__(self, *a, **k):
+            calls.append("Unpickler")
+            raise AssertionError("pickle.Unpickler used on the load path")
+    pickle.load, pickle.loads, pickle.Unpickler = trap("load"), trap("loads"), Trap
+    import torch
+    from fsdp_ema import checkpoint as ckpt
+    d = sys.argv[1]
+    got = ckpt.load(d)
+    assert got["w"].tolist() == [[0.0, 1.0], [2.0, 3.0]], got
+    one = ckpt.load_shard(d + "/" + ckpt.shard_file_name(0, 1))
+    assert one["b"][0].tolist() == [5, 6], one
+    ckpt.info(d)
+    assert not calls, calls
+    print("NO_PICKLE_OK")
+""")
+
+
+def test_load_path_uses_no_pickle(tmp_path):
+    ckpt.save(tmp_path / "c", {"w": torch.arange(4.0).reshape(2, 2), "b": torch.tensor([5, 6])})
+    res = subprocess.run([sys.executable, "-c", NO_PICKLE, str(tmp_path / "c")],
+                         capture_output=True, text=True, env=child_env(), timeout=120)
+    assert res.returncode == 0 and "NO_PICKLE_OK" in res.stdout, res.stdout + res.stderr
+
+
+def test_unknown_format_versions_are_refused(tmp_path):
+    good = tmp_path / "good"
+    ckpt.save(good, {"w": torch.arange(4.0)})
+    shard = ckpt.shard_file_name(0, 1)
+
+    bad_index = tmp_path / "bad_index"
+    shutil.copytree(good, bad_index)
+    index = json.loads((bad_index / INDEX).read_text())
+    index["format_version"] = 2
+    (bad_index / INDEX).write_text(json.dumps(index))
+    with pytest.raises(RuntimeError, match=r"unsupported format_version 2"):
+        ckpt.load(bad_index)
+    assert verify_cli(bad_index).returncode != 0
+
+    bad_header = tmp_path / "bad_header"
+    shutil.copytree(good, bad_header)
+    data = (bad_header / shard).read_bytes()
+    key = b'"fsdp_ema_format_version":"1"'
+    assert data.count(key) == 1
+    (bad_header / shard).write_bytes(data.replace(key, b'"fsdp_ema_format_version":"2"'))
+    with pytest.raises(RuntimeError, match=shard + r".*version"):
+        ckpt.load_shard(bad_header / shard)
+    with pytest.raises(RuntimeError, match=shard + r".*version"):
+        ckpt.load(bad_header)
+    assert verify_cli(bad_header).returncode != 0
