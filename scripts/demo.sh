@@ -19,7 +19,7 @@ TORCH_DIR="$("$FSDP_EMA_PYTHON" -c 'import os, torch.utils; print(os.path.join(t
 echo "== building the C++ server against the installed package (examples/CMakeLists.txt)"
 cmake -DBUILD_DIR="$FSDP_EMA_BUILD" -DSOURCE_DIR="$FSDP_EMA_ROOT/examples" \
   -DWORK_DIR="$FSDP_EMA_BUILD/examples" -DTorch_DIR="$TORCH_DIR" \
-  -P "$FSDP_EMA_ROOT/examples/build_examples.cmake"
+  -P "$FSDP_EMA_ROOT/cmake/build_outside_project.cmake"
 SERVE="$FSDP_EMA_BUILD/examples/build/serve"
 
 OUT="${FSDP_EMA_DEMO_OUT:-$FSDP_EMA_BUILD/demo}"

@@ -1,7 +1,8 @@
-# Installs the built plugin into WORK_DIR/prefix, then configures (once) and builds the examples
-# project (examples/CMakeLists.txt: serve) against that prefix with find_package(fsdp_ema), as an
-# outside user would. Incremental: a second run with nothing changed builds nothing.
-# Inputs: BUILD_DIR (our build tree), SOURCE_DIR (examples/), WORK_DIR, Torch_DIR, GENERATOR.
+# Installs the built plugin into WORK_DIR/prefix, then configures (once) and builds an outside
+# project (SOURCE_DIR: examples/ with the C++ server, or tests/consumer/) against that prefix with
+# find_package(fsdp_ema), as a user would; with RUN set, runs that program of the built project
+# and fails when it fails. Incremental: a second run with nothing changed builds nothing.
+# Inputs: BUILD_DIR (our build tree), SOURCE_DIR, WORK_DIR, Torch_DIR, GENERATOR, RUN (optional).
 foreach(var BUILD_DIR SOURCE_DIR WORK_DIR)
   get_filename_component(${var} "${${var}}" ABSOLUTE)
 endforeach()
@@ -21,13 +22,19 @@ if(NOT EXISTS "${STAMP}")
                           "-DCMAKE_PREFIX_PATH=${PREFIX}" "-DTorch_DIR=${Torch_DIR}"
                   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
   if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "configuring the examples failed (${rc}):\n${out}")
+    message(FATAL_ERROR "configuring ${SOURCE_DIR} failed (${rc}):\n${out}")
   endif()
   file(WRITE "${STAMP}" "")
 endif()
 execute_process(COMMAND "${CMAKE_COMMAND}" --build "${WORK_DIR}/build"
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
 if(NOT rc EQUAL 0)
-  message(FATAL_ERROR "building the examples failed (${rc}):\n${out}")
+  message(FATAL_ERROR "building ${SOURCE_DIR} failed (${rc}):\n${out}")
 endif()
-message(STATUS "examples built: ${WORK_DIR}/build/serve")
+message(STATUS "built: ${WORK_DIR}/build")
+if(RUN)
+  execute_process(COMMAND "${WORK_DIR}/build/${RUN}" RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${RUN} failed (${rc})")
+  endif()
+endif()
