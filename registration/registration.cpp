@@ -72,6 +72,15 @@ TORCH_LIBRARY_IMPL(fsdp_ema, CompositeExplicitAutograd, m) {
   m.impl("checkpoint_info", &fsdp_ema::ops::checkpoint_info);
   m.impl("gather_shards", &fsdp_ema::ops::gather_shards);
   m.impl("cpu_capability", [] { return std::string(fsdp_ema::kernels::update_cpu_capability()); });
+  // update_ with a float decay and empty lists has no tensor to dispatch on (nor do tensors on a
+  // device without a kernel): validate, so the error names the bad argument ("ema is empty"),
+  // then refuse. The Tensor overloads always have `decay` to dispatch on.
+  for (const char* name : {"update_", "ema_shard_update_"}) {
+    m.impl(name, [](at::TensorList ema, at::TensorList model, double decay) {
+      fsdp_ema::ops::update_meta(ema, model, decay);
+      TORCH_CHECK(false, "fsdp_ema::update_: no kernel for tensors on ", ema[0].device());
+    });
+  }
 }
 
 TORCH_LIBRARY_IMPL(fsdp_ema, CPU, m) {

@@ -34,6 +34,13 @@ from .training_state import (latest_checkpoint, load_training_state,  # noqa: E4
 @torch.library.register_fake("fsdp_ema::save_shard")
 def _save_shard_fake(directory, rank, world_size, names, shards, offsets, global_shapes,
                      fsync=True):
+    # Registered as the Meta kernel too: real meta tensors (not a tracer's fake ones) would
+    # otherwise "save" nothing and return a garbage count.
+    from torch._subclasses.fake_tensor import FakeTensor
+    for i, s in enumerate(shards):
+        if s.device.type == "meta" and not isinstance(s, FakeTensor):
+            raise RuntimeError(f"fsdp_ema::save_shard: shards[{i}] ('{names[i]}') is a meta "
+                               "tensor, which has no data to save")
     return torch.empty((), dtype=torch.int64, device="cpu")
 
 
