@@ -8,6 +8,13 @@
 #include <c10/util/accumulate.h>
 #include <c10/util/irange.h>
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <unordered_set>
@@ -38,6 +45,40 @@ std::string join(c10::string_view directory, const std::string& file) {
 }
 
 format::Shape to_shape(at::IntArrayRef s) { return format::Shape(s.begin(), s.end()); }
+
+// An advisory lock on a checkpoint directory (flock on the directory itself, so no file is
+// created). Writers of shard files hold it shared, so ranks on one node still write in parallel;
+// the commit holds it exclusively. So a commit never runs while a shard file is being renamed in,
+// and once committed, no later shard file can replace one that the index describes. flock is
+// coherent within a node; across nodes on a shared file system, ranks are ordered by the
+// collectives of the Python front (every rank's file is written before rank 0 commits).
+class DirectoryLock {
+ public:
+  DirectoryLock(const char* op, const std::string& dir, bool exclusive) {
+    fd_ = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    TORCH_CHECK(fd_ >= 0, op, "directory '", dir, "' cannot be opened: ", std::strerror(errno));
+    while (::flock(fd_, exclusive ? LOCK_EX : LOCK_SH) != 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      ::close(fd_);
+      TORCH_CHECK(false, op, "directory '", dir, "' cannot be locked: ", std::strerror(err));
+    }
+  }
+  ~DirectoryLock() {
+    ::flock(fd_, LOCK_UN);
+    ::close(fd_);
+  }
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
+bool is_committed(const std::string& dir) {
+  struct stat st {};
+  return ::stat((dir + "/" + std::string(format::kIndexFileName)).c_str(), &st) == 0;
+}
 
 // The validated request of one save_shard call.
 struct SaveRequest {
@@ -164,6 +205,10 @@ at::Tensor save_shard(c10::string_view directory, int64_t rank, int64_t world_si
   }
   const std::string path =
       join(directory, format::shard_file_name(rank, world_size));
+  const DirectoryLock lock(kOp, std::string(directory), /*exclusive=*/false);
+  TORCH_CHECK(!is_committed(std::string(directory)), kOp, "directory '", directory,
+              "' is already committed (", format::kIndexFileName,
+              " exists); save into a fresh directory, or remove the index first to replace it");
   const auto bytes = translate_errors(kOp, [&] {
     return static_cast<int64_t>(format::write_shard_file(path, std::move(req.tensors), options));
   });
@@ -174,8 +219,9 @@ int64_t commit_checkpoint(c10::string_view directory, int64_t world_size, bool o
                           bool fsync) {
   constexpr const char* kOp = "fsdp_ema::commit_checkpoint: ";
   TORCH_CHECK(world_size >= 1, kOp, "world_size must be >= 1, got ", world_size);
+  const std::string dir(directory);
+  const DirectoryLock lock(kOp, dir, /*exclusive=*/true);
   return translate_errors(kOp, [&] {
-    const std::string dir(directory);
     const format::CheckpointIndex index = format::build_index_from_dir(dir, world_size);
     format::write_index(dir, index, overwrite, fsync);
     return static_cast<int64_t>(index.tensors.size());
