@@ -10,11 +10,13 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <unordered_set>
@@ -74,6 +76,23 @@ class DirectoryLock {
  private:
   int fd_ = -1;
 };
+
+// Removes the temporaries of `file` (".<file>.tmp-<pid>-<random>", see format/file_util.cpp) whose
+// writing process no longer exists: what a crash during an earlier save left behind. Temporaries
+// of live writers are kept. Only this rank's file name is looked at, so other ranks writing the
+// same directory at the same time are never touched.
+void remove_stale_temporaries(const std::string& dir, const std::string& file) {
+  const std::string prefix = "." + file + ".tmp-";
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(prefix, 0) != 0) continue;
+    const long pid = std::strtol(name.c_str() + prefix.size(), nullptr, 10);
+    if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      std::filesystem::remove(entry.path(), ec);
+    }
+  }
+}
 
 bool is_committed(const std::string& dir) {
   struct stat st {};
@@ -209,6 +228,7 @@ at::Tensor save_shard(c10::string_view directory, int64_t rank, int64_t world_si
   TORCH_CHECK(!is_committed(std::string(directory)), kOp, "directory '", directory,
               "' is already committed (", format::kIndexFileName,
               " exists); save into a fresh directory, or remove the index first to replace it");
+  remove_stale_temporaries(std::string(directory), format::shard_file_name(rank, world_size));
   const auto bytes = translate_errors(kOp, [&] {
     return static_cast<int64_t>(format::write_shard_file(path, std::move(req.tensors), options));
   });

@@ -223,15 +223,18 @@ def test_sigkill_during_multi_file_save(tmp_path):
     assert check_crashed_dir(fresh, new_expected)[0] == "complete"
 
     # Saving again into a crashed, uncommitted directory also works: the rename replaces any
-    # complete file of the crashed save, and leftover hidden temporaries are ignored by readers
-    # (they are not removed; `verify` passes with them there).
+    # complete file of the crashed save, and the next save of a file removes the temporaries its
+    # crashed writers left (their pid is gone); a live writer's temporary (pid 1 here) is kept,
+    # and readers ignore it.
     crashed = [o for o in outcomes if o[4] == "refused" and o[5] > 0]
     redo = tmp_path / f"new{outcomes.index(crashed[0]):02d}"
-    (redo / ".shard-00000-of-00003.safetensors.tmp-1-0000000000000000").write_bytes(b"junk")
+    live = ".shard-00000-of-00003.safetensors.tmp-1-0000000000000000"
+    (redo / live).write_bytes(b"junk")
     for r, shard in enumerate(ns["make_shards"](1)):
         ckpt.save_shard(redo, shard, rank=r, world_size=WORLD)
     ckpt.commit(redo, WORLD)
     assert check_crashed_dir(redo, new_expected)[0] == "complete"
+    assert sorted(p.name for p in redo.iterdir() if p.name.startswith(".")) == [live]
     # A crashed directory whose commit finished refuses a second commit.
     done = [o for o in outcomes if o[4] == "complete"][0]
     with pytest.raises(RuntimeError, match="already committed"):
