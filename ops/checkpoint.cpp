@@ -287,6 +287,11 @@ load_shard(c10::string_view path, bool verify, std::optional<at::Device> device)
   });
 }
 
+format::RowRange rank_rows(const format::IndexTensor& tensor, int64_t rank, int64_t world_size) {
+  if (tensor.shape.empty()) return {0, 1};
+  return format::chunk_rows(tensor.shape[0], rank, world_size);
+}
+
 void verify_pieces(const format::CheckpointDir& dir,
                    const std::vector<std::pair<const format::IndexTensor*, format::RowRange>>& plan) {
   std::vector<std::pair<const format::IndexTensor*, size_t>> pieces;
@@ -345,10 +350,7 @@ std::vector<at::Tensor> load_tensors(c10::string_view directory,
     std::vector<std::pair<const format::IndexTensor*, format::RowRange>> plan;
     for (const auto& name : names) {
       const format::IndexTensor& info = dir->tensor(name);
-      // A 0-dim tensor has no rows to split: every rank gets all of it (FSDP replicates it).
-      format::RowRange rows{0, info.shape.empty() ? 1 : info.shape[0]};
-      if (!info.shape.empty()) rows = format::chunk_rows(info.shape[0], rank, world_size);
-      plan.emplace_back(&info, rows);
+      plan.emplace_back(&info, rank_rows(info, rank, world_size));
     }
     if (verify) verify_pieces(*dir, plan);
     std::vector<at::Tensor> out;

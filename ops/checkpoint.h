@@ -49,6 +49,10 @@ std::vector<at::Tensor> load_tensors(c10::string_view directory,
                                      int64_t world_size, bool verify,
                                      std::optional<at::Device> device);
 
+// The dim-0 rows of `tensor` that rank `rank` of `world_size` holds (torch.chunk). A 0-dim tensor
+// has no rows to split: every rank gets all of it, as FSDP replicates it ({0, 1}).
+format::RowRange rank_rows(const format::IndexTensor& tensor, int64_t rank, int64_t world_size);
+
 // The dim-0 rows [rows.begin, rows.end) of `tensor` (all of it for a 0-dim tensor) as a CPU
 // tensor. When one stored piece holds exactly those rows (reading back at the world size that
 // wrote the checkpoint, or a whole tensor one rank wrote) the result maps the file (copy-on-write,

@@ -82,9 +82,8 @@ at::Tensor CheckpointReader::load_chunk(const std::string& name, int64_t rank, i
               "rank must be in [0, world_size), got rank ", rank, " of ", world_size);
   return translate([&] {
     const format::IndexTensor& info = impl_->dir.tensor(name);
-    format::RowRange rows{0, info.shape.empty() ? 1 : info.shape[0]};
-    if (!info.shape.empty()) rows = format::chunk_rows(info.shape[0], rank, world_size);
-    const at::Tensor t = ops::read_rows(impl_->owner, info, rows, verify);
+    const at::Tensor t =
+        ops::read_rows(impl_->owner, info, ops::rank_rows(info, rank, world_size), verify);
     return device.is_cpu() ? t : t.to(device);
   });
 }
@@ -94,7 +93,7 @@ std::unordered_map<std::string, at::Tensor> CheckpointReader::load_all(at::Devic
   if (verify) {
     std::vector<std::pair<const format::IndexTensor*, format::RowRange>> plan;
     for (const auto& t : impl_->dir.tensors()) {
-      plan.emplace_back(&t, format::RowRange{0, t.shape.empty() ? 1 : t.shape[0]});
+      plan.emplace_back(&t, ops::rank_rows(t, 0, 1));
     }
     translate([&] { ops::verify_pieces(impl_->dir, plan); });
   }

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 
+#include "format/checkpoint_dir.h"
 #include "kernels/batched_copy.h"
 
 namespace fsdp_ema::ops {
@@ -24,13 +25,6 @@ constexpr const char* kOp = "fsdp_ema::gather_shards: ";
 constexpr int64_t kAlign = 16;  // every packed piece starts 16-byte aligned (vector copies)
 
 int64_t align_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-
-// torch.chunk(rows, world)[rank] as [begin, end).
-std::pair<int64_t, int64_t> chunk_rows(int64_t rows, int64_t rank, int64_t world) {
-  const int64_t cs = (rows + world - 1) / world;
-  const int64_t begin = std::min(rank * cs, rows);
-  return {begin, std::min(begin + cs, rows)};
-}
 
 void validate_lists(at::TensorList shards, at::IntArrayRef rows) {
   TORCH_CHECK(shards.size() == rows.size(), kOp, "shards has ", shards.size(),
@@ -100,7 +94,7 @@ std::vector<at::Tensor> gather_shards(at::TensorList shards, at::IntArrayRef row
   std::vector<int64_t> row_bytes(n);
   std::vector<at::Tensor> inputs(n);
   for (const auto i : c10::irange(n)) {
-    const auto [b, e] = chunk_rows(rows[i], rank, world);
+    const auto [b, e] = format::chunk_rows(rows[i], rank, world);
     TORCH_CHECK(shards[i].size(0) == e - b, kOp, "shards[", i, "] has ", shards[i].size(0),
                 " rows but rank ", rank, " of ", world, " holds ", e - b, " of rows[", i,
                 "] = ", rows[i], " (torch.chunk: rows [", b, ", ", e, "))");
@@ -114,7 +108,7 @@ std::vector<at::Tensor> gather_shards(at::TensorList shards, at::IntArrayRef row
   for (int64_t r = 0; r < world; ++r) {
     int64_t pos = 0;
     for (const auto i : c10::irange(n)) {
-      const auto [b, e] = chunk_rows(rows[i], r, world);
+      const auto [b, e] = format::chunk_rows(rows[i], r, world);
       offset[r][i] = pos;
       pos = align_up(pos + (e - b) * row_bytes[i]);
     }
@@ -146,7 +140,7 @@ std::vector<at::Tensor> gather_shards(at::TensorList shards, at::IntArrayRef row
     shape[0] = rows[i];
     outputs[i] = at::empty(shape, shards[i].options().memory_format(at::MemoryFormat::Contiguous));
     for (int64_t r = 0; r < world; ++r) {
-      const auto [b, e] = chunk_rows(rows[i], r, world);
+      const auto [b, e] = format::chunk_rows(rows[i], r, world);
       if (e == b || row_bytes[i] == 0) continue;
       segments.push_back({static_cast<const char*>(gathered.const_data_ptr()) + r * max_bytes +
                               offset[r][i],
