@@ -93,6 +93,71 @@ void resolve_all_pieces(const std::string& dir, const CheckpointIndex& index) {
   for (std::string_view f : files) resolve_piece_path(dir, f);
 }
 
+// Throws when two of the non-empty pieces overlap, in O(P log P + cells). Each dimension is cut at
+// every piece boundary, and every piece paints the cells of that grid it covers: a cell painted
+// twice is an overlap. Real layouts (dim-0 chunks, TP x FSDP grids, bricks of uneven chunks) have
+// at most a few cells per piece; a layout needing more than kCellsPerPiece per piece is only what
+// a crafted index holds, and is refused rather than checked pair by pair (quadratic).
+constexpr uint64_t kCellsPerPiece = 64;
+
+void check_disjoint(const IndexTensor& t, const std::vector<size_t>& nonempty,
+                    const std::string& ctx) {
+  const size_t ndim = t.shape.size();
+  std::vector<std::vector<int64_t>> cuts(ndim);
+  for (size_t d = 0; d < ndim; ++d) {
+    auto& c = cuts[d];
+    c.reserve(2 * nonempty.size() + 2);
+    c.push_back(0);
+    c.push_back(t.shape[d]);
+    for (size_t i : nonempty) {
+      c.push_back(t.pieces[i].offsets[d]);
+      c.push_back(t.pieces[i].offsets[d] + t.pieces[i].shape[d]);
+    }
+    std::sort(c.begin(), c.end());
+    c.erase(std::unique(c.begin(), c.end()), c.end());
+  }
+  const uint64_t limit = kCellsPerPiece * (nonempty.size() + 1);
+  std::vector<uint64_t> stride(ndim);
+  uint64_t cells = 1;
+  for (size_t d = ndim; d-- > 0;) {
+    stride[d] = cells;
+    const uint64_t k = cuts[d].size() - 1;  // >= 1: the pieces are non-empty
+    if (cells > limit / k) {
+      throw FormatError(ctx + ": " + std::to_string(nonempty.size()) +
+                        " pieces form an irregular layout (more than " + std::to_string(limit) +
+                        " grid cells): refused, writers cut tensors into grid-aligned pieces");
+    }
+    cells *= k;
+  }
+  // owner[cell] = 1 + index of the piece that covers it, 0 while uncovered.
+  std::vector<uint32_t> owner(cells, 0);
+  std::vector<uint64_t> lo(ndim), hi(ndim), at(ndim);
+  auto cell_of = [&](size_t d, int64_t v) {
+    return static_cast<uint64_t>(std::lower_bound(cuts[d].begin(), cuts[d].end(), v) -
+                                 cuts[d].begin());
+  };
+  for (size_t i : nonempty) {
+    const IndexPiece& p = t.pieces[i];
+    for (size_t d = 0; d < ndim; ++d) {
+      lo[d] = cell_of(d, p.offsets[d]);
+      hi[d] = cell_of(d, p.offsets[d] + p.shape[d]);
+    }
+    at = lo;
+    while (true) {
+      uint64_t cell = 0;
+      for (size_t d = 0; d < ndim; ++d) cell += at[d] * stride[d];
+      if (owner[cell] != 0) {
+        throw FormatError(ctx + ": pieces overlap: " + piece_desc(t.pieces[owner[cell] - 1]) +
+                          " and " + piece_desc(p));
+      }
+      owner[cell] = static_cast<uint32_t>(i + 1);
+      size_t d = ndim;
+      while (d-- > 0 && ++at[d] == hi[d]) at[d] = lo[d];
+      if (d == static_cast<size_t>(-1)) break;
+    }
+  }
+}
+
 }  // namespace
 
 const IndexTensor* CheckpointIndex::find(std::string_view name) const {
@@ -149,34 +214,8 @@ void check_coverage(const IndexTensor& t, const std::string& where) {
       throw FormatError(ctx + ": pieces overlap: " + piece_desc(t.pieces[nonempty[0]]) + " and " +
                         piece_desc(t.pieces[nonempty[1]]) + " both hold the 0-dim tensor");
     }
-  } else {
-    // Sweep along the dimension with the most distinct offsets: pieces are compared only with
-    // those whose extent in that dimension overlaps, which for the usual 1-d or 2-d splits is
-    // a handful.
-    size_t sweep = 0;
-    size_t best = 0;
-    for (size_t d = 0; d < ndim; ++d) {
-      std::set<int64_t> distinct;
-      for (size_t i : nonempty) distinct.insert(t.pieces[i].offsets[d]);
-      if (distinct.size() > best) {
-        best = distinct.size();
-        sweep = d;
-      }
-    }
-    std::sort(nonempty.begin(), nonempty.end(), [&](size_t a, size_t b) {
-      return t.pieces[a].offsets[sweep] < t.pieces[b].offsets[sweep];
-    });
-    for (size_t a = 0; a < nonempty.size(); ++a) {
-      const IndexPiece& pa = t.pieces[nonempty[a]];
-      const int64_t end = pa.offsets[sweep] + pa.shape[sweep];
-      for (size_t b = a + 1; b < nonempty.size(); ++b) {
-        const IndexPiece& pb = t.pieces[nonempty[b]];
-        if (pb.offsets[sweep] >= end) break;
-        if (intersect(Box{pa.offsets, pa.shape}, Box{pb.offsets, pb.shape})) {
-          throw FormatError(ctx + ": pieces overlap: " + piece_desc(pa) + " and " + piece_desc(pb));
-        }
-      }
-    }
+  } else if (!nonempty.empty()) {
+    check_disjoint(t, nonempty, ctx);
   }
   if (covered != *total) {
     throw FormatError(ctx + ": pieces cover " + std::to_string(covered) + " of " +
@@ -472,6 +511,12 @@ CheckpointIndex read_index(const std::string& dir) {
     throw FormatError(dir + ": not a directory (a checkpoint is a directory)");
   }
   const std::string path = detail::join_path(dir, kIndexFileName);
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    throw FormatError(path + ": not a regular file (" +
+                      (S_ISLNK(st.st_mode) ? std::string("a symbolic link") : "a special file") +
+                      "): the commit marker must be the file the writer renamed into place");
+  }
   if (!detail::path_exists(path)) {
     throw FormatError(dir +
                       ": incomplete checkpoint: fsdp_ema.index.json missing (the index is "

@@ -1,63 +1,113 @@
 #include "format/json_strict.h"
 
 #include <limits>
-#include <set>
 #include <vector>
 
 #include "format/error.h"
 
 namespace fsdp_ema::format::detail {
 
-Json parse_json_strict(std::string_view text, const std::string& what, int max_depth) {
-  // One key set per open container (arrays get an unused one, which keeps push/pop symmetric).
-  std::vector<std::set<std::string>> keys;
-  auto callback = [&](int depth, Json::parse_event_t event, Json& parsed) -> bool {
-    if (depth > max_depth) {
-      throw FormatError(what + ": JSON nested deeper than " + std::to_string(max_depth) +
+namespace {
+
+// Makes `msg` printable ASCII: a parser message quotes the offending input, which may be any bytes,
+// and Python turns a C++ error whose message is not UTF-8 into a UnicodeDecodeError instead of a
+// RuntimeError.
+std::string escape_bytes(std::string_view msg) {
+  std::string out;
+  out.reserve(msg.size());
+  for (const char ch : msg) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c >= 0x20 && c < 0x7F) {
+      out += ch;
+    } else {
+      static constexpr char kHex[] = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 0xF];
+    }
+  }
+  return out;
+}
+
+// Builds the DOM from SAX events with its own stack, so every event costs O(1) plus one map
+// lookup: linear in the text (nlohmann's callback parser rescans the parent container after each
+// closed value, which made a 200k-entry header quadratic). Duplicate keys are found by looking the
+// key up in the object being built, so no separate key set is kept.
+class StrictDomBuilder {
+ public:
+  StrictDomBuilder(const std::string& what, int max_depth) : what_(what), max_depth_(max_depth) {}
+
+  bool null() { return put(Json(nullptr)); }
+  bool boolean(bool v) { return put(Json(v)); }
+  bool number_integer(Json::number_integer_t v) { return put(Json(v)); }
+  bool number_unsigned(Json::number_unsigned_t v) { return put(Json(v)); }
+  bool number_float(Json::number_float_t v, const Json::string_t&) { return put(Json(v)); }
+  bool string(Json::string_t& v) { return put(Json(std::move(v))); }
+  bool binary(Json::binary_t& v) { return put(Json::binary(std::move(v))); }
+  bool start_object(std::size_t) { return open(Json::object()); }
+  bool start_array(std::size_t) { return open(Json::array()); }
+  bool end_object() { return close(); }
+  bool end_array() { return close(); }
+  bool key(Json::string_t& k) {
+    if (stack_.back()->contains(k)) {
+      throw FormatError(what_ + ": duplicate key " + json_quote(k) + " in one JSON object");
+    }
+    key_ = std::move(k);
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) {
+    throw FormatError(what_ + ": invalid JSON: " + escape_bytes(e.what()));
+  }
+
+  Json take() { return std::move(root_); }
+
+ private:
+  // Places a value where the parser is: the root, the next array element or the pending key.
+  Json* place(Json&& v) {
+    if (stack_.empty()) {
+      root_ = std::move(v);
+      return &root_;
+    }
+    Json& parent = *stack_.back();
+    if (parent.is_array()) {
+      parent.push_back(std::move(v));
+      return &parent.back();
+    }
+    return &(parent[std::move(key_)] = std::move(v));
+  }
+  bool put(Json&& v) {
+    place(std::move(v));
+    return true;
+  }
+  bool open(Json&& container) {
+    // The root container is at depth 0 and a value inside a container at depth d is at d + 1, so
+    // a container's contents sit one level below the container itself.
+    if (static_cast<int>(stack_.size()) + 1 > max_depth_) {
+      throw FormatError(what_ + ": JSON nested deeper than " + std::to_string(max_depth_) +
                         " levels");
     }
-    switch (event) {
-      case Json::parse_event_t::object_start:
-      case Json::parse_event_t::array_start:
-        keys.emplace_back();
-        break;
-      case Json::parse_event_t::object_end:
-      case Json::parse_event_t::array_end:
-        if (!keys.empty()) keys.pop_back();
-        break;
-      case Json::parse_event_t::key: {
-        const auto& key = parsed.get_ref<const std::string&>();
-        if (!keys.empty() && !keys.back().insert(key).second) {
-          throw FormatError(what + ": duplicate key " + json_quote(key) + " in one JSON object");
-        }
-        break;
-      }
-      case Json::parse_event_t::value:
-        break;
-    }
+    stack_.push_back(place(std::move(container)));
     return true;
-  };
-  try {
-    return Json::parse(text.begin(), text.end(), callback, /*allow_exceptions=*/true,
-                       /*ignore_comments=*/false);
-  } catch (const Json::exception& e) {
-    // The parser's message quotes the offending input ("last read: '...'"), which may be any
-    // bytes: escape them so that the message is valid UTF-8 (Python turns a C++ error whose
-    // message is not UTF-8 into a UnicodeDecodeError instead of a RuntimeError).
-    std::string msg;
-    for (const char ch : std::string_view(e.what())) {
-      const auto c = static_cast<unsigned char>(ch);
-      if (c >= 0x20 && c < 0x7F) {
-        msg += ch;
-      } else {
-        static constexpr char kHex[] = "0123456789abcdef";
-        msg += "\\x";
-        msg += kHex[c >> 4];
-        msg += kHex[c & 0xF];
-      }
-    }
-    throw FormatError(what + ": invalid JSON: " + msg);
   }
+  bool close() {
+    stack_.pop_back();
+    return true;
+  }
+
+  const std::string& what_;
+  const int max_depth_;
+  Json root_;
+  std::vector<Json*> stack_;  // open containers; pointers stay valid (std::map / vector back())
+  std::string key_;
+};
+
+}  // namespace
+
+Json parse_json_strict(std::string_view text, const std::string& what, int max_depth) {
+  StrictDomBuilder builder(what, max_depth);
+  Json::sax_parse(text.begin(), text.end(), &builder, nlohmann::detail::input_format_t::json,
+                  /*strict=*/true, /*ignore_comments=*/false);
+  return builder.take();
 }
 
 std::optional<int64_t> as_nonneg_int(const Json& j) {
