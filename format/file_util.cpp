@@ -63,6 +63,15 @@ uint64_t fd_size(int fd, const std::string& path) {
   return static_cast<uint64_t>(st.st_size);
 }
 
+FileIdentity file_identity(int fd, const std::string& path) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw FormatError(path + ": fstat failed: " + errno_text(errno));
+  if (!S_ISREG(st.st_mode)) throw FormatError(path + ": not a regular file");
+  return {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
+          static_cast<uint64_t>(st.st_size),
+          static_cast<int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec};
+}
+
 void pwrite_all(int fd, const void* data, size_t size, uint64_t offset, const std::string& path) {
   const char* p = static_cast<const char*>(data);
   while (size > 0) {

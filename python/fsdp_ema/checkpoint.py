@@ -83,13 +83,17 @@ def save(directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor], *,
     return nbytes
 
 
-def load_shard(path: str | os.PathLike, *, verify: bool = True, device=None):
+def load_shard(path: str | os.PathLike, *, verify: bool = True, device=None, mmap: bool = False):
     """One shard file: ``{name: (local_shard, global_offsets, global_shape)}``.
 
-    On the CPU the tensors map the file (no copy).
+    The tensors are memory the caller owns, read and checksum-verified in one pass, so a file
+    truncated or rewritten afterwards changes nothing. ``mmap=True`` (CPU only) returns zero-copy
+    views of a private mapping of the file instead, as ``torch.load(mmap=True)`` does, with the
+    same risk: truncating the file while the tensors live and then touching them kills the
+    process with SIGBUS.
     """
     names, tensors, offsets, global_shapes = torch.ops.fsdp_ema.load_shard(
-        os.fspath(path), verify, device)
+        os.fspath(path), verify, device, mmap)
     out, pos = {}, 0
     for name, t in zip(names, tensors):
         out[name] = (t, offsets[pos:pos + t.dim()], global_shapes[pos:pos + t.dim()])
@@ -103,11 +107,14 @@ def info(directory: str | os.PathLike) -> dict:
 
 
 def load(directory: str | os.PathLike, names: Sequence[str] | None = None, *, rank: int = 0,
-         world_size: int = 1, verify: bool = True, device=None) -> dict:
+         world_size: int = 1, verify: bool = True, device=None, mmap: bool = False) -> dict:
     """Tensors of a committed checkpoint: whole (``world_size=1``), or the dim-0 rows
-    ``torch.chunk(t, world_size)[rank]`` would give, whatever world size wrote it."""
+    ``torch.chunk(t, world_size)[rank]`` would give, whatever world size wrote it.
+
+    Owned memory, read and verified in one pass; ``mmap=True`` opts in to zero-copy views where
+    one stored piece holds exactly the rows asked for (see :func:`load_shard` for the risk)."""
     if names is None:
         names = sorted(info(directory)["tensors"])
     tensors = torch.ops.fsdp_ema.load_tensors(os.fspath(directory), list(names), rank,
-                                              world_size, verify, device)
+                                              world_size, verify, device, mmap)
     return dict(zip(names, tensors))
