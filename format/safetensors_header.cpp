@@ -114,6 +114,18 @@ SafetensorsHeader parse_safetensors_header(std::string_view header_json, uint64_
   }
   const uint64_t data_bytes = file_bytes - h.data_start;
 
+  // As the safetensors package: the JSON starts at the first byte (no UTF-8 byte order mark or
+  // padding before it; nlohmann would skip a BOM) and only spaces pad it (no NUL bytes).
+  if (header_json.empty() || header_json.front() != '{') {
+    const bool bom = header_json.starts_with("\xEF\xBB\xBF");
+    throw FormatError(file + ": header does not start with '{'" +
+                      (bom ? std::string(" (it starts with a UTF-8 byte order mark)") : "") +
+                      ": not a safetensors header");
+  }
+  if (const auto nul = header_json.find('\0'); nul != std::string_view::npos) {
+    throw FormatError(file + ": header holds a NUL byte at offset " + std::to_string(8 + nul) +
+                      " (only spaces may pad a safetensors header)");
+  }
   const Json root = detail::parse_json_strict(header_json, file + ": header");
   if (!root.is_object()) {
     throw FormatError(file + ": header is a JSON " + detail::json_type_name(root) +
