@@ -344,24 +344,28 @@ CheckpointDir CheckpointDir::open(const std::string& dir) {
                           std::to_string(impl->index.world_size));
       }
     }
-    std::set<std::pair<size_t, std::string_view>> matched;
+    // matched[file][i]: the file's i-th tensor is a piece the index lists.
+    std::vector<std::vector<char>> matched(impl->files.size());
+    for (size_t fi = 0; fi < impl->files.size(); ++fi) {
+      matched[fi].assign(impl->files[fi].tensors().size(), 0);
+    }
     impl->pieces.resize(impl->index.tensors.size());
     for (size_t ti = 0; ti < impl->index.tensors.size(); ++ti) {
       const IndexTensor& t = impl->index.tensors[ti];
       for (const IndexPiece& p : t.pieces) {
         const size_t fi = file_slot.at(p.file);
         const ShardFile& f = impl->files[fi];
-        const std::string ctx = f.path() + ": tensor " + json_quote(t.name);
+        auto ctx = [&] { return f.path() + ": tensor " + json_quote(t.name); };  // on error only
         const TensorInfo* info = f.find(t.name);
         if (info == nullptr) {
-          throw FormatError(ctx + ": listed in the index but missing from the file");
+          throw FormatError(ctx() + ": listed in the index but missing from the file");
         }
-        if (!matched.emplace(fi, info->name).second) {
-          throw FormatError(ctx + ": the index lists this file's piece twice");
-        }
+        char& seen = matched[fi][static_cast<size_t>(info - f.tensors().data())];
+        if (seen) throw FormatError(ctx() + ": the index lists this file's piece twice");
+        seen = 1;
         auto mismatch = [&](const std::string& what, const std::string& in_index,
                             const std::string& in_file) {
-          return FormatError(ctx + ": " + what + " " + in_index + " in the index but " + in_file +
+          return FormatError(ctx() + ": " + what + " " + in_index + " in the index but " + in_file +
                              " in the file header");
         };
         if (info->dtype != t.dtype) {
@@ -386,9 +390,10 @@ CheckpointDir CheckpointDir::open(const std::string& dir) {
       }
     }
     for (size_t fi = 0; fi < impl->files.size(); ++fi) {
-      for (const TensorInfo& info : impl->files[fi].tensors()) {
-        if (!matched.contains({fi, info.name})) {
-          throw FormatError(impl->files[fi].path() + ": tensor " + json_quote(info.name) +
+      const auto& tensors = impl->files[fi].tensors();
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        if (!matched[fi][i]) {
+          throw FormatError(impl->files[fi].path() + ": tensor " + json_quote(tensors[i].name) +
                             " is not listed in the index");
         }
       }

@@ -14,12 +14,13 @@
 #include "format/error.h"
 #include "format/file_util.h"
 #include "format/json_strict.h"
+#include "format/name_index.h"
 
 namespace fsdp_ema::format {
 namespace {
 
-using detail::Json;
 using detail::json_quote;
+using detail::JsonReader;
 
 std::optional<int64_t> parse_decimal(std::string_view s) {
   int64_t v = 0;
@@ -29,29 +30,41 @@ std::optional<int64_t> parse_decimal(std::string_view s) {
   return v;
 }
 
-// Parses a metadata value holding a JSON object keyed by tensor name, and checks that its keys
-// are exactly the file's tensors.
-Json parse_per_tensor_object(const std::map<std::string, std::string>& metadata,
-                             std::string_view key, const std::vector<TensorInfo>& tensors,
-                             const std::unordered_map<std::string, size_t>& by_name,
-                             const std::string& file) {
+using TensorsByName = detail::NameIndex;
+
+// Reads a metadata value holding a JSON object keyed by tensor name, whose keys must be exactly
+// the file's tensors, in one pass: on_entry(tensor, reader) reads each entry's value.
+template <typename F>
+void for_each_tensor_entry(const std::map<std::string, std::string>& metadata,
+                           std::string_view key, std::vector<TensorInfo>& tensors,
+                           const TensorsByName& by_name, const std::string& file, F&& on_entry) {
   const std::string what = file + ": metadata " + std::string(key);
-  Json j = detail::parse_json_strict(metadata.at(std::string(key)), what);
-  if (!j.is_object()) {
-    throw FormatError(what + ": is a JSON " + detail::json_type_name(j) +
-                      ", expected an object keyed by tensor name");
-  }
-  for (const auto& [name, value] : j.items()) {
-    if (!by_name.contains(name)) {
-      throw FormatError(what + ": names tensor " + json_quote(name) + " that is not in the file");
+  const std::string& text = metadata.at(std::string(key));
+  std::vector<char> seen(tensors.size(), 0);
+  detail::interpret_json(text, what, [&] {
+    JsonReader r(text, what);
+    if (const auto kind = r.peek(); kind != JsonReader::Kind::kObject) {
+      throw FormatError(what + ": is a JSON " + JsonReader::kind_name(kind) +
+                        ", expected an object keyed by tensor name");
+    }
+    r.begin_object(/*caller_checks_keys=*/true);
+    std::string name;
+    while (r.next_key(name)) {
+      const auto found = by_name.find(name);
+      if (!found) {
+        throw FormatError(what + ": names tensor " + json_quote(name) + " that is not in the file");
+      }
+      if (seen[*found]) r.duplicate_key(name);
+      seen[*found] = 1;
+      on_entry(tensors[*found], r);
+    }
+    r.expect_end();
+  });
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!seen[i]) {
+      throw FormatError(what + ": has no entry for tensor " + json_quote(tensors[i].name));
     }
   }
-  for (const TensorInfo& t : tensors) {
-    if (!j.contains(t.name)) {
-      throw FormatError(what + ": has no entry for tensor " + json_quote(t.name));
-    }
-  }
-  return j;
 }
 
 }  // namespace
@@ -59,7 +72,9 @@ Json parse_per_tensor_object(const std::map<std::string, std::string>& metadata,
 ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& file) {
   ShardHeader h;
   h.tensors.reserve(raw.tensors.size());
-  std::unordered_map<std::string, size_t> by_name;
+  // Views of the names in h.tensors, which is not resized after this loop.
+  TensorsByName by_name;
+  by_name.reserve(raw.tensors.size());
   for (const HeaderTensor& e : raw.tensors) {
     TensorInfo t;
     t.name = e.name;
@@ -68,9 +83,9 @@ ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& fil
     t.offsets.assign(e.shape.size(), 0);
     t.data_offset = raw.data_start + e.begin;
     t.nbytes = e.end - e.begin;
-    by_name.emplace(t.name, h.tensors.size());
     h.tensors.push_back(std::move(t));
   }
+  for (size_t i = 0; i < h.tensors.size(); ++i) by_name.insert(h.tensors[i].name, i);
   const auto& md = raw.metadata;
   auto has = [&](std::string_view k) { return md.contains(std::string(k)); };
 
@@ -102,27 +117,39 @@ ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& fil
   }
 
   if (has(kMetaDcpShardingInfo)) {
-    const Json info = parse_per_tensor_object(md, kMetaDcpShardingInfo, h.tensors, by_name, file);
-    for (TensorInfo& t : h.tensors) {
-      const Json& entry = info.at(t.name);
-      const std::string ctx = file + ": tensor " + json_quote(t.name) + ": DCP_SHARDING_INFO";
-      if (!entry.is_object() || !entry.contains("saved_offsets")) {
-        throw FormatError(ctx + " entry must be an object with \"saved_offsets\"");
+    for_each_tensor_entry(md, kMetaDcpShardingInfo, h.tensors, by_name, file,
+                          [&](TensorInfo& t, JsonReader& r) {
+      auto ctx = [&] {
+        return file + ": tensor " + json_quote(t.name) + ": DCP_SHARDING_INFO";
+      };
+      std::optional<Shape> offsets;
+      bool present = false;
+      if (r.peek() == JsonReader::Kind::kObject) {
+        r.begin_object();
+        std::string k;
+        while (r.next_key(k)) {
+          if (k == "saved_offsets") {
+            present = true;
+            offsets = r.read_shape();
+          } else {
+            r.skip_value();
+          }
+        }
       }
-      auto offsets = detail::as_shape(entry.at("saved_offsets"));
+      if (!present) throw FormatError(ctx() + " entry must be an object with \"saved_offsets\"");
       if (!offsets || offsets->size() != t.shape.size()) {
-        throw FormatError(ctx + " saved_offsets must be " + std::to_string(t.shape.size()) +
+        throw FormatError(ctx() + " saved_offsets must be " + std::to_string(t.shape.size()) +
                           " non-negative integers (one per dimension of shape " +
                           shape_to_string(t.shape) + ")");
       }
       for (size_t d = 0; d < offsets->size(); ++d) {
         if ((*offsets)[d] > std::numeric_limits<int64_t>::max() - t.shape[d]) {
-          throw FormatError(ctx + " saved_offsets " + shape_to_string(*offsets) +
+          throw FormatError(ctx() + " saved_offsets " + shape_to_string(*offsets) +
                             " + shape overflow");
         }
       }
       t.offsets = std::move(*offsets);
-    }
+    });
   }
 
   for (TensorInfo& t : h.tensors) {
@@ -131,43 +158,49 @@ ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& fil
   }
 
   if (has(kMetaGlobalShapes)) {
-    const Json shapes = parse_per_tensor_object(md, kMetaGlobalShapes, h.tensors, by_name, file);
-    for (TensorInfo& t : h.tensors) {
-      const std::string ctx =
-          file + ": tensor " + json_quote(t.name) + ": " + std::string(kMetaGlobalShapes);
-      auto g = detail::as_shape(shapes.at(t.name));
+    for_each_tensor_entry(md, kMetaGlobalShapes, h.tensors, by_name, file,
+                          [&](TensorInfo& t, JsonReader& r) {
+      auto ctx = [&] {
+        return file + ": tensor " + json_quote(t.name) + ": " + std::string(kMetaGlobalShapes);
+      };
+      auto g = r.read_shape();
       if (!g || g->size() != t.shape.size()) {
-        throw FormatError(ctx + " entry must be " + std::to_string(t.shape.size()) +
+        throw FormatError(ctx() + " entry must be " + std::to_string(t.shape.size()) +
                           " non-negative integers (one per dimension of shape " +
                           shape_to_string(t.shape) + ")");
       }
       for (size_t d = 0; d < g->size(); ++d) {
         if (t.offsets[d] + t.shape[d] > (*g)[d]) {
-          throw FormatError(ctx + ": offsets " + shape_to_string(t.offsets) + " + shape " +
+          throw FormatError(ctx() + ": offsets " + shape_to_string(t.offsets) + " + shape " +
                             shape_to_string(t.shape) + " exceed global shape " +
                             shape_to_string(*g) + " in dimension " + std::to_string(d));
         }
       }
       if (!numel(*g)) {
-        throw FormatError(ctx + ": global shape " + shape_to_string(*g) + " overflows");
+        throw FormatError(ctx() + ": global shape " + shape_to_string(*g) + " overflows");
       }
       t.global_shape = std::move(*g);
-    }
+    });
   }
 
   if (has(kMetaChecksums)) {
-    const Json sums = parse_per_tensor_object(md, kMetaChecksums, h.tensors, by_name, file);
-    for (TensorInfo& t : h.tensors) {
-      const Json& v = sums.at(t.name);
+    for_each_tensor_entry(md, kMetaChecksums, h.tensors, by_name, file,
+                          [&](TensorInfo& t, JsonReader& r) {
       std::optional<uint64_t> c;
-      if (v.is_string()) c = parse_checksum(v.get_ref<const std::string&>());
+      std::string text;
+      if (r.peek() == JsonReader::Kind::kString) {
+        text = r.read_string();
+        c = parse_checksum(text);
+        text = json_quote(text);
+      } else {
+        text = std::string(r.skip_value());
+      }
       if (!c) {
-        throw FormatError(file + ": tensor " + json_quote(t.name) + ": checksum " +
-                          v.dump(-1, ' ', false, Json::error_handler_t::replace) +
+        throw FormatError(file + ": tensor " + json_quote(t.name) + ": checksum " + text +
                           " is not \"xxh3-64:<16 lowercase hex digits>\"");
       }
       t.checksum = *c;
-    }
+    });
   }
 
   if (has(kMetaWorldSize)) {
@@ -286,7 +319,7 @@ struct ShardFile::Impl {
   std::string path;
   detail::FileIdentity identity;
   ShardHeader header;
-  std::unordered_map<std::string, size_t> by_name;
+  detail::NameIndex by_name;  // views of header.tensors' names
   mutable std::once_flag map_once;
   mutable detail::MappedFile map;  // zero-copy opt-in only
 
@@ -314,7 +347,7 @@ ShardFile ShardFile::open(const std::string& path, bool verify_checksums) {
   impl->header = interpret_shard_header(parse_safetensors_header(json, size, path), path);
   impl->by_name.reserve(impl->header.tensors.size());
   for (size_t i = 0; i < impl->header.tensors.size(); ++i) {
-    impl->by_name.emplace(impl->header.tensors[i].name, i);
+    impl->by_name.insert(impl->header.tensors[i].name, i);
   }
   ReadFdCache::instance().put(impl.get(), std::move(fd));
   ShardFile file(std::move(impl));
@@ -332,8 +365,8 @@ const std::map<std::string, std::string>& ShardFile::metadata() const {
 bool ShardFile::is_fsdp_ema() const { return impl_->header.fsdp_ema; }
 
 const TensorInfo* ShardFile::find(std::string_view name) const {
-  auto it = impl_->by_name.find(std::string(name));
-  return it == impl_->by_name.end() ? nullptr : &impl_->header.tensors[it->second];
+  const auto i = impl_->by_name.find(name);
+  return i ? &impl_->header.tensors[*i] : nullptr;
 }
 
 const TensorInfo& ShardFile::tensor(std::string_view name) const {
