@@ -314,3 +314,32 @@ def test_cli_escapes_control_characters_in_names(tmp_path):
         assert res.returncode == 1 and "checksum mismatch" in text, text
         assert "\x1b" not in text and "\u202e" not in text
         assert not any(line.startswith("OK:") for line in text.splitlines()), text
+
+
+def test_sharded_ema_export_interrupted_while_switching_is_never_a_mix(tmp_path, monkeypatch):
+    from fsdp_ema import _hf_export as hf
+
+    model, _, ema = plain(0)
+    out = tmp_path / "out"
+    ema.export(out, max_file_bytes=40)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert hf.INDEX_NAME in before and len(before) >= 3
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.update()
+    real_replace, calls = os.replace, []
+
+    def replace_then_die(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:  # the second new file: killed halfway through the switch
+            raise OSError("injected: killed while renaming")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(hf.os, "replace", replace_then_die)
+    with pytest.raises(OSError, match="injected"):
+        ema.export(out, max_file_bytes=40, overwrite=True)
+    monkeypatch.undo()
+    now = {p.name: p.read_bytes() for p in out.iterdir() if not p.name.startswith(".")}
+    # The earlier export whole, or no export at all: never its index over some new files.
+    assert now == before or hf.INDEX_NAME not in now, sorted(now)
