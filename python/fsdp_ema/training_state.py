@@ -653,7 +653,8 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     Each rank reads only the rows it holds (``fsdp_ema.checkpoint.load`` with its rank and world
     size) where the layout is torch.chunk dim-0 rows (FSDP2, FSDP1), whole tensors otherwise.
     RNG states: rank ``r`` restores the state rank ``r`` saved; ranks past the saved world size
-    keep theirs. A failure on any rank raises on every rank.
+    keep theirs. Everything is read and checked on every rank before anything is written: a
+    failure on any rank raises on every rank and leaves every object (and the RNGs) as it was.
     """
     from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
                                                          set_optimizer_state_dict)
