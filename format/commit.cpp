@@ -1,10 +1,6 @@
 #include "format/commit.h"
 
-#include <dirent.h>
-
 #include <algorithm>
-#include <cerrno>
-#include <memory>
 #include <string_view>
 #include <vector>
 
@@ -17,14 +13,6 @@ namespace {
 
 bool is_digits(std::string_view s) {
   return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
-}
-
-std::vector<std::string> list_dir(const std::string& dir) {
-  std::unique_ptr<DIR, int (*)(DIR*)> d(::opendir(dir.c_str()), &::closedir);
-  if (!d) throw FormatError(dir + ": cannot list directory: " + detail::errno_text(errno));
-  std::vector<std::string> names;
-  while (const dirent* e = ::readdir(d.get())) names.emplace_back(e->d_name);
-  return names;
 }
 
 }  // namespace
@@ -107,7 +95,7 @@ CheckpointIndex commit_directory(const std::string& dir, int64_t world_size, boo
   // The new index is durable: files it does not reference belong to nothing loadable now.
   std::unordered_set<std::string> keep(names.begin(), names.end());
   bool removed = false;
-  for (const std::string& n : list_dir(dir)) {
+  for (const std::string& n : detail::list_dir(dir)) {
     if (is_shard_file_name(n) && !keep.contains(n)) {
       detail::remove_quietly(detail::join_path(dir, n));
       removed = true;

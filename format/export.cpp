@@ -1,6 +1,5 @@
 #include "format/export.h"
 
-#include <dirent.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -42,21 +41,10 @@ std::string real_or_empty(const std::string& p) {
   return r ? std::string(r.get()) : std::string();
 }
 
-std::vector<std::string> list_names(const std::string& dir) {
-  std::vector<std::string> out;
-  std::unique_ptr<DIR, int (*)(DIR*)> d(::opendir(dir.c_str()), &::closedir);
-  if (!d) throw FormatError(dir + ": cannot list: " + detail::errno_text(errno));
-  while (const dirent* e = ::readdir(d.get())) {
-    const std::string_view n = e->d_name;
-    if (n != "." && n != "..") out.emplace_back(n);
-  }
-  return out;
-}
-
 // The staging directory holds only plain files (the new export and the writers' temporaries).
 void remove_staging_quietly(const std::string& stage) noexcept {
   try {
-    for (const std::string& n : list_names(stage))
+    for (const std::string& n : detail::list_dir(stage))
       detail::remove_quietly(detail::join_path(stage, n));
   } catch (const FormatError&) {
   }
@@ -69,7 +57,7 @@ constexpr std::string_view kStagingPrefix = ".fsdp_ema-export.tmp-";
 
 // Staging directories of exports whose process is gone (a crash or a kill mid-write).
 void remove_dead_staging(const std::string& out_dir) {
-  for (const std::string& n : list_names(out_dir)) {
+  for (const std::string& n : detail::list_dir(out_dir)) {
     if (!n.starts_with(kStagingPrefix)) continue;
     const long pid = std::strtol(n.c_str() + kStagingPrefix.size(), nullptr, 10);
     if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
@@ -136,12 +124,8 @@ ExportResult export_consolidated(const std::string& dir, const std::string& out_
     throw FormatError(out_dir + ": the export must go to another directory than the checkpoint");
   }
   std::vector<std::string> existing;
-  {
-    std::unique_ptr<DIR, int (*)(DIR*)> d(::opendir(out_dir.c_str()), &::closedir);
-    if (!d) throw FormatError(out_dir + ": cannot list: " + detail::errno_text(errno));
-    while (const dirent* e = ::readdir(d.get())) {
-      if (is_model_file(e->d_name)) existing.emplace_back(e->d_name);
-    }
+  for (const std::string& n : detail::list_dir(out_dir)) {
+    if (is_model_file(n)) existing.push_back(n);
   }
   if (!existing.empty() && !options.overwrite) {
     throw FormatError(out_dir + ": already holds " + existing.front() +
