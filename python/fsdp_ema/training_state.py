@@ -678,7 +678,7 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
         for part, given in (("model", model), ("optimizer", optimizer), ("ema", ema)):
             if given is not None and doc.get(part) is None:
                 raise ValueError(f"the checkpoint holds no {part} state")
-        extra = _decode(doc.get("extra"), "extra")
+        extra = _decode(doc.get("extra"), f"{directory}: extra")
         if not isinstance(extra, dict):
             raise ValueError(f"extra is a {type(extra).__name__}, not a dict")
         if ema is not None and doc["ema"]["step"] is not None and (
@@ -689,7 +689,8 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
             if name not in available:
                 raise KeyError(f"{name!r} (rank {rank}'s RNG states) is not in the checkpoint")
             rng_state = _checked_rng_state(
-                _tensor_json(_ckpt.load(directory, [name], verify=verify)[name]), name)
+                _tensor_json(_ckpt.load(directory, [name], verify=verify)[name]),
+                f"{directory}: {name}")
     except Exception as e:  # noqa: BLE001
         error = e
     _agree(error, group, what)
