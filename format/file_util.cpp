@@ -1,5 +1,6 @@
 #include "format/file_util.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <sys/mman.h>
@@ -8,6 +9,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <utility>
 
@@ -248,6 +250,17 @@ bool is_directory(const std::string& path) {
 }
 
 void remove_quietly(const std::string& path) noexcept { (void)::unlink(path.c_str()); }
+
+std::vector<std::string> list_dir(const std::string& dir) {
+  std::unique_ptr<DIR, int (*)(DIR*)> d(::opendir(dir.c_str()), &::closedir);
+  if (!d) throw FormatError(dir + ": cannot list directory: " + errno_text(errno));
+  std::vector<std::string> names;
+  while (const dirent* e = ::readdir(d.get())) {
+    const std::string_view n = e->d_name;
+    if (n != "." && n != "..") names.emplace_back(n);
+  }
+  return names;
+}
 
 void advise_willneed(const void* addr, size_t size) noexcept {
   constexpr size_t kMinBytes = size_t{4} << 20;

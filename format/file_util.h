@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace fsdp_ema::format::detail {
 
@@ -84,6 +85,9 @@ bool is_directory(const std::string& path);
 
 // Removes a file if it exists, ignoring errors (cleanup paths).
 void remove_quietly(const std::string& path) noexcept;
+
+// The entries of a directory (not "." and ".."), in no particular order.
+std::vector<std::string> list_dir(const std::string& dir);
 
 // Asks the kernel to read a mapped range ahead (madvise WILLNEED) when it is large enough for
 // that to pay; a hint only.

@@ -310,10 +310,24 @@ CheckpointIndex build_index(std::span<const ShardDescription> shards, int64_t wo
 CheckpointIndex build_index_from_dir(const std::string& dir, int64_t world_size,
                                      std::map<std::string, std::string> metadata) {
   if (world_size < 1) throw FormatError(dir + ": world_size must be at least 1");
+  std::vector<std::string> names;
+  names.reserve(static_cast<size_t>(world_size));
+  for (int64_t r = 0; r < world_size; ++r) names.push_back(shard_file_name(r, world_size));
+  return build_index_from_files(dir, names, world_size, std::move(metadata));
+}
+
+CheckpointIndex build_index_from_files(const std::string& dir,
+                                       std::span<const std::string> file_names, int64_t world_size,
+                                       std::map<std::string, std::string> metadata) {
+  if (world_size < 1) throw FormatError(dir + ": world_size must be at least 1");
+  if (file_names.size() != static_cast<size_t>(world_size)) {
+    throw FormatError(dir + ": " + std::to_string(file_names.size()) + " shard file names for " +
+                      std::to_string(world_size) + " ranks");
+  }
   std::vector<ShardDescription> shards;
   shards.reserve(static_cast<size_t>(world_size));
   for (int64_t r = 0; r < world_size; ++r) {
-    const std::string name = shard_file_name(r, world_size);
+    const std::string& name = file_names[static_cast<size_t>(r)];
     const std::string path = detail::join_path(dir, name);
     if (!detail::path_exists(path)) {
       throw FormatError(dir + ": missing shard file " + name + " (rank " + std::to_string(r) +

@@ -22,6 +22,7 @@
 #include <unordered_set>
 
 #include "format/checkpoint_dir.h"
+#include "format/commit.h"
 #include "format/error.h"
 #include "format/index.h"
 #include "format/shard_file.h"
@@ -187,8 +188,9 @@ at::ScalarType to_scalar_type(format::DType d) {
 }
 
 at::Tensor save_shard(c10::string_view directory, int64_t rank, int64_t world_size,
-                   const std::vector<std::string>& names, at::TensorList shards,
-                   at::IntArrayRef offsets, at::IntArrayRef global_shapes, bool fsync) {
+                      const std::vector<std::string>& names, at::TensorList shards,
+                      at::IntArrayRef offsets, at::IntArrayRef global_shapes, bool fsync,
+                      bool overwrite) {
   constexpr const char* kOp = "fsdp_ema::save_shard: ";
   SaveRequest req = validate_save(kOp, rank, world_size, names, shards, offsets, global_shapes);
   format::WriteOptions options;
@@ -222,15 +224,18 @@ at::Tensor save_shard(c10::string_view directory, int64_t rank, int64_t world_si
     };
     options.free_buffer = [](void*) {};  // the tensors in `staging` own the memory
   }
-  const std::string path =
-      join(directory, format::shard_file_name(rank, world_size));
-  const DirectoryLock lock(kOp, std::string(directory), /*exclusive=*/false);
-  TORCH_CHECK(!is_committed(std::string(directory)), kOp, "directory '", directory,
+  const std::string dir(directory);
+  const DirectoryLock lock(kOp, dir, /*exclusive=*/false);
+  TORCH_CHECK(overwrite || !is_committed(dir), kOp, "directory '", directory,
               "' is already committed (", format::kIndexFileName,
-              " exists); save into a fresh directory, or remove the index first to replace it");
-  remove_stale_temporaries(std::string(directory), format::shard_file_name(rank, world_size));
+              " exists); save into a fresh directory, or pass overwrite=True to replace it");
   const auto bytes = translate_errors(kOp, [&] {
-    return static_cast<int64_t>(format::write_shard_file(path, std::move(req.tensors), options));
+    // An overwrite writes under a name the committed index does not reference (format/commit.h):
+    // the old checkpoint stays whole until the commit replaces its index.
+    const std::string file = format::shard_file_name_to_write(dir, rank, world_size);
+    remove_stale_temporaries(dir, file);
+    return static_cast<int64_t>(
+        format::write_shard_file(join(directory, file), std::move(req.tensors), options));
   });
   return at::scalar_tensor(bytes, at::TensorOptions().dtype(at::kLong));
 }
@@ -242,9 +247,8 @@ int64_t commit_checkpoint(c10::string_view directory, int64_t world_size, bool o
   const std::string dir(directory);
   const DirectoryLock lock(kOp, dir, /*exclusive=*/true);
   return translate_errors(kOp, [&] {
-    const format::CheckpointIndex index = format::build_index_from_dir(dir, world_size);
-    format::write_index(dir, index, overwrite, fsync);
-    return static_cast<int64_t>(index.tensors.size());
+    return static_cast<int64_t>(
+        format::commit_directory(dir, world_size, overwrite, fsync).tensors.size());
   });
 }
 

@@ -22,18 +22,22 @@ namespace fsdp_ema::ops {
 format::DType to_format_dtype(at::ScalarType t, const std::string& what);
 at::ScalarType to_scalar_type(format::DType d);
 
-// Writes one rank's local shards to <directory>/shard-<rank>-of-<world_size>.safetensors.
+// Writes one rank's local shards to <directory>/shard-<rank>-of-<world_size>.safetensors (with
+// overwrite, into a committed directory: under a name its index does not reference, see
+// format/commit.h; without, a committed directory is refused).
 //   names:         [N]    fully qualified names
 //   shards:        [N]    local shards (any device; CUDA staged through pinned memory)
 //   offsets:       [sum of shards[i].dim()]  global offset of each shard, concatenated
 //   global_shapes: [sum of shards[i].dim()]  global shape of each tensor, concatenated
 // Returns the file's size in bytes (0-dim int64 CPU tensor).
 at::Tensor save_shard(c10::string_view directory, int64_t rank, int64_t world_size,
-                   const std::vector<std::string>& names, at::TensorList shards,
-                   at::IntArrayRef offsets, at::IntArrayRef global_shapes, bool fsync);
+                      const std::vector<std::string>& names, at::TensorList shards,
+                      at::IntArrayRef offsets, at::IntArrayRef global_shapes, bool fsync,
+                      bool overwrite);
 
 // Writes <directory>/fsdp_ema.index.json from the headers of the world_size shard files: the
-// commit marker. Returns the number of tensors in the checkpoint.
+// commit marker (format::commit_directory: an overwrite replaces the old index in one rename, then
+// removes the files only the old one referenced). Returns the number of tensors.
 int64_t commit_checkpoint(c10::string_view directory, int64_t world_size, bool overwrite,
                           bool fsync);
 

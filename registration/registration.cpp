@@ -32,9 +32,11 @@ TORCH_LIBRARY(fsdp_ema, m) {
   // Writes one rank's local shards to <directory>/shard-<rank>-of-<world_size>.safetensors
   // atomically (temporary file, fsync, rename, directory fsync); returns the file's bytes as a
   // 0-dim int64 CPU tensor (a tensor, not an int, so that torch.compile can trace the call).
+  // Refuses a committed directory unless overwrite (then it writes under a name the committed
+  // index does not reference, so the old checkpoint stays whole until the commit).
   m.def(torch::schema(
       "save_shard(str directory, int rank, int world_size, str[] names, Tensor[] shards, "
-      "int[] offsets, int[] global_shapes, bool fsync=True) -> Tensor",
+      "int[] offsets, int[] global_shapes, bool fsync=True, bool overwrite=False) -> Tensor",
       c10::AliasAnalysisKind::CONSERVATIVE));
   // Writes <directory>/fsdp_ema.index.json, the commit marker, once every rank's file exists;
   // refuses an already committed directory unless overwrite. Returns the number of tensors.

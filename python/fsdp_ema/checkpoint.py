@@ -56,29 +56,35 @@ def _flatten(shards: Mapping[str, Shard]):
 
 
 def save_shard(directory: str | os.PathLike, shards: Mapping[str, Shard], *, rank: int = 0,
-               world_size: int = 1, fsync: bool = True) -> int:
+               world_size: int = 1, fsync: bool = True, overwrite: bool = False) -> int:
     """Writes this rank's file atomically; returns its size in bytes.
 
     ``shards`` maps a name to a whole tensor, or to ``(local_shard, global_offsets,
     global_shape)``. A tensor replicated on every rank (a 0-dim one, say) must be written by one
-    rank only: the commit refuses pieces that overlap.
+    rank only: the commit refuses pieces that overlap. A committed directory is refused unless
+    ``overwrite``: then the file goes under a name the committed index does not reference, and
+    the old checkpoint stays loadable until ``commit(..., overwrite=True)`` replaces its index.
     """
     os.makedirs(directory, exist_ok=True)
     names, tensors, offsets, global_shapes = _flatten(shards)
     return int(torch.ops.fsdp_ema.save_shard(os.fspath(directory), rank, world_size, names,
-                                             tensors, offsets, global_shapes, fsync))
+                                             tensors, offsets, global_shapes, fsync, overwrite))
 
 
 def commit(directory: str | os.PathLike, world_size: int, *, overwrite: bool = False,
            fsync: bool = True) -> int:
-    """Writes the index (the commit marker) once every rank's file is there."""
+    """Writes the index (the commit marker) once every rank's file is there; with ``overwrite``
+    it replaces a committed index in one rename, then removes the files only the old one
+    referenced."""
     return torch.ops.fsdp_ema.commit_checkpoint(os.fspath(directory), world_size, overwrite, fsync)
 
 
 def save(directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor], *,
          overwrite: bool = False, fsync: bool = True) -> int:
-    """Single-process save: one shard file plus the index. Returns the bytes of the shard file."""
-    nbytes = save_shard(directory, tensors, rank=0, world_size=1, fsync=fsync)
+    """Single-process save: one shard file plus the index. Returns the bytes of the shard file.
+    With ``overwrite`` a committed checkpoint in ``directory`` is replaced atomically: a reader
+    sees the old one whole until the new index lands, then the new one."""
+    nbytes = save_shard(directory, tensors, rank=0, world_size=1, fsync=fsync, overwrite=overwrite)
     commit(directory, 1, overwrite=overwrite, fsync=fsync)
     return nbytes
 
