@@ -120,8 +120,11 @@ def test_every_storage_offset_pair_updates_exactly_its_view(ema_dtype, model_dty
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
 def test_half_types_at_odd_storage_offsets_with_a_decay_tensor(dtype):
     base_e, base_m = randn(3 * CHUNK + 11, dtype, 3), randn(3 * CHUNK + 11, dtype, 4)
-    ema, model = [base_e[1:], base_e[:0], base_e[3:10]], [base_m[1:], base_m[:0], base_m[5:12]]
-    # ema[2] starts at element 3 and model[2] at element 5: they disagree modulo 8 (scalar path).
+    other_e = randn(16, dtype, 5)
+    ema = [base_e[1:], base_e.new_empty(0), other_e[3:10]]
+    model = [base_m[1:], base_m.new_empty(0), base_m[5:12]]
+    # ema[0] and model[0] start one element in (a head of 7, then packs of 8); ema[2] starts at
+    # element 3 and model[2] at element 5: they disagree modulo 8 (element by element).
     expected = [reference(e, m, 0.6) for e, m in zip(ema, model)]
     fsdp_ema.update_(ema, model, torch.tensor(0.6, device="cuda"))
     for a, b in zip(ema, expected):
