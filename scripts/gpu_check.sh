@@ -146,9 +146,9 @@ if [ $DRY -eq 1 ]; then
   # private mount namespace (an empty tmpfs over each folder, an empty file over each file), so
   # both CMake and the compilers can only use the staged folder.
   CMAKE_ARGS+=(-DCMAKE_IGNORE_PREFIX_PATH=/usr)
-  hide_script="$BUILD.hide.sh"
+  hide_script="$BUILD/hide.sh"
   mkdir -p "$BUILD"
-  : >"$BUILD.empty"
+  : >"$BUILD/empty"
   {
     echo 'set -e'
     for p in "$STAGE"/include/* "$STAGE"/share/cmake/* "$STAGE"/lib/*/cmake/* "$STAGE"/lib/*/*.a; do
@@ -157,7 +157,7 @@ if [ $DRY -eq 1 ]; then
       if [ -d "$p" ]; then
         echo "mount -t tmpfs none '$sys'"
       else
-        echo "mount --bind '$BUILD.empty' '$sys'"
+        echo "mount --bind '$BUILD/empty' '$sys'"
       fi
     done
     echo 'exec "$@"'
