@@ -194,6 +194,23 @@ def test_runs_on_the_current_side_stream():
     assert_ema_close(ema, expected)
 
 
+@pytest.mark.parametrize("count,launches", [(800, 2), (1600, 3)])
+def test_kernel_launches_per_call(count, launches):
+    """One table-fill launch per ~800 pairs plus the update itself (README, update_)."""
+    ema = [randn(100 + i % 50, torch.float32, i) for i in range(count)]
+    model = [randn(100 + i % 50, torch.bfloat16, 9000 + i) for i in range(count)]
+    decay = torch.tensor(0.9, device="cuda")
+    fsdp_ema.update_(ema, model, decay)  # warm-up
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fsdp_ema.update_(ema, model, decay)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    assert len(kernels) == launches, kernels
+    assert sum("update_kernel" in k for k in kernels) == 1, kernels
+
+
 # --- CUDA graphs and torch.compile ---------------------------------------------------------------
 
 def test_graph_replays_read_the_current_device_decay():
