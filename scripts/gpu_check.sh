@@ -4,7 +4,7 @@
 # torch, run only the CUDA tests (ctest and pytest) and the CUDA benchmarks, and write at most 8
 # files to OUT_DIR. The third-party headers, CMake configs and GoogleTest libraries come from
 # gpu-deps/ (scripts/stage_gpu_deps.sh, carried by the device tool). Budget: the step timeouts
-# below sum to 470 s, under the 8 minutes one run may take.
+# below sum to 450 s (480 with every kill grace), under the 8 minutes one run may take.
 #
 #   bash scripts/gpu_check.sh OUT_DIR             # on the GPU machine
 #   bash scripts/gpu_check.sh --dry-run OUT_DIR   # here, no GPU: the same configure and build
@@ -30,6 +30,9 @@ ARCHS="90-real"            # the H200: one sm_90 cubin, no PTX (compile time is 
 EXPECT_ELF="sm_90"
 TORCH_WHEEL_VERSION="2.11.0"  # the GPU machine's torch (2.11.0+cu130)
 SUMMARY="$OUT/summary.txt"
+# This run's files only (the logs below are appended to step by step).
+rm -f "$OUT"/{machine.txt,summary.txt,build.log,ctest.log,pytest.log} \
+  "$OUT"/{bench_update.log,bench_update.json,bench_gather.log}
 : >"$SUMMARY"
 status=0
 
@@ -46,7 +49,7 @@ run() {
   say "== $name (limit ${limit}s): $*"
   local t0=$SECONDS
   echo "== $name: $*" >>"$log"
-  timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
+  timeout --kill-after=5 "$limit" "$@" >>"$log" 2>&1
   local rc=$?
   say "   $name: exit $rc after $((SECONDS - t0)) s"
   return $rc
@@ -87,7 +90,7 @@ else
   BUILD="$ROOT/build-gpu"
   JOBS="$(nproc)"
   NICE=()
-  T_CONFIGURE=40 T_BUILD=170 T_CTEST=30 T_PYTEST=170 T_BENCH_UPDATE=40 T_BENCH_GATHER=20
+  T_CONFIGURE=35 T_BUILD=160 T_CTEST=40 T_PYTEST=160 T_BENCH_UPDATE=35 T_BENCH_GATHER=20
   PY="${FSDP_EMA_PYTHON:-$(command -v python3)}"
   torch_version="$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
   TORCH_ARGS=(-DPython3_EXECUTABLE="$PY")
@@ -265,7 +268,7 @@ if [ $DRY -eq 1 ]; then
 else
   export FSDP_EMA_LIBRARY="$LIB"
   run ctest "$T_CTEST" "$OUT/ctest.log" ctest --test-dir "$BUILD" --output-on-failure \
-    --parallel 4 --timeout 25 -R 'CUDA|Cuda' || status=1
+    --parallel 8 --timeout 30 -R 'CUDA|Cuda' || status=1
   tail -n 5 "$OUT/ctest.log"
   timeout_arg=()
   "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_arg=(--timeout 120)
