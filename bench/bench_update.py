@@ -161,7 +161,7 @@ def run_case(args, model_dtype: torch.dtype, sizes: list[int]) -> dict:
         results["fsdp_ema.update_"]["kernel_launches"] = count_kernel_launches(ours)
         # The launch bound holds up to 800 tensors (one table-fill launch + the update).
         small = [torch.randn(1000 + i, device=device) for i in range(800)]
-        small_model = [t.to(model_dtype) for t in small]
+        small_model = [t.to(model_dtype, copy=True) for t in small]
         results["fsdp_ema.update_"]["kernel_launches_800"] = count_kernel_launches(
             lambda: fsdp_ema.update_(small, small_model, decay_t))
     return {"elements": elements, "tensors": len(sizes), "rows": results}
