@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 
 def bits(t):
-    return t.contiguous().view(torch.uint8) if t.numel() else t
+    return t.reshape(-1).contiguous().view(torch.uint8) if t.numel() else t
 
 
 def assert_bit_exact(a, b, name):

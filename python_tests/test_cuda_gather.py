@@ -22,7 +22,7 @@ def group():
 
 def bits(t):
     """The tensor's bytes, so that NaN payloads and -0.0 compare too."""
-    return t.contiguous().view(torch.uint8) if t.numel() else t
+    return t.reshape(-1).contiguous().view(torch.uint8) if t.numel() else t
 
 
 def assert_same(out, full):

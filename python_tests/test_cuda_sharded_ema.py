@@ -58,8 +58,10 @@ def trained():
             y = torch.randn(16, 5, generator=g, device="cuda")
             model.zero_grad()
             F.mse_loss(model(x) * model.scale, y).backward()
-            params = [p.to_local() for p in model.parameters()]
-            grads = [p.grad.to_local() for p in model.parameters()]
+            # The very local tensors ShardedEMA reads (to_local() would hand the compiled step
+            # autograd views aliasing them).
+            params = [p._local_tensor for p in model.parameters()]
+            grads = [p.grad._local_tensor for p in model.parameters()]
             compiled(params, grads, ema)
             for name, t in model.state_dict().items():
                 full = t.detach().full_tensor() if hasattr(t, "full_tensor") else t.detach()

@@ -91,8 +91,8 @@ TEST(CudaBatchedCopy, RunsOnTheCurrentStream) {
   if (!fsdp_ema::testing::cuda_available()) GTEST_SKIP() << "no CUDA device";
   const at::Tensor src = at::zeros({1 << 20}, kBytes);
   const at::Tensor dst = at::zeros({1 << 20}, kBytes);
+  c10::cuda::getCurrentCUDAStream().synchronize();  // the zeros are written
   const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
-  side.synchronize();
   {
     const c10::cuda::CUDAStreamGuard guard(side);
     at::cuda::sleep(200000000);  // the fill below lands only after ~0.1 s on this stream
