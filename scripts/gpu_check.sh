@@ -268,7 +268,7 @@ if [ $DRY -eq 1 ]; then
 else
   export FSDP_EMA_LIBRARY="$LIB"
   run ctest "$T_CTEST" "$OUT/ctest.log" ctest --test-dir "$BUILD" --output-on-failure \
-    --parallel 8 --timeout 30 -R 'CUDA|Cuda' || status=1
+    --parallel 8 --timeout 30 -R 'CUDA|Cuda|cuda' || status=1
   tail -n 5 "$OUT/ctest.log"
   timeout_arg=()
   "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_arg=(--timeout 120)
