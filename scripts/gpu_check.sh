@@ -66,7 +66,7 @@ if [ $DRY -eq 1 ]; then
   PY="$FSDP_EMA_PYTHON"
   TORCH_ROOT="$ROOT/build-gpu-torch"
   if [ ! -f "$TORCH_ROOT/torch/share/cmake/Torch/TorchConfig.cmake" ]; then
-    say "== fetching the torch $TORCH_WHEEL_VERSION wheel (CPython 3.12, manylinux) into $TORCH_ROOT"
+    say "== fetching the torch $TORCH_WHEEL_VERSION wheel (CPython 3.12) into $TORCH_ROOT"
     mkdir -p "$TORCH_ROOT/wheel"
     "$PY" -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: \
       --python-version 3.12 --platform manylinux_2_28_x86_64 -d "$TORCH_ROOT/wheel" \
@@ -186,7 +186,8 @@ ninja -C "$BUILD" -t commands fsdp_ema | grep -E '\bnvcc\b.*\.cu\b' |
   echo "== nvcc architecture flags of the CUDA objects"
   cat "$BUILD/arch.txt"
 } | tee -a "$LOG"
-other="$(grep -oE '(compute|sm)_[0-9]+[a-z]?' "$BUILD/arch.txt" | grep -v '_90$' | sort -u | tr '\n' ' ')"
+other="$(grep -oE '(compute|sm)_[0-9]+[a-z]?' "$BUILD/arch.txt" | grep -v '_90$' | sort -u |
+  tr '\n' ' ')"
 [ -s "$BUILD/arch.txt" ] && [ -z "$other" ] ||
   die "nvcc compiles for '${other}' too (or no arch flags found); expected sm_90 only"
 if [ $HAVE_CUOBJDUMP -eq 1 ]; then
@@ -199,7 +200,7 @@ if [ $HAVE_CUOBJDUMP -eq 1 ]; then
   ptx_count="$(cuobjdump --list-ptx "$LIB" 2>/dev/null | grep -c 'PTX file' || true)"
   say "   cubins: ${elf_archs:-none}; PTX files: $ptx_count"
   [ "$elf_archs" = "$EXPECT_ELF " ] && [ "$ptx_count" = 0 ] ||
-    die "libfsdp_ema.so holds cubins '$elf_archs' and $ptx_count PTX files; expected $EXPECT_ELF only"
+    die "libfsdp_ema.so holds cubins '$elf_archs' and $ptx_count PTX files; want $EXPECT_ELF only"
 
   # Registers and the global memory instructions of each kernel (16-byte: LDG/STG.E.128).
   {
@@ -233,7 +234,8 @@ fi
 if [ $DRY -eq 1 ]; then
   # Every nlohmann/gtest/gmock/CLI/xxhash header a compile read came from the staged folder.
   ninja -C "$BUILD" -t deps >"$BUILD/deps.txt"
-  system_hits="$(grep -cE '^ +/usr/include/(nlohmann|gtest|gmock|CLI|xxh)' "$BUILD/deps.txt" || true)"
+  system_re='^ +/usr/include/(nlohmann|gtest|gmock|CLI|xxh)'
+  system_hits="$(grep -cE "$system_re" "$BUILD/deps.txt" || true)"
   # ninja prints paths under the build's parent relative to the build folder.
   staged_re="^ +($STAGE|$(realpath --relative-to="$BUILD" "$STAGE"))/include/"
   staged_hits="$(grep -E "$staged_re" "$BUILD/deps.txt" | sed -E "s#${staged_re}([^/.]+).*#\2#" |

@@ -29,7 +29,8 @@ for p in "${PACKAGES[@]}"; do
   while IFS= read -r f; do
     [ -f "$f" ] && [ ! -L "$f" ] || continue
     case "$f" in
-      /usr/include/*|/usr/share/cmake/*|/usr/lib/*/cmake/*|/usr/lib/*/libgtest*.a|/usr/lib/*/libgmock*.a) ;;
+      /usr/include/* | /usr/share/cmake/* | /usr/lib/*/cmake/*) ;;
+      /usr/lib/*/libgtest*.a | /usr/lib/*/libgmock*.a) ;;
       *) continue ;;
     esac
     rel="${f#/usr/}"
@@ -40,8 +41,10 @@ for p in "${PACKAGES[@]}"; do
 done
 
 {
-  echo "# Staged by scripts/stage_gpu_deps.sh on $(date -u +%Y-%m-%dT%H:%MZ) from $(. /etc/os-release && echo "$PRETTY_NAME")"
-  echo "# gcc: $(gcc -dumpfullversion 2>/dev/null || echo unknown); multiarch: $(gcc -print-multiarch 2>/dev/null || echo unknown)"
+  echo "# Staged by scripts/stage_gpu_deps.sh on $(date -u +%Y-%m-%dT%H:%MZ)" \
+       "from $(. /etc/os-release && echo "$PRETTY_NAME")"
+  echo "# gcc: $(gcc -dumpfullversion 2>/dev/null || echo unknown);" \
+       "multiarch: $(gcc -print-multiarch 2>/dev/null || echo unknown)"
   for p in "${PACKAGES[@]}"; do dpkg-query -W -f='${Package} ${Version}\n' "$p"; done
 } >"$DEST/MANIFEST.txt"
 
