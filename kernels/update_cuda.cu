@@ -11,40 +11,63 @@ namespace fsdp_ema::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kVec = 4;
 
-template <typename Op, typename T> __device__ __forceinline__ Op to_op(T x) {
+template <typename Op, typename T>
+__device__ __forceinline__ Op to_op(T x) {
   return static_cast<Op>(x);
 }
-template <> __device__ __forceinline__ float to_op<float, __nv_bfloat16>(__nv_bfloat16 x) {
+template <>
+__device__ __forceinline__ float to_op<float, __nv_bfloat16>(__nv_bfloat16 x) {
   return __bfloat162float(x);
 }
-template <> __device__ __forceinline__ double to_op<double, __nv_bfloat16>(__nv_bfloat16 x) {
+template <>
+__device__ __forceinline__ double to_op<double, __nv_bfloat16>(__nv_bfloat16 x) {
   return static_cast<double>(__bfloat162float(x));
 }
-template <> __device__ __forceinline__ float to_op<float, __half>(__half x) {
+template <>
+__device__ __forceinline__ float to_op<float, __half>(__half x) {
   return __half2float(x);
 }
-template <> __device__ __forceinline__ double to_op<double, __half>(__half x) {
+template <>
+__device__ __forceinline__ double to_op<double, __half>(__half x) {
   return static_cast<double>(__half2float(x));
 }
 
-template <typename T, typename Op> __device__ __forceinline__ T from_op(Op x) {
+template <typename T, typename Op>
+__device__ __forceinline__ T from_op(Op x) {
   return static_cast<T>(x);
 }
-template <> __device__ __forceinline__ __nv_bfloat16 from_op<__nv_bfloat16, float>(float x) {
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_op<__nv_bfloat16, float>(float x) {
   return __float2bfloat16_rn(x);
 }
-template <> __device__ __forceinline__ __half from_op<__half, float>(float x) {
+template <>
+__device__ __forceinline__ __half from_op<__half, float>(float x) {
   return __float2half_rn(x);
 }
 
-template <typename T> struct alignas(sizeof(T) * kVec) Pack {
-  T v[kVec];
+// V elements of T, loaded and stored as 16-byte words (V * sizeof(T) is a multiple of 16).
+template <typename T, int V>
+struct alignas(16) Pack {
+  static constexpr int kWords = static_cast<int>(sizeof(T)) * V / 16;
+  T v[V];
+  __device__ __forceinline__ void load(const T* src) {
+#pragma unroll
+    for (int k = 0; k < kWords; ++k) {
+      reinterpret_cast<uint4*>(v)[k] = reinterpret_cast<const uint4*>(src)[k];
+    }
+  }
+  __device__ __forceinline__ void store(T* dst) const {
+#pragma unroll
+    for (int k = 0; k < kWords; ++k) {
+      reinterpret_cast<uint4*>(dst)[k] = reinterpret_cast<const uint4*>(v)[k];
+    }
+  }
 };
 
 // torch.lerp's two-sided form: exact at both ends (decay 0 copies the model, decay 1 keeps ema).
-template <typename Op> __device__ __forceinline__ Op lerp(Op e, Op m, Op w, Op c, bool small) {
+template <typename Op>
+__device__ __forceinline__ Op lerp(Op e, Op m, Op w, Op c, bool small) {
   return small ? e + w * (m - e) : m - (m - e) * c;
 }
 
@@ -52,44 +75,74 @@ template <typename E, typename M>
 __device__ void update_chunk(const CudaUpdateEntry& entry, int64_t chunk, double decay) {
   // Math in fp32, or fp64 when the EMA is fp64.
   using Op = typename std::conditional<std::is_same<E, double>::value, double, float>::type;
+  constexpr int V = 16 / static_cast<int>(sizeof(E) < sizeof(M) ? sizeof(E) : sizeof(M));
+  // Packs each thread loads before it stores any (instruction-level parallelism): 64 bytes of the
+  // wider side in flight per thread, enough outstanding loads to cover DRAM latency with a few
+  // blocks per SM while the registers stay bounded (one pack at a time does not cover it).
+  constexpr int kWide = static_cast<int>(sizeof(E) > sizeof(M) ? sizeof(E) : sizeof(M));
+  constexpr int U = 64 / (kWide * V) > 0 ? 64 / (kWide * V) : 1;
   const Op w = Op(1) - static_cast<Op>(decay);
   const Op c = Op(1) - w;
   const bool small = w < Op(0.5);
-  E* __restrict__ ema = static_cast<E*>(entry.ema);
-  const M* __restrict__ model = static_cast<const M*>(entry.model);
   const int64_t begin = chunk * kCudaChunk;
   const int64_t n = min(kCudaChunk, entry.numel - begin);
-  ema += begin;
-  model += begin;
-  int64_t done = 0;
-  if (entry.vectorized) {
-    const int64_t packs = n / kVec;
-    auto* ema_p = reinterpret_cast<Pack<E>*>(ema);
-    const auto* model_p = reinterpret_cast<const Pack<M>*>(model);
-#pragma unroll 4
-    for (int64_t i = threadIdx.x; i < packs; i += kThreads) {
-      Pack<E> e = ema_p[i];
-      const Pack<M> m = model_p[i];
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        e.v[k] = from_op<E>(lerp<Op>(to_op<Op>(e.v[k]), to_op<Op>(m.v[k]), w, c, small));
-      }
-      ema_p[i] = e;
-    }
-    done = packs * kVec;
-  }
-  for (int64_t i = done + threadIdx.x; i < n; i += kThreads) {
+  E* __restrict__ ema = static_cast<E*>(entry.ema) + begin;
+  const M* __restrict__ model = static_cast<const M*>(entry.model) + begin;
+  // The pointers come from the device table, so the compiler cannot tell their address space:
+  // without this it emits generic LD/ST instead of global LDG/STG.
+  __builtin_assume(__isGlobal(ema));
+  __builtin_assume(__isGlobal(model));
+  auto one = [&](int64_t i) {
     ema[i] = from_op<E>(lerp<Op>(to_op<Op>(ema[i]), to_op<Op>(model[i]), w, c, small));
+  };
+  // Every chunk starts at the pair's own alignment (kCudaChunk is a multiple of the pack), so
+  // the host's head applies to each chunk: [0, head) one by one, then whole packs, then the tail
+  // [head + packs * V, n) one by one. Without a head, the tail is the whole chunk.
+  int64_t head = 0, packs = 0;
+  if (entry.vector_head >= 0) {
+    head = min(static_cast<int64_t>(entry.vector_head), n);
+    packs = (n - head) / V;
+    if (threadIdx.x < head) one(threadIdx.x);  // head < V <= 8 < kThreads
   }
+  E* ema_v = ema + head;
+  const M* model_v = model + head;
+  for (int64_t base = 0; base < packs; base += static_cast<int64_t>(kThreads) * U) {
+    Pack<E, V> e[U];
+    Pack<M, V> m[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t p = base + u * kThreads + threadIdx.x;
+      if (p < packs) {
+        e[u].load(ema_v + p * V);
+        m[u].load(model_v + p * V);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t p = base + u * kThreads + threadIdx.x;
+      if (p < packs) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          e[u].v[k] = from_op<E>(lerp<Op>(to_op<Op>(e[u].v[k]), to_op<Op>(m[u].v[k]), w, c, small));
+        }
+        e[u].store(ema_v + p * V);
+      }
+    }
+  }
+  for (int64_t i = head + packs * V + threadIdx.x; i < n; i += kThreads) one(i);
 }
 
 template <typename E>
 __device__ void update_chunk_model(const CudaUpdateEntry& entry, int64_t chunk, double decay) {
   switch (entry.model_dtype) {
-    case Dtype::kFloat32: return update_chunk<E, float>(entry, chunk, decay);
-    case Dtype::kFloat64: return update_chunk<E, double>(entry, chunk, decay);
-    case Dtype::kBFloat16: return update_chunk<E, __nv_bfloat16>(entry, chunk, decay);
-    case Dtype::kFloat16: return update_chunk<E, __half>(entry, chunk, decay);
+    case Dtype::kFloat32:
+      return update_chunk<E, float>(entry, chunk, decay);
+    case Dtype::kFloat64:
+      return update_chunk<E, double>(entry, chunk, decay);
+    case Dtype::kBFloat16:
+      return update_chunk<E, __nv_bfloat16>(entry, chunk, decay);
+    case Dtype::kFloat16:
+      return update_chunk<E, __half>(entry, chunk, decay);
   }
 }
 
@@ -107,10 +160,14 @@ __global__ void __launch_bounds__(kThreads)
   }
   const int64_t local = chunk - entry.first_block;
   switch (entry.ema_dtype) {
-    case Dtype::kFloat32: return update_chunk_model<float>(entry, local, d);
-    case Dtype::kFloat64: return update_chunk_model<double>(entry, local, d);
-    case Dtype::kBFloat16: return update_chunk_model<__nv_bfloat16>(entry, local, d);
-    case Dtype::kFloat16: return update_chunk_model<__half>(entry, local, d);
+    case Dtype::kFloat32:
+      return update_chunk_model<float>(entry, local, d);
+    case Dtype::kFloat64:
+      return update_chunk_model<double>(entry, local, d);
+    case Dtype::kBFloat16:
+      return update_chunk_model<__nv_bfloat16>(entry, local, d);
+    case Dtype::kFloat16:
+      return update_chunk_model<__half>(entry, local, d);
   }
 }
 
@@ -121,8 +178,8 @@ int64_t cuda_table_bytes(int64_t num_entries) {
 }
 
 cudaError_t launch_update_cuda(const CudaUpdateEntry* entries, int64_t num_entries,
-                               int64_t total_chunks, CudaUpdateEntry* device_table,
-                               CudaDecay decay, cudaStream_t stream) {
+                               int64_t total_chunks, CudaUpdateEntry* device_table, CudaDecay decay,
+                               cudaStream_t stream) {
   if (num_entries == 0 || total_chunks == 0) return cudaSuccess;
   if (total_chunks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
   const cudaError_t err = upload_table(entries, num_entries, device_table, stream);

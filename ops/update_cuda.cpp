@@ -1,5 +1,7 @@
 // CUDA host side of fsdp_ema::update_: builds the device tensor table and launches on the current
 // stream. No host synchronization anywhere, so it runs inside CUDA-graph capture.
+#include "kernels/update_cuda.h"
+
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -8,15 +10,25 @@
 
 #include <vector>
 
-#include "kernels/update_cuda.h"
 #include "ops/dtypes.h"
 #include "ops/update.h"
 
 namespace fsdp_ema::ops {
 namespace {
 
-bool aligned_for_vectors(const at::Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % (4 * t.element_size()) == 0;
+// Elements to update one by one before ema and model are both 16-byte aligned, or -1 when no such
+// count below the pack width exists (their offsets disagree modulo the pack): then the kernel
+// updates the pair element by element. Only a pack-width's worth of candidates is tried.
+int8_t vector_head(const at::Tensor& e, const at::Tensor& m, kernels::Dtype ed, kernels::Dtype md) {
+  const auto ea = reinterpret_cast<uintptr_t>(e.const_data_ptr());
+  const auto ma = reinterpret_cast<uintptr_t>(m.const_data_ptr());
+  const int pack = kernels::cuda_pack_elements(ed, md);
+  for (int h = 0; h < pack; ++h) {
+    if ((ea + h * e.element_size()) % 16 == 0 && (ma + h * m.element_size()) % 16 == 0) {
+      return static_cast<int8_t>(h);
+    }
+  }
+  return -1;
 }
 
 void run_cuda(TensorList ema, TensorList model, kernels::CudaDecay decay) {
@@ -30,9 +42,10 @@ void run_cuda(TensorList ema, TensorList model, kernels::CudaDecay decay) {
   for (const auto i : c10::irange(p.ema.size())) {
     const at::Tensor& e = p.ema[i];
     const at::Tensor& m = p.model[i];
-    entries.push_back({e.data_ptr(), m.const_data_ptr(), e.numel(), chunks,
-                       to_kernel_dtype(e.scalar_type()), to_kernel_dtype(m.scalar_type()),
-                       aligned_for_vectors(e) && aligned_for_vectors(m)});
+    const kernels::Dtype ed = to_kernel_dtype(e.scalar_type());
+    const kernels::Dtype md = to_kernel_dtype(m.scalar_type());
+    entries.push_back(
+        {e.data_ptr(), m.const_data_ptr(), e.numel(), chunks, ed, md, vector_head(e, m, ed, md)});
     chunks += (e.numel() + kernels::kCudaChunk - 1) / kernels::kCudaChunk;
   }
   if (!entries.empty()) {
@@ -41,10 +54,10 @@ void run_cuda(TensorList ema, TensorList model, kernels::CudaDecay decay) {
     const at::Tensor table =
         at::empty({kernels::cuda_table_bytes(static_cast<int64_t>(entries.size()))},
                   ema[0].options().dtype(at::kByte));
-    C10_CUDA_CHECK(kernels::launch_update_cuda(
-        entries.data(), static_cast<int64_t>(entries.size()), chunks,
-        static_cast<kernels::CudaUpdateEntry*>(table.data_ptr()), decay,
-        at::cuda::getCurrentCUDAStream()));
+    C10_CUDA_CHECK(
+        kernels::launch_update_cuda(entries.data(), static_cast<int64_t>(entries.size()), chunks,
+                                    static_cast<kernels::CudaUpdateEntry*>(table.data_ptr()), decay,
+                                    at::cuda::getCurrentCUDAStream()));
   }
   p.finish();
 }
