@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include <nlohmann/json.hpp>
 
@@ -36,10 +37,20 @@ uint16_t reference_bf16(DType from, const std::byte* src) {
   switch (from) {
     case DType::kF32: std::memcpy(&f, src, 4); d = f; break;
     case DType::kF64: std::memcpy(&d, src, 8); f = static_cast<float>(d); break;
-    case DType::kF16: {
-      _Float16 h;
+    case DType::kF16: {  // widening is exact: decode the fields
+      uint16_t h;
       std::memcpy(&h, src, 2);
-      f = static_cast<float>(h);
+      const int exp = (h >> 10) & 0x1F;
+      const int mant = h & 0x3FF;
+      const float mag = exp == 0    ? std::ldexp(static_cast<float>(mant), -24)
+                        : exp == 31 ? (mant ? std::numeric_limits<float>::quiet_NaN()
+                                            : std::numeric_limits<float>::infinity())
+                                    : std::ldexp(static_cast<float>(1024 + mant), exp - 25);
+      f = (h & 0x8000) ? -mag : mag;
+      if (exp == 31 && mant) {  // keep the NaN payload: f16 bits 9..0 are f32 bits 22..13
+        f = std::bit_cast<float>(((h & 0x8000u) << 16) | 0x7F800000u |
+                                 (static_cast<uint32_t>(mant) << 13));
+      }
       d = f;
       break;
     }
