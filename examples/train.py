@@ -143,7 +143,7 @@ def save_checkpoint(step_dir: Path, ema: ShardedEMA, state: list[torch.Tensor],
     # The AdamW moments have the local shards' shapes; each rank writes its own names.
     fsdp_ema.checkpoint.save_shard(step_dir / "optim",
                                    {f"rank{rank}.{i}": t for i, t in enumerate(state)},
-                                   rank=rank, world_size=world)
+                                   rank=rank, world_size=world, overwrite=True)
     dist.barrier()
     if rank == 0:
         fsdp_ema.checkpoint.commit(step_dir / "optim", world, overwrite=True)

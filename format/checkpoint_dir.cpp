@@ -3,6 +3,7 @@
 #include <dirent.h>
 
 #include <algorithm>
+#include <optional>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -59,6 +60,90 @@ Shape strides_of(std::span<const int64_t> shape) {
   Shape s(shape.size(), 1);
   for (size_t d = shape.size(); d-- > 1;) s[d - 1] = s[d] * shape[d];
   return s;
+}
+
+// Names DCP's HuggingFaceStorageWriter gives its files: "shard-<S>-model-<M>-of-<N>.safetensors"
+// (save_distributed: S = rank + 1) or "model-<M>-of-<N>.safetensors". Fields are 0 when absent.
+struct DcpFileName {
+  int64_t shard = 0;
+  int64_t model = 0;
+  int64_t of = 0;
+};
+
+std::optional<int64_t> parse_index_digits(std::string_view s) {
+  if (!is_digits(s) || s.size() > 9) return std::nullopt;
+  int64_t v = 0;
+  for (char c : s) v = v * 10 + (c - '0');
+  return v;
+}
+
+std::optional<DcpFileName> parse_dcp_file_name(std::string_view n) {
+  constexpr std::string_view kSuffix = ".safetensors";
+  if (!n.ends_with(kSuffix)) return std::nullopt;
+  n.remove_suffix(kSuffix.size());
+  DcpFileName out;
+  if (n.starts_with("shard-")) {
+    n.remove_prefix(6);
+    const auto dash = n.find('-');
+    if (dash == std::string_view::npos) return std::nullopt;
+    auto s = parse_index_digits(n.substr(0, dash));
+    if (!s) return std::nullopt;
+    out.shard = *s;
+    n.remove_prefix(dash + 1);
+  }
+  if (!n.starts_with("model-")) return std::nullopt;
+  n.remove_prefix(6);
+  const auto of = n.find("-of-");
+  if (of == std::string_view::npos) return std::nullopt;
+  auto m = parse_index_digits(n.substr(0, of));
+  auto total = parse_index_digits(n.substr(of + 4));
+  if (!m || !total || *m < 1 || *m > *total) return std::nullopt;
+  out.model = *m;
+  out.of = *total;
+  return out;
+}
+
+// A directory of DCP HuggingFace files records no world size and no global shapes (its reader
+// infers each shape from the pieces present), so a lost file can shrink tensors silently. What
+// the names do record is checked: "model-<M>-of-<N>" files must all be there (1..N, one N), and
+// the "shard-<S>" numbers of a distributed save (rank + 1; every rank writes one) must run
+// 1..K without a hole. A lost *last* rank file is the one loss nothing in DCP's output shows.
+void check_dcp_file_set(const std::string& dir, const std::vector<std::string>& files) {
+  std::set<int64_t> shards;
+  std::map<int64_t, std::set<int64_t>> models_of;  // N -> M seen (unsharded names only)
+  for (const std::string& f : files) {
+    auto n = parse_dcp_file_name(f);
+    if (!n) continue;
+    if (n->shard > 0) {
+      shards.insert(n->shard);
+    } else {
+      models_of[n->of].insert(n->model);
+    }
+  }
+  if (!shards.empty()) {
+    int64_t expect = 1;
+    for (int64_t s : shards) {
+      if (s != expect) {
+        throw FormatError(dir + ": incomplete DCP checkpoint: files of shard " +
+                          std::to_string(expect) + " (rank " + std::to_string(expect - 1) +
+                          ") are missing but shard " + std::to_string(s) + " is present");
+      }
+      ++expect;
+    }
+  }
+  if (models_of.size() > 1) {
+    throw FormatError(dir + ": model-<M>-of-<N> files disagree on N (" +
+                      std::to_string(models_of.begin()->first) + " and " +
+                      std::to_string(models_of.rbegin()->first) + ")");
+  }
+  for (const auto& [total, seen] : models_of) {
+    if (static_cast<int64_t>(seen.size()) != total) {
+      int64_t missing = 1;
+      while (seen.contains(missing)) ++missing;
+      throw FormatError(dir + ": incomplete checkpoint: model file " + std::to_string(missing) +
+                        " of " + std::to_string(total) + " is missing");
+    }
+  }
 }
 
 }  // namespace
@@ -173,14 +258,8 @@ struct CheckpointDir::Impl {
       }
       bool copied = false;
       std::call_once(verified[flag_base[ti] + pi], [&] {
-        const std::span<const std::byte> src = f.data(*r.info);
-        detail::advise_willneed(src.data(), src.size());
         Checksummer h;
-        for (uint64_t pos = 0; pos < run; pos += kFusedBlockBytes) {
-          const uint64_t n = std::min(kFusedBlockBytes, run - pos);
-          std::memcpy(dst + dst_byte + pos, src.data() + pos, n);
-          h.update(dst + dst_byte + pos, n);
-        }
+        f.read(*r.info, 0, run, dst + dst_byte, &h);
         copied = true;
         check_checksum(ti, pi, h.digest());
       });
@@ -254,30 +333,39 @@ CheckpointDir CheckpointDir::open(const std::string& dir) {
     for (const std::string& f : files) open_file(f);
     for (size_t i = 0; i < impl->files.size(); ++i) {
       const ShardHeader& h = impl->files[i].header();
+      if (!h.fsdp_ema) {
+        throw FormatError(impl->files[i].path() + ": listed in " + std::string(kIndexFileName) +
+                          " but its header has no " + std::string(kMetaFormatVersion) +
+                          ": not an fsdp_ema shard file");
+      }
       if (h.world_size && *h.world_size != impl->index.world_size) {
         throw FormatError(impl->files[i].path() + ": written for world size " +
                           std::to_string(*h.world_size) + " but the index says " +
                           std::to_string(impl->index.world_size));
       }
     }
-    std::set<std::pair<size_t, std::string_view>> matched;
+    // matched[file][i]: the file's i-th tensor is a piece the index lists.
+    std::vector<std::vector<char>> matched(impl->files.size());
+    for (size_t fi = 0; fi < impl->files.size(); ++fi) {
+      matched[fi].assign(impl->files[fi].tensors().size(), 0);
+    }
     impl->pieces.resize(impl->index.tensors.size());
     for (size_t ti = 0; ti < impl->index.tensors.size(); ++ti) {
       const IndexTensor& t = impl->index.tensors[ti];
       for (const IndexPiece& p : t.pieces) {
         const size_t fi = file_slot.at(p.file);
         const ShardFile& f = impl->files[fi];
-        const std::string ctx = f.path() + ": tensor " + json_quote(t.name);
+        auto ctx = [&] { return f.path() + ": tensor " + json_quote(t.name); };  // on error only
         const TensorInfo* info = f.find(t.name);
         if (info == nullptr) {
-          throw FormatError(ctx + ": listed in the index but missing from the file");
+          throw FormatError(ctx() + ": listed in the index but missing from the file");
         }
-        if (!matched.emplace(fi, info->name).second) {
-          throw FormatError(ctx + ": the index lists this file's piece twice");
-        }
+        char& seen = matched[fi][static_cast<size_t>(info - f.tensors().data())];
+        if (seen) throw FormatError(ctx() + ": the index lists this file's piece twice");
+        seen = 1;
         auto mismatch = [&](const std::string& what, const std::string& in_index,
                             const std::string& in_file) {
-          return FormatError(ctx + ": " + what + " " + in_index + " in the index but " + in_file +
+          return FormatError(ctx() + ": " + what + " " + in_index + " in the index but " + in_file +
                              " in the file header");
         };
         if (info->dtype != t.dtype) {
@@ -302,9 +390,10 @@ CheckpointDir CheckpointDir::open(const std::string& dir) {
       }
     }
     for (size_t fi = 0; fi < impl->files.size(); ++fi) {
-      for (const TensorInfo& info : impl->files[fi].tensors()) {
-        if (!matched.contains({fi, info.name})) {
-          throw FormatError(impl->files[fi].path() + ": tensor " + json_quote(info.name) +
+      const auto& tensors = impl->files[fi].tensors();
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        if (!matched[fi][i]) {
+          throw FormatError(impl->files[fi].path() + ": tensor " + json_quote(tensors[i].name) +
                             " is not listed in the index");
         }
       }
@@ -328,6 +417,7 @@ CheckpointDir CheckpointDir::open(const std::string& dir) {
                         ": not a checkpoint: no fsdp_ema.index.json and no .safetensors "
                         "files");
     }
+    check_dcp_file_set(dir, st);
     impl->layout = CheckpointLayout::kDcpHuggingFace;
     std::map<std::string, IndexTensor> by_name;
     std::map<std::string, std::vector<Impl::PieceRef>> refs;

@@ -1,12 +1,15 @@
 #include "format/export.h"
 
-#include <dirent.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
+#include <string_view>
 
 #include "format/checkpoint_dir.h"
 #include "format/dtype_cast.h"
@@ -38,6 +41,70 @@ std::string real_or_empty(const std::string& p) {
   return r ? std::string(r.get()) : std::string();
 }
 
+// The staging directory holds only plain files (the new export and the writers' temporaries).
+void remove_staging_quietly(const std::string& stage) noexcept {
+  try {
+    for (const std::string& n : detail::list_dir(stage))
+      detail::remove_quietly(detail::join_path(stage, n));
+  } catch (const FormatError&) {
+  }
+  ::rmdir(stage.c_str());
+}
+
+// "<out>/.fsdp_ema-export.tmp-<pid>-<random>": the new export is written here in full, then
+// renamed into place, so a failure while writing leaves an earlier export untouched.
+constexpr std::string_view kStagingPrefix = ".fsdp_ema-export.tmp-";
+
+// Staging directories of exports whose process is gone (a crash or a kill mid-write).
+void remove_dead_staging(const std::string& out_dir) {
+  for (const std::string& n : detail::list_dir(out_dir)) {
+    if (!n.starts_with(kStagingPrefix)) continue;
+    const long pid = std::strtol(n.c_str() + kStagingPrefix.size(), nullptr, 10);
+    if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      remove_staging_quietly(detail::join_path(out_dir, n));
+    }
+  }
+}
+
+// Puts the complete export staged in `stage` in place of the earlier one (`existing`, its file
+// names). Renames only, in an order that lets a reader see the earlier export, none, or the new
+// one, never a mix: the earlier index goes first (its numbered files are then no export), then the
+// earlier files the new export does not rename over (model.safetensors too when the new export is
+// split), then the new weight files, the new index last. A single model.safetensors replacing
+// another is one atomic rename: old, then new.
+void switch_to_staged(const std::string& out_dir, const std::string& stage,
+                      const std::vector<std::string>& existing, const ExportResult& result,
+                      bool fsync) {
+  auto is_new = [&](const std::string& n) {
+    return std::find(result.files.begin(), result.files.end(), n) != result.files.end();
+  };
+  auto remove = [&](std::string_view name) {
+    const std::string path = detail::join_path(out_dir, name);
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+      throw FormatError(path +
+                        ": cannot remove the earlier export's file: " + detail::errno_text(errno));
+    }
+  };
+  if (std::find(existing.begin(), existing.end(), kHfIndexName) != existing.end()) {
+    remove(kHfIndexName);
+    if (fsync) detail::fsync_directory(out_dir);
+  }
+  for (const std::string& old : existing) {
+    // A model.safetensors left beside a new index would be read first (Hugging Face prefers it).
+    if (old == "model.safetensors" && !is_new(old)) remove(old);
+    if (old != kHfIndexName && !is_new(old))
+      detail::remove_quietly(detail::join_path(out_dir, old));
+  }
+  for (const std::string& f : result.files) {
+    detail::rename_replace(detail::join_path(stage, f), detail::join_path(out_dir, f));
+  }
+  if (result.wrote_index) {
+    detail::rename_replace(detail::join_path(stage, kHfIndexName),
+                           detail::join_path(out_dir, kHfIndexName));
+  }
+  if (fsync) detail::fsync_directory(out_dir);
+}
+
 }  // namespace
 
 ExportResult export_consolidated(const std::string& dir, const std::string& out_dir,
@@ -57,12 +124,8 @@ ExportResult export_consolidated(const std::string& dir, const std::string& out_
     throw FormatError(out_dir + ": the export must go to another directory than the checkpoint");
   }
   std::vector<std::string> existing;
-  {
-    std::unique_ptr<DIR, int (*)(DIR*)> d(::opendir(out_dir.c_str()), &::closedir);
-    if (!d) throw FormatError(out_dir + ": cannot list: " + detail::errno_text(errno));
-    while (const dirent* e = ::readdir(d.get())) {
-      if (is_model_file(e->d_name)) existing.emplace_back(e->d_name);
-    }
+  for (const std::string& n : detail::list_dir(out_dir)) {
+    if (is_model_file(n)) existing.push_back(n);
   }
   if (!existing.empty() && !options.overwrite) {
     throw FormatError(out_dir + ": already holds " + existing.front() +
@@ -117,71 +180,77 @@ ExportResult export_consolidated(const std::string& dir, const std::string& out_
   auto report = [&] {
     if (options.progress) options.progress(progress);
   };
-
   WriteOptions wopts;
   wopts.fsync = options.fsync;
-  for (size_t g = 0; g < nfiles; ++g) {
-    const std::string name = nfiles == 1 ? "model.safetensors" : numbered_name(g + 1, nfiles);
-    progress.file_index = g;
-    std::vector<RawTensor> raw;
-    raw.reserve(groups[g].size());
-    for (size_t i : groups[g]) {
-      const IndexTensor& t = tensors[i];
-      RawTensor r;
-      r.name = t.name;
-      r.dtype = out_dtype[i];
-      r.shape = t.shape;
-      r.nbytes = out_bytes[i];
-      const DType src_dtype = t.dtype;
-      const DType dst_dtype = out_dtype[i];
-      const std::string& src = source[i];
-      r.fill = [&ckpt, &t, &src, &progress, &report, &options, src_dtype, dst_dtype](
-                   uint64_t offset, uint64_t length, void* dst) {
-        const uint64_t osz = dtype_size(dst_dtype), isz = dtype_size(src_dtype);
-        const uint64_t e0 = offset / osz, e1 = (offset + length) / osz;
-        if (src_dtype == dst_dtype) {
-          ckpt.read_flat(src, e0, e1, dst, length, options.verify);
-        } else {
-          std::vector<std::byte> tmp((e1 - e0) * isz);
-          ckpt.read_flat(src, e0, e1, tmp.data(), tmp.size(), options.verify);
-          cast_elements(src_dtype, tmp.data(), dst_dtype, dst, e1 - e0);
-        }
-        progress.bytes_done += length;
-        progress.tensor = t.name;
-        report();
-      };
-      raw.push_back(std::move(r));
-    }
-    auto metadata = [](std::span<const uint64_t>) {
-      return std::vector<std::pair<std::string, std::string>>{{"format", "pt"}};
-    };
-    write_safetensors_file(detail::join_path(out_dir, name), raw, metadata, wopts);
-    result.files.push_back(name);
+  remove_dead_staging(out_dir);
+  const std::string stage = detail::temp_path_for(detail::join_path(out_dir, "fsdp_ema-export"));
+  if (::mkdir(stage.c_str(), 0755) != 0) {
+    throw FormatError(stage +
+                      ": cannot create the staging directory: " + detail::errno_text(errno));
   }
-
-  const std::string index_path = detail::join_path(out_dir, kHfIndexName);
-  if (nfiles > 1) {
-    std::string json = "{\n  \"metadata\": {\"total_size\": " + std::to_string(result.total_size) +
-                       "},\n  \"weight_map\": {";
-    bool first = true;
+  try {
     for (size_t g = 0; g < nfiles; ++g) {
+      const std::string name = nfiles == 1 ? "model.safetensors" : numbered_name(g + 1, nfiles);
+      progress.file_index = g;
+      std::vector<RawTensor> raw;
+      raw.reserve(groups[g].size());
       for (size_t i : groups[g]) {
-        json += first ? "\n    " : ",\n    ";
-        first = false;
-        json += json_quote(tensors[i].name) + ": " + json_quote(result.files[g]);
+        const IndexTensor& t = tensors[i];
+        RawTensor r;
+        r.name = t.name;
+        r.dtype = out_dtype[i];
+        r.shape = t.shape;
+        r.nbytes = out_bytes[i];
+        const DType src_dtype = t.dtype;
+        const DType dst_dtype = out_dtype[i];
+        const std::string& src = source[i];
+        r.fill = [&ckpt, &t, &src, &progress, &report, &options, src_dtype, dst_dtype](
+                     uint64_t offset, uint64_t length, void* dst) {
+          const uint64_t osz = dtype_size(dst_dtype), isz = dtype_size(src_dtype);
+          const uint64_t e0 = offset / osz, e1 = (offset + length) / osz;
+          if (src_dtype == dst_dtype) {
+            ckpt.read_flat(src, e0, e1, dst, length, options.verify);
+          } else {
+            std::vector<std::byte> tmp((e1 - e0) * isz);
+            ckpt.read_flat(src, e0, e1, tmp.data(), tmp.size(), options.verify);
+            cast_elements(src_dtype, tmp.data(), dst_dtype, dst, e1 - e0);
+          }
+          progress.bytes_done += length;
+          progress.tensor = t.name;
+          report();
+        };
+        raw.push_back(std::move(r));
       }
+      auto metadata = [](std::span<const uint64_t>) {
+        return std::vector<std::pair<std::string, std::string>>{{"format", "pt"}};
+      };
+      write_safetensors_file(detail::join_path(stage, name), raw, metadata, wopts);
+      result.files.push_back(name);
     }
-    json += first ? "}\n}\n" : "\n  }\n}\n";
-    detail::write_file_atomically(index_path, json, options.fsync, /*replace=*/true);
-    result.wrote_index = true;
+
+    if (nfiles > 1) {
+      std::string json =
+          "{\n  \"metadata\": {\"total_size\": " + std::to_string(result.total_size) +
+          "},\n  \"weight_map\": {";
+      bool first = true;
+      for (size_t g = 0; g < nfiles; ++g) {
+        for (size_t i : groups[g]) {
+          json += first ? "\n    " : ",\n    ";
+          first = false;
+          json += json_quote(tensors[i].name) + ": " + json_quote(result.files[g]);
+        }
+      }
+      json += first ? "}\n}\n" : "\n  }\n}\n";
+      detail::write_file_atomically(detail::join_path(stage, kHfIndexName), json, options.fsync,
+                                    /*replace=*/true);
+      result.wrote_index = true;
+    }
+    switch_to_staged(out_dir, stage, existing, result, options.fsync);
+  } catch (...) {
+    remove_staging_quietly(stage);
+    throw;
   }
-  // Files of an earlier export that this one did not rewrite would be read as part of it.
-  for (const std::string& old : existing) {
-    const bool ours =
-        (old == kHfIndexName && result.wrote_index) ||
-        std::find(result.files.begin(), result.files.end(), old) != result.files.end();
-    if (!ours) detail::remove_quietly(detail::join_path(out_dir, old));
-  }
+  ::rmdir(stage.c_str());
   progress.tensor = {};
   report();
   return result;

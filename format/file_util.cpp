@@ -1,5 +1,6 @@
 #include "format/file_util.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <sys/mman.h>
@@ -8,6 +9,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <utility>
 
@@ -61,6 +63,15 @@ uint64_t fd_size(int fd, const std::string& path) {
   if (::fstat(fd, &st) != 0) throw FormatError(path + ": fstat failed: " + errno_text(errno));
   if (!S_ISREG(st.st_mode)) throw FormatError(path + ": not a regular file");
   return static_cast<uint64_t>(st.st_size);
+}
+
+FileIdentity file_identity(int fd, const std::string& path) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw FormatError(path + ": fstat failed: " + errno_text(errno));
+  if (!S_ISREG(st.st_mode)) throw FormatError(path + ": not a regular file");
+  return {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
+          static_cast<uint64_t>(st.st_size),
+          static_cast<int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec};
 }
 
 void pwrite_all(int fd, const void* data, size_t size, uint64_t offset, const std::string& path) {
@@ -239,6 +250,17 @@ bool is_directory(const std::string& path) {
 }
 
 void remove_quietly(const std::string& path) noexcept { (void)::unlink(path.c_str()); }
+
+std::vector<std::string> list_dir(const std::string& dir) {
+  std::unique_ptr<DIR, int (*)(DIR*)> d(::opendir(dir.c_str()), &::closedir);
+  if (!d) throw FormatError(dir + ": cannot list directory: " + errno_text(errno));
+  std::vector<std::string> names;
+  while (const dirent* e = ::readdir(d.get())) {
+    const std::string_view n = e->d_name;
+    if (n != "." && n != "..") names.emplace_back(n);
+  }
+  return names;
+}
 
 void advise_willneed(const void* addr, size_t size) noexcept {
   constexpr size_t kMinBytes = size_t{4} << 20;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace fsdp_ema::format::detail {
 
@@ -34,6 +35,18 @@ UniqueFd open_read_only(const std::string& path);
 // O_CREAT | O_EXCL | O_WRONLY, mode 0644 (before umask).
 UniqueFd create_exclusive(const std::string& path);
 uint64_t fd_size(int fd, const std::string& path);
+
+// What a reader checks to know that a file it reopens is the one whose header it validated: the
+// same inode, size and modification time (an in-place rewrite changes the last).
+struct FileIdentity {
+  uint64_t device = 0;
+  uint64_t inode = 0;
+  uint64_t size = 0;
+  int64_t mtime_ns = 0;
+  bool operator==(const FileIdentity&) const = default;
+};
+// fstat of an open regular file (throws for anything else).
+FileIdentity file_identity(int fd, const std::string& path);
 
 void pwrite_all(int fd, const void* data, size_t size, uint64_t offset, const std::string& path);
 // Throws "unexpected end of file" when the file is shorter than offset + size.
@@ -72,6 +85,9 @@ bool is_directory(const std::string& path);
 
 // Removes a file if it exists, ignoring errors (cleanup paths).
 void remove_quietly(const std::string& path) noexcept;
+
+// The entries of a directory (not "." and ".."), in no particular order.
+std::vector<std::string> list_dir(const std::string& dir);
 
 // Asks the kernel to read a mapped range ahead (madvise WILLNEED) when it is large enough for
 // that to pay; a hint only.

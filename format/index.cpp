@@ -21,7 +21,6 @@
 namespace fsdp_ema::format {
 namespace {
 
-using detail::Json;
 using detail::json_quote;
 
 std::string tensor_ctx(const std::string& where, const std::string& name) {
@@ -93,6 +92,71 @@ void resolve_all_pieces(const std::string& dir, const CheckpointIndex& index) {
   for (std::string_view f : files) resolve_piece_path(dir, f);
 }
 
+// Throws when two of the non-empty pieces overlap, in O(P log P + cells). Each dimension is cut at
+// every piece boundary, and every piece paints the cells of that grid it covers: a cell painted
+// twice is an overlap. Real layouts (dim-0 chunks, TP x FSDP grids, bricks of uneven chunks) have
+// at most a few cells per piece; a layout needing more than kCellsPerPiece per piece is only what
+// a crafted index holds, and is refused rather than checked pair by pair (quadratic).
+constexpr uint64_t kCellsPerPiece = 64;
+
+void check_disjoint(const IndexTensor& t, const std::vector<size_t>& nonempty,
+                    const std::string& ctx) {
+  const size_t ndim = t.shape.size();
+  std::vector<std::vector<int64_t>> cuts(ndim);
+  for (size_t d = 0; d < ndim; ++d) {
+    auto& c = cuts[d];
+    c.reserve(2 * nonempty.size() + 2);
+    c.push_back(0);
+    c.push_back(t.shape[d]);
+    for (size_t i : nonempty) {
+      c.push_back(t.pieces[i].offsets[d]);
+      c.push_back(t.pieces[i].offsets[d] + t.pieces[i].shape[d]);
+    }
+    std::sort(c.begin(), c.end());
+    c.erase(std::unique(c.begin(), c.end()), c.end());
+  }
+  const uint64_t limit = kCellsPerPiece * (nonempty.size() + 1);
+  std::vector<uint64_t> stride(ndim);
+  uint64_t cells = 1;
+  for (size_t d = ndim; d-- > 0;) {
+    stride[d] = cells;
+    const uint64_t k = cuts[d].size() - 1;  // >= 1: the pieces are non-empty
+    if (cells > limit / k) {
+      throw FormatError(ctx + ": " + std::to_string(nonempty.size()) +
+                        " pieces form an irregular layout (more than " + std::to_string(limit) +
+                        " grid cells): refused, writers cut tensors into grid-aligned pieces");
+    }
+    cells *= k;
+  }
+  // owner[cell] = 1 + index of the piece that covers it, 0 while uncovered.
+  std::vector<uint32_t> owner(cells, 0);
+  std::vector<uint64_t> lo(ndim), hi(ndim), at(ndim);
+  auto cell_of = [&](size_t d, int64_t v) {
+    return static_cast<uint64_t>(std::lower_bound(cuts[d].begin(), cuts[d].end(), v) -
+                                 cuts[d].begin());
+  };
+  for (size_t i : nonempty) {
+    const IndexPiece& p = t.pieces[i];
+    for (size_t d = 0; d < ndim; ++d) {
+      lo[d] = cell_of(d, p.offsets[d]);
+      hi[d] = cell_of(d, p.offsets[d] + p.shape[d]);
+    }
+    at = lo;
+    while (true) {
+      uint64_t cell = 0;
+      for (size_t d = 0; d < ndim; ++d) cell += at[d] * stride[d];
+      if (owner[cell] != 0) {
+        throw FormatError(ctx + ": pieces overlap: " + piece_desc(t.pieces[owner[cell] - 1]) +
+                          " and " + piece_desc(p));
+      }
+      owner[cell] = static_cast<uint32_t>(i + 1);
+      size_t d = ndim;
+      while (d-- > 0 && ++at[d] == hi[d]) at[d] = lo[d];
+      if (d == static_cast<size_t>(-1)) break;
+    }
+  }
+}
+
 }  // namespace
 
 const IndexTensor* CheckpointIndex::find(std::string_view name) const {
@@ -115,11 +179,11 @@ void check_piece_file_name(std::string_view name, const std::string& where) {
 }
 
 void check_coverage(const IndexTensor& t, const std::string& where) {
-  const std::string ctx = tensor_ctx(where, t.name);
+  const auto ctx = [&] { return tensor_ctx(where, t.name); };  // built on error only
   const size_t ndim = t.shape.size();
   auto total = numel(t.shape);
   if (!total || !nbytes(t.shape, t.dtype)) {
-    throw FormatError(ctx + ": global shape " + shape_to_string(t.shape) + " of " +
+    throw FormatError(ctx() + ": global shape " + shape_to_string(t.shape) + " of " +
                       std::string(dtype_name(t.dtype)) + " overflows a 64-bit byte count");
   }
   uint64_t covered = 0;
@@ -127,59 +191,33 @@ void check_coverage(const IndexTensor& t, const std::string& where) {
   for (size_t i = 0; i < t.pieces.size(); ++i) {
     const IndexPiece& p = t.pieces[i];
     if (p.offsets.size() != ndim || p.shape.size() != ndim) {
-      throw FormatError(ctx + ": " + piece_desc(p) + " does not have " + std::to_string(ndim) +
+      throw FormatError(ctx() + ": " + piece_desc(p) + " does not have " + std::to_string(ndim) +
                         " dimensions like global shape " + shape_to_string(t.shape));
     }
     for (size_t d = 0; d < ndim; ++d) {
       if (p.offsets[d] < 0 || p.shape[d] < 0 || p.offsets[d] > t.shape[d] ||
           p.shape[d] > t.shape[d] - p.offsets[d]) {
-        throw FormatError(ctx + ": " + piece_desc(p) + " lies outside global shape " +
+        throw FormatError(ctx() + ": " + piece_desc(p) + " lies outside global shape " +
                           shape_to_string(t.shape) + " in dimension " + std::to_string(d));
       }
     }
     const uint64_t n = *numel(p.shape);  // inside the global shape, so no overflow
     if (n > 0) nonempty.push_back(i);
     auto sum = checked_add(covered, n);
-    if (!sum) throw FormatError(ctx + ": pieces overlap (element counts overflow)");
+    if (!sum) throw FormatError(ctx() + ": pieces overlap (element counts overflow)");
     covered = *sum;
   }
 
   if (ndim == 0) {
     if (nonempty.size() > 1) {
-      throw FormatError(ctx + ": pieces overlap: " + piece_desc(t.pieces[nonempty[0]]) + " and " +
+      throw FormatError(ctx() + ": pieces overlap: " + piece_desc(t.pieces[nonempty[0]]) + " and " +
                         piece_desc(t.pieces[nonempty[1]]) + " both hold the 0-dim tensor");
     }
-  } else {
-    // Sweep along the dimension with the most distinct offsets: pieces are compared only with
-    // those whose extent in that dimension overlaps, which for the usual 1-d or 2-d splits is
-    // a handful.
-    size_t sweep = 0;
-    size_t best = 0;
-    for (size_t d = 0; d < ndim; ++d) {
-      std::set<int64_t> distinct;
-      for (size_t i : nonempty) distinct.insert(t.pieces[i].offsets[d]);
-      if (distinct.size() > best) {
-        best = distinct.size();
-        sweep = d;
-      }
-    }
-    std::sort(nonempty.begin(), nonempty.end(), [&](size_t a, size_t b) {
-      return t.pieces[a].offsets[sweep] < t.pieces[b].offsets[sweep];
-    });
-    for (size_t a = 0; a < nonempty.size(); ++a) {
-      const IndexPiece& pa = t.pieces[nonempty[a]];
-      const int64_t end = pa.offsets[sweep] + pa.shape[sweep];
-      for (size_t b = a + 1; b < nonempty.size(); ++b) {
-        const IndexPiece& pb = t.pieces[nonempty[b]];
-        if (pb.offsets[sweep] >= end) break;
-        if (intersect(Box{pa.offsets, pa.shape}, Box{pb.offsets, pb.shape})) {
-          throw FormatError(ctx + ": pieces overlap: " + piece_desc(pa) + " and " + piece_desc(pb));
-        }
-      }
-    }
+  } else if (!nonempty.empty()) {
+    check_disjoint(t, nonempty, ctx());
   }
   if (covered != *total) {
-    throw FormatError(ctx + ": pieces cover " + std::to_string(covered) + " of " +
+    throw FormatError(ctx() + ": pieces cover " + std::to_string(covered) + " of " +
                       std::to_string(*total) + " elements of global shape " +
                       shape_to_string(t.shape) + ": missing piece or gap" + uncovered_rows(t));
   }
@@ -196,18 +234,23 @@ void validate_index(const CheckpointIndex& index, const std::string& where,
     throw FormatError(where + ": world_size " + std::to_string(index.world_size) +
                       " must be at least 1");
   }
+  std::string_view last_checked_file;
   for (size_t i = 0; i < index.tensors.size(); ++i) {
     const IndexTensor& t = index.tensors[i];
-    const std::string ctx = tensor_ctx(where, t.name);
+    const auto ctx = [&] { return tensor_ctx(where, t.name); };  // built on error only
     if (t.name.empty()) throw FormatError(where + ": a tensor has an empty name");
     if (i > 0 && !(index.tensors[i - 1].name < t.name)) {
-      throw FormatError(ctx + ": tensors must be unique and sorted by name");
+      throw FormatError(ctx() + ": tensors must be unique and sorted by name");
     }
-    if (t.pieces.empty()) throw FormatError(ctx + ": has no pieces");
+    if (t.pieces.empty()) throw FormatError(ctx() + ": has no pieces");
     for (const IndexPiece& p : t.pieces) {
-      check_piece_file_name(p.file, ctx);
+      // Pieces name a handful of files (one per rank): check each name once per run of it.
+      if (p.file != last_checked_file) {
+        check_piece_file_name(p.file, ctx());
+        last_checked_file = p.file;
+      }
       if (require_checksums && !p.checksum) {
-        throw FormatError(ctx + ": " + piece_desc(p) + " has no checksum");
+        throw FormatError(ctx() + ": " + piece_desc(p) + " has no checksum");
       }
     }
     check_coverage(t, where);
@@ -234,8 +277,8 @@ CheckpointIndex build_index(std::span<const ShardDescription> shards, int64_t wo
                         ", out of range or repeated");
     }
     for (const TensorInfo& ti : s.tensors) {
-      const std::string ctx = where + ": " + s.file + ": tensor " + json_quote(ti.name);
-      if (!ti.checksum) throw FormatError(ctx + ": has no checksum");
+      auto ctx = [&] { return where + ": " + s.file + ": tensor " + json_quote(ti.name); };
+      if (!ti.checksum) throw FormatError(ctx() + ": has no checksum");
       auto [it, inserted] = by_name.try_emplace(ti.name);
       IndexTensor& t = it->second;
       if (inserted) {
@@ -243,10 +286,10 @@ CheckpointIndex build_index(std::span<const ShardDescription> shards, int64_t wo
         t.dtype = ti.dtype;
         t.shape = ti.global_shape;
       } else if (t.dtype != ti.dtype) {
-        throw FormatError(ctx + ": dtype " + std::string(dtype_name(ti.dtype)) + " but " +
+        throw FormatError(ctx() + ": dtype " + std::string(dtype_name(ti.dtype)) + " but " +
                           t.pieces.front().file + " has " + std::string(dtype_name(t.dtype)));
       } else if (t.shape != ti.global_shape) {
-        throw FormatError(ctx + ": global shape " + shape_to_string(ti.global_shape) + " but " +
+        throw FormatError(ctx() + ": global shape " + shape_to_string(ti.global_shape) + " but " +
                           t.pieces.front().file + " has " + shape_to_string(t.shape));
       }
       t.pieces.push_back(IndexPiece{s.file, ti.offsets, ti.shape, ti.checksum});
@@ -267,10 +310,24 @@ CheckpointIndex build_index(std::span<const ShardDescription> shards, int64_t wo
 CheckpointIndex build_index_from_dir(const std::string& dir, int64_t world_size,
                                      std::map<std::string, std::string> metadata) {
   if (world_size < 1) throw FormatError(dir + ": world_size must be at least 1");
+  std::vector<std::string> names;
+  names.reserve(static_cast<size_t>(world_size));
+  for (int64_t r = 0; r < world_size; ++r) names.push_back(shard_file_name(r, world_size));
+  return build_index_from_files(dir, names, world_size, std::move(metadata));
+}
+
+CheckpointIndex build_index_from_files(const std::string& dir,
+                                       std::span<const std::string> file_names, int64_t world_size,
+                                       std::map<std::string, std::string> metadata) {
+  if (world_size < 1) throw FormatError(dir + ": world_size must be at least 1");
+  if (file_names.size() != static_cast<size_t>(world_size)) {
+    throw FormatError(dir + ": " + std::to_string(file_names.size()) + " shard file names for " +
+                      std::to_string(world_size) + " ranks");
+  }
   std::vector<ShardDescription> shards;
   shards.reserve(static_cast<size_t>(world_size));
   for (int64_t r = 0; r < world_size; ++r) {
-    const std::string name = shard_file_name(r, world_size);
+    const std::string& name = file_names[static_cast<size_t>(r)];
     const std::string path = detail::join_path(dir, name);
     if (!detail::path_exists(path)) {
       throw FormatError(dir + ": missing shard file " + name + " (rank " + std::to_string(r) +
@@ -341,95 +398,211 @@ std::string index_to_json(const CheckpointIndex& index) {
   return out;
 }
 
-CheckpointIndex parse_index_json(std::string_view text, const std::string& where) {
-  const Json root = detail::parse_json_strict(text, where);
-  if (!root.is_object()) {
-    throw FormatError(where + ": index is a JSON " + detail::json_type_name(root) +
+namespace {
+
+using detail::JsonReader;
+
+// A string field's value, or the raw text of whatever else stands there (for messages).
+struct StringOrRaw {
+  std::optional<std::string> value;
+  std::string raw;
+};
+
+StringOrRaw read_string_or_raw(JsonReader& r) {
+  StringOrRaw out;
+  if (r.peek() == JsonReader::Kind::kString) {
+    out.value = r.read_string();
+    out.raw = json_quote(*out.value);
+  } else {
+    out.raw = std::string(r.skip_value());
+  }
+  return out;
+}
+
+// `ctx` names the tensor in messages; `checked_file` is the last file name that passed
+// check_piece_file_name (pieces name a handful of files, one per rank).
+template <typename Ctx>
+IndexPiece parse_piece(JsonReader& r, const Ctx& ctx, std::string& checked_file) {
+  if (r.peek() != JsonReader::Kind::kObject) throw FormatError(ctx() + ": every piece must be an object");
+  std::optional<StringOrRaw> file, checksum;
+  std::optional<std::optional<Shape>> offsets, shape;
+  r.begin_object();
+  std::string key;
+  while (r.next_key(key)) {
+    if (key == "file") {
+      file = read_string_or_raw(r);
+    } else if (key == "offsets") {
+      offsets = r.read_shape();
+    } else if (key == "shape") {
+      shape = r.read_shape();
+    } else if (key == "checksum") {
+      checksum = read_string_or_raw(r);
+    } else {
+      r.skip_value();
+    }
+  }
+  if (!file) throw FormatError(ctx() + ": piece: missing \"file\"");
+  if (!file->value) throw FormatError(ctx() + ": piece \"file\" must be a string");
+  IndexPiece p;
+  p.file = std::move(*file->value);
+  if (p.file != checked_file) {
+    check_piece_file_name(p.file, ctx());
+    checked_file = p.file;
+  }
+  auto pctx = [&] { return ctx() + ": piece in " + p.file; };
+  if (!offsets) throw FormatError(pctx() + ": missing \"offsets\"");
+  if (!shape) throw FormatError(pctx() + ": missing \"shape\"");
+  if (!*offsets || !*shape) {
+    throw FormatError(pctx() + ": \"offsets\" and \"shape\" must be arrays of non-negative integers");
+  }
+  p.offsets = std::move(**offsets);
+  p.shape = std::move(**shape);
+  if (!checksum) throw FormatError(pctx() + ": missing \"checksum\"");
+  if (checksum->value) p.checksum = parse_checksum(*checksum->value);
+  if (!p.checksum) {
+    throw FormatError(pctx() + ": checksum " + checksum->raw +
+                      " is not \"xxh3-64:<16 lowercase hex digits>\"");
+  }
+  return p;
+}
+
+IndexTensor parse_tensor(JsonReader& r, const std::string& where, std::string name,
+                         std::string& checked_file) {
+  auto ctx = [&] { return tensor_ctx(where, name); };
+  if (r.peek() != JsonReader::Kind::kObject) throw FormatError(ctx() + ": entry must be an object");
+  IndexTensor t;
+  std::optional<StringOrRaw> dtype;
+  std::optional<std::optional<Shape>> shape;
+  bool has_pieces = false;
+  r.begin_object();
+  std::string key;
+  while (r.next_key(key)) {
+    if (key == "dtype") {
+      dtype = read_string_or_raw(r);
+    } else if (key == "shape") {
+      shape = r.read_shape();
+    } else if (key == "pieces") {
+      has_pieces = true;
+      if (r.peek() != JsonReader::Kind::kArray) throw FormatError(ctx() + ": \"pieces\" must be an array");
+      r.begin_array();
+      while (r.next_element()) t.pieces.push_back(parse_piece(r, ctx, checked_file));
+    } else {
+      r.skip_value();
+    }
+  }
+  if (!dtype) throw FormatError(ctx() + ": missing \"dtype\"");
+  std::optional<DType> dt;
+  if (dtype->value) dt = parse_dtype(*dtype->value);
+  if (!dt) throw FormatError(ctx() + ": unknown dtype " + dtype->raw);
+  t.dtype = *dt;
+  if (!shape) throw FormatError(ctx() + ": missing \"shape\"");
+  if (!*shape) throw FormatError(ctx() + ": \"shape\" must be an array of non-negative integers");
+  t.shape = std::move(**shape);
+  if (!has_pieces) throw FormatError(ctx() + ": missing \"pieces\"");
+  std::sort(t.pieces.begin(), t.pieces.end(), offsets_less);
+  t.name = std::move(name);
+  return t;
+}
+
+void parse_tensors(JsonReader& r, const std::string& where, CheckpointIndex& index) {
+  if (r.peek() != JsonReader::Kind::kObject) throw FormatError(where + ": \"tensors\" must be an object");
+  r.begin_object(/*caller_checks_keys=*/true);
+  std::string name;
+  std::string checked_file;
+  while (r.next_key(name)) index.tensors.push_back(parse_tensor(r, where, name, checked_file));
+  // Sorted by name, as validate_index wants (our writer already sorts); a repeat is then adjacent.
+  auto by_name = [](const IndexTensor& a, const IndexTensor& b) { return a.name < b.name; };
+  if (!std::is_sorted(index.tensors.begin(), index.tensors.end(), by_name)) {
+    std::stable_sort(index.tensors.begin(), index.tensors.end(), by_name);
+  }
+  for (size_t i = 1; i < index.tensors.size(); ++i) {
+    if (index.tensors[i].name == index.tensors[i - 1].name) r.duplicate_key(index.tensors[i].name);
+  }
+}
+
+CheckpointIndex parse_index_object(std::string_view text, const std::string& where) {
+  JsonReader r(text, where);
+  if (const auto kind = r.peek(); kind != JsonReader::Kind::kObject) {
+    throw FormatError(where + ": index is a JSON " + JsonReader::kind_name(kind) +
                       ", expected an object");
   }
-  auto field = [&](const Json& obj, const char* key, const std::string& ctx) -> const Json& {
-    auto it = obj.find(key);
-    if (it == obj.end()) throw FormatError(ctx + ": missing \"" + key + "\"");
-    return *it;
-  };
-  const Json& fmt = field(root, "format", where);
-  if (!fmt.is_string() || fmt.get_ref<const std::string&>() != kIndexFormatName) {
-    throw FormatError(where + ": \"format\" is " +
-                      fmt.dump(-1, ' ', false, Json::error_handler_t::replace) +
-                      ", expected \"fsdp_ema\"");
-  }
   CheckpointIndex index;
-  auto version = detail::as_nonneg_int(field(root, "format_version", where));
-  if (!version) throw FormatError(where + ": \"format_version\" must be a non-negative integer");
-  index.format_version = *version;
-  if (index.format_version != kIndexFormatVersion) {
-    throw FormatError(where + ": unsupported format_version " + std::to_string(*version) +
-                      " (this build reads " + std::to_string(kIndexFormatVersion) + ")");
-  }
-  auto world = detail::as_nonneg_int(field(root, "world_size", where));
-  if (!world || *world < 1) throw FormatError(where + ": \"world_size\" must be an integer >= 1");
-  index.world_size = *world;
-
-  if (auto it = root.find("metadata"); it != root.end()) {
-    if (!it->is_object()) throw FormatError(where + ": \"metadata\" must be an object of strings");
-    for (const auto& [k, v] : it->items()) {
-      if (!v.is_string()) {
-        throw FormatError(where + ": metadata entry " + json_quote(k) + " must be a string");
+  std::optional<StringOrRaw> fmt;
+  std::optional<std::optional<int64_t>> version, world;
+  bool has_tensors = false;
+  std::string_view deferred_tensors;  // "tensors" met before the format was known
+  // The format and its version are checked before any tensor is interpreted (a later version
+  // may lay tensors out differently). Our writer puts them first; otherwise the tensors' text is
+  // set aside and read after the loop.
+  auto check_format = [&] {
+    if (!fmt) throw FormatError(where + ": missing \"format\"");
+    if (!fmt->value || *fmt->value != kIndexFormatName) {
+      throw FormatError(where + ": \"format\" is " + fmt->raw + ", expected \"fsdp_ema\"");
+    }
+    if (!version) throw FormatError(where + ": missing \"format_version\"");
+    if (!*version) throw FormatError(where + ": \"format_version\" must be a non-negative integer");
+    index.format_version = **version;
+    if (index.format_version != kIndexFormatVersion) {
+      throw FormatError(where + ": unsupported format_version " + std::to_string(**version) +
+                        " (this build reads " + std::to_string(kIndexFormatVersion) + ")");
+    }
+  };
+  auto read_int = [&]() -> std::optional<int64_t> {
+    if (r.peek() == JsonReader::Kind::kNumber) return r.read_nonneg_int();
+    r.skip_value();
+    return std::nullopt;
+  };
+  r.begin_object();
+  std::string key;
+  while (r.next_key(key)) {
+    if (key == "format") {
+      fmt = read_string_or_raw(r);
+    } else if (key == "format_version") {
+      version = read_int();
+    } else if (key == "world_size") {
+      world = read_int();
+    } else if (key == "metadata") {
+      if (r.peek() != JsonReader::Kind::kObject) {
+        throw FormatError(where + ": \"metadata\" must be an object of strings");
       }
-      index.metadata.emplace(k, v.get<std::string>());
+      r.begin_object();
+      std::string k;
+      while (r.next_key(k)) {
+        if (r.peek() != JsonReader::Kind::kString) {
+          throw FormatError(where + ": metadata entry " + json_quote(k) + " must be a string");
+        }
+        index.metadata.emplace(k, r.read_string());
+      }
+    } else if (key == "tensors") {
+      has_tensors = true;
+      if (fmt && version) {
+        check_format();
+        parse_tensors(r, where, index);
+      } else {
+        deferred_tensors = r.skip_value();
+      }
+    } else {
+      r.skip_value();
     }
   }
-
-  const Json& tensors = field(root, "tensors", where);
-  if (!tensors.is_object()) throw FormatError(where + ": \"tensors\" must be an object");
-  index.tensors.reserve(tensors.size());
-  for (const auto& [name, tj] : tensors.items()) {  // std::map order: sorted by name
-    const std::string ctx = tensor_ctx(where, name);
-    if (!tj.is_object()) throw FormatError(ctx + ": entry must be an object");
-    IndexTensor t;
-    t.name = name;
-    const Json& dt = field(tj, "dtype", ctx);
-    std::optional<DType> dtype;
-    if (dt.is_string()) dtype = parse_dtype(dt.get_ref<const std::string&>());
-    if (!dtype) {
-      throw FormatError(ctx + ": unknown dtype " +
-                        dt.dump(-1, ' ', false, Json::error_handler_t::replace));
-    }
-    t.dtype = *dtype;
-    auto shape = detail::as_shape(field(tj, "shape", ctx));
-    if (!shape) throw FormatError(ctx + ": \"shape\" must be an array of non-negative integers");
-    t.shape = std::move(*shape);
-    const Json& pieces = field(tj, "pieces", ctx);
-    if (!pieces.is_array()) throw FormatError(ctx + ": \"pieces\" must be an array");
-    for (const Json& pj : pieces) {
-      if (!pj.is_object()) throw FormatError(ctx + ": every piece must be an object");
-      IndexPiece p;
-      const Json& file = field(pj, "file", ctx + ": piece");
-      if (!file.is_string()) throw FormatError(ctx + ": piece \"file\" must be a string");
-      p.file = file.get<std::string>();
-      check_piece_file_name(p.file, ctx);
-      auto offsets = detail::as_shape(field(pj, "offsets", ctx + ": piece in " + p.file));
-      auto pshape = detail::as_shape(field(pj, "shape", ctx + ": piece in " + p.file));
-      if (!offsets || !pshape) {
-        throw FormatError(ctx + ": piece in " + p.file +
-                          ": \"offsets\" and \"shape\" must be arrays of non-negative integers");
-      }
-      p.offsets = std::move(*offsets);
-      p.shape = std::move(*pshape);
-      const Json& sum = field(pj, "checksum", ctx + ": piece in " + p.file);
-      if (sum.is_string()) p.checksum = parse_checksum(sum.get_ref<const std::string&>());
-      if (!p.checksum) {
-        throw FormatError(ctx + ": piece in " + p.file + ": checksum " +
-                          sum.dump(-1, ' ', false, Json::error_handler_t::replace) +
-                          " is not \"xxh3-64:<16 lowercase hex digits>\"");
-      }
-      t.pieces.push_back(std::move(p));
-    }
-    std::sort(t.pieces.begin(), t.pieces.end(), offsets_less);
-    index.tensors.push_back(std::move(t));
+  r.expect_end();
+  check_format();
+  if (!world) throw FormatError(where + ": missing \"world_size\"");
+  if (!*world || **world < 1) throw FormatError(where + ": \"world_size\" must be an integer >= 1");
+  index.world_size = **world;
+  if (!has_tensors) throw FormatError(where + ": missing \"tensors\"");
+  if (!deferred_tensors.empty()) {
+    JsonReader tr(deferred_tensors, where);
+    parse_tensors(tr, where, index);
   }
   validate_index(index, where);
   return index;
+}
+
+}  // namespace
+
+CheckpointIndex parse_index_json(std::string_view text, const std::string& where) {
+  return detail::interpret_json(text, where, [&] { return parse_index_object(text, where); });
 }
 
 std::string resolve_piece_path(const std::string& dir, std::string_view name) {
@@ -472,6 +645,12 @@ CheckpointIndex read_index(const std::string& dir) {
     throw FormatError(dir + ": not a directory (a checkpoint is a directory)");
   }
   const std::string path = detail::join_path(dir, kIndexFileName);
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    throw FormatError(path + ": not a regular file (" +
+                      (S_ISLNK(st.st_mode) ? std::string("a symbolic link") : "a special file") +
+                      "): the commit marker must be the file the writer renamed into place");
+  }
   if (!detail::path_exists(path)) {
     throw FormatError(dir +
                       ": incomplete checkpoint: fsdp_ema.index.json missing (the index is "

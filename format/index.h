@@ -71,6 +71,10 @@ CheckpointIndex build_index(std::span<const ShardDescription> shards, int64_t wo
 // `dir` and builds their index. A missing rank's file is an error.
 CheckpointIndex build_index_from_dir(const std::string& dir, int64_t world_size,
                                      std::map<std::string, std::string> metadata = {});
+// The same with the file of rank r named file_names[r] (an overwrite's alternate names).
+CheckpointIndex build_index_from_files(const std::string& dir,
+                                       std::span<const std::string> file_names, int64_t world_size,
+                                       std::map<std::string, std::string> metadata = {});
 
 // JSON text of an index, and back (parse_index_json also validates; `where` names the source).
 std::string index_to_json(const CheckpointIndex& index);

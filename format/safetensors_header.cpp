@@ -9,47 +9,59 @@
 namespace fsdp_ema::format {
 namespace {
 
-using detail::Json;
+using detail::JsonReader;
 
 std::string entry_context(const std::string& file, const std::string& name) {
   return file + ": tensor " + detail::json_quote(name);
 }
 
-HeaderTensor parse_entry(const std::string& file, const std::string& name, const Json& value,
+// One tensor entry, the reader at its value. Each field is read as it comes (any order, unknown
+// keys skipped); problems are reported afterwards in a fixed order: dtype, shape, data_offsets.
+HeaderTensor parse_entry(const std::string& file, const std::string& name, JsonReader& r,
                          uint64_t data_bytes) {
   const std::string ctx = entry_context(file, name);
   if (name.empty()) throw FormatError(file + ": a tensor has an empty name");
-  if (!value.is_object()) {
-    throw FormatError(ctx + ": entry is a JSON " + detail::json_type_name(value) +
+  if (const auto kind = r.peek(); kind != JsonReader::Kind::kObject) {
+    throw FormatError(ctx + ": entry is a JSON " + JsonReader::kind_name(kind) +
                       ", expected an object with dtype, shape and data_offsets");
   }
   HeaderTensor t;
   t.name = name;
-
-  auto dtype_it = value.find("dtype");
-  if (dtype_it == value.end() || !dtype_it->is_string()) {
-    throw FormatError(ctx + ": missing or non-string \"dtype\"");
+  std::optional<std::string> dtype_text;
+  std::optional<Shape> shape, offsets;
+  bool has_shape = false, has_offsets = false;
+  r.begin_object();
+  std::string key;
+  while (r.next_key(key)) {
+    if (key == "dtype") {
+      if (r.peek() == JsonReader::Kind::kString) {
+        dtype_text = r.read_string();
+      } else {
+        r.skip_value();
+      }
+    } else if (key == "shape") {
+      has_shape = true;
+      shape = r.read_shape();
+    } else if (key == "data_offsets") {
+      has_offsets = true;
+      offsets = r.read_shape();
+    } else {
+      r.skip_value();
+    }
   }
-  const auto& dtype_name_str = dtype_it->get_ref<const std::string&>();
-  auto dtype = parse_dtype(dtype_name_str);
+  if (!dtype_text) throw FormatError(ctx + ": missing or non-string \"dtype\"");
+  auto dtype = parse_dtype(*dtype_text);
   if (!dtype) {
-    throw FormatError(ctx + ": unknown dtype " + detail::json_quote(dtype_name_str) +
+    throw FormatError(ctx + ": unknown dtype " + detail::json_quote(*dtype_text) +
                       " (known: F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL F8_E4M3 F8_E5M2)");
   }
   t.dtype = *dtype;
-
-  auto shape_it = value.find("shape");
-  if (shape_it == value.end()) throw FormatError(ctx + ": missing \"shape\"");
-  auto shape = detail::as_shape(*shape_it);
+  if (!has_shape) throw FormatError(ctx + ": missing \"shape\"");
   if (!shape) {
-    throw FormatError(ctx + ": \"shape\" must be an array of non-negative integers, got " +
-                      shape_it->dump(-1, ' ', false, Json::error_handler_t::replace));
+    throw FormatError(ctx + ": \"shape\" must be an array of non-negative integers");
   }
   t.shape = std::move(*shape);
-
-  auto off_it = value.find("data_offsets");
-  if (off_it == value.end()) throw FormatError(ctx + ": missing \"data_offsets\"");
-  auto offsets = detail::as_shape(*off_it);
+  if (!has_offsets) throw FormatError(ctx + ": missing \"data_offsets\"");
   if (!offsets || offsets->size() != 2) {
     throw FormatError(ctx + ": \"data_offsets\" must be [begin, end] with non-negative integers");
   }
@@ -114,31 +126,47 @@ SafetensorsHeader parse_safetensors_header(std::string_view header_json, uint64_
   }
   const uint64_t data_bytes = file_bytes - h.data_start;
 
-  const Json root = detail::parse_json_strict(header_json, file + ": header");
-  if (!root.is_object()) {
-    throw FormatError(file + ": header is a JSON " + detail::json_type_name(root) +
-                      ", expected an object");
+  // As the safetensors package: the JSON starts at the first byte (no UTF-8 byte order mark or
+  // padding before it; JSON libraries commonly skip a BOM) and only spaces pad it (no NUL bytes).
+  if (header_json.empty() || header_json.front() != '{') {
+    const bool bom = header_json.starts_with("\xEF\xBB\xBF");
+    throw FormatError(file + ": header does not start with '{'" +
+                      (bom ? std::string(" (it starts with a UTF-8 byte order mark)") : "") +
+                      ": not a safetensors header");
   }
-  h.tensors.reserve(root.size());
-  for (const auto& [key, value] : root.items()) {
-    if (key == "__metadata__") {
-      if (!value.is_object()) {
-        throw FormatError(file + ": \"__metadata__\" is a JSON " + detail::json_type_name(value) +
-                          ", expected an object of strings");
-      }
-      h.has_metadata = true;
-      for (const auto& [mkey, mvalue] : value.items()) {
-        if (!mvalue.is_string()) {
-          throw FormatError(file + ": \"__metadata__\" entry " + detail::json_quote(mkey) +
-                            " is a JSON " + detail::json_type_name(mvalue) +
-                            ", but metadata values must be strings");
+  if (const auto nul = header_json.find('\0'); nul != std::string_view::npos) {
+    throw FormatError(file + ": header holds a NUL byte at offset " + std::to_string(8 + nul) +
+                      " (only spaces may pad a safetensors header)");
+  }
+  const std::string what = file + ": header";
+  detail::interpret_json(header_json, what, [&] {
+    JsonReader r(header_json, what);
+    r.begin_object();
+    h.tensors.reserve(header_json.size() / 64);
+    std::string key;
+    while (r.next_key(key)) {
+      if (key == "__metadata__") {
+        if (const auto kind = r.peek(); kind != JsonReader::Kind::kObject) {
+          throw FormatError(file + ": \"__metadata__\" is a JSON " + JsonReader::kind_name(kind) +
+                            ", expected an object of strings");
         }
-        h.metadata.emplace(mkey, mvalue.get<std::string>());
+        h.has_metadata = true;
+        r.begin_object();
+        std::string mkey;
+        while (r.next_key(mkey)) {
+          if (const auto kind = r.peek(); kind != JsonReader::Kind::kString) {
+            throw FormatError(file + ": \"__metadata__\" entry " + detail::json_quote(mkey) +
+                              " is a JSON " + JsonReader::kind_name(kind) +
+                              ", but metadata values must be strings");
+          }
+          h.metadata.emplace(mkey, r.read_string());
+        }
+        continue;
       }
-      continue;
+      h.tensors.push_back(parse_entry(file, key, r, data_bytes));
     }
-    h.tensors.push_back(parse_entry(file, key, value, data_bytes));
-  }
+    r.expect_end();
+  });
 
   std::sort(h.tensors.begin(), h.tensors.end(), [](const HeaderTensor& a, const HeaderTensor& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;

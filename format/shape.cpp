@@ -28,20 +28,23 @@ std::optional<uint64_t> checked_mul(uint64_t a, uint64_t b) {
 }
 
 std::optional<uint64_t> numel(std::span<const int64_t> shape) {
+  // The product runs over max(size, 1), as torch's contiguous strides do: a zero-element shape
+  // such as [0, 2^62, 2^62] still has strides that overflow, and is refused here rather than by
+  // torch's stride computation after a file was accepted.
   constexpr auto kMax = static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
   uint64_t n = 1;
   bool zero = false;
   for (int64_t s : shape) {
     if (s < 0) return std::nullopt;
-    if (s == 0) zero = true;
-  }
-  if (zero) return 0;
-  for (int64_t s : shape) {
+    if (s == 0) {
+      zero = true;
+      continue;
+    }
     auto m = checked_mul(n, static_cast<uint64_t>(s));
     if (!m || *m > kMax) return std::nullopt;
     n = *m;
   }
-  return n;
+  return zero ? 0 : n;
 }
 
 std::optional<uint64_t> nbytes(std::span<const int64_t> shape, DType dtype) {

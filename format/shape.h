@@ -22,8 +22,8 @@ std::string shape_to_string(std::span<const int64_t> shape);
 std::optional<uint64_t> checked_add(uint64_t a, uint64_t b);
 std::optional<uint64_t> checked_mul(uint64_t a, uint64_t b);
 
-// Product of the sizes (1 for a 0-dim shape), nullopt if a size is negative or the product
-// overflows int64_t.
+// Product of the sizes (1 for a 0-dim shape), nullopt if a size is negative or the product of
+// the non-zero sizes overflows int64_t (even when another size is 0: torch's strides would).
 std::optional<uint64_t> numel(std::span<const int64_t> shape);
 
 // numel(shape) * dtype_size(dtype), nullopt on a negative size or overflow of int64_t.

@@ -4,6 +4,9 @@
 #include <charconv>
 #include <cstring>
 #include <limits>
+#include <list>
+#include <memory>
+#include <mutex>
 #include <unordered_map>
 #include <utility>
 
@@ -11,12 +14,13 @@
 #include "format/error.h"
 #include "format/file_util.h"
 #include "format/json_strict.h"
+#include "format/name_index.h"
 
 namespace fsdp_ema::format {
 namespace {
 
-using detail::Json;
 using detail::json_quote;
+using detail::JsonReader;
 
 std::optional<int64_t> parse_decimal(std::string_view s) {
   int64_t v = 0;
@@ -26,29 +30,41 @@ std::optional<int64_t> parse_decimal(std::string_view s) {
   return v;
 }
 
-// Parses a metadata value holding a JSON object keyed by tensor name, and checks that its keys
-// are exactly the file's tensors.
-Json parse_per_tensor_object(const std::map<std::string, std::string>& metadata,
-                             std::string_view key, const std::vector<TensorInfo>& tensors,
-                             const std::unordered_map<std::string, size_t>& by_name,
-                             const std::string& file) {
+using TensorsByName = detail::NameIndex;
+
+// Reads a metadata value holding a JSON object keyed by tensor name, whose keys must be exactly
+// the file's tensors, in one pass: on_entry(tensor, reader) reads each entry's value.
+template <typename F>
+void for_each_tensor_entry(const std::map<std::string, std::string>& metadata,
+                           std::string_view key, std::vector<TensorInfo>& tensors,
+                           const TensorsByName& by_name, const std::string& file, F&& on_entry) {
   const std::string what = file + ": metadata " + std::string(key);
-  Json j = detail::parse_json_strict(metadata.at(std::string(key)), what);
-  if (!j.is_object()) {
-    throw FormatError(what + ": is a JSON " + detail::json_type_name(j) +
-                      ", expected an object keyed by tensor name");
-  }
-  for (const auto& [name, value] : j.items()) {
-    if (!by_name.contains(name)) {
-      throw FormatError(what + ": names tensor " + json_quote(name) + " that is not in the file");
+  const std::string& text = metadata.at(std::string(key));
+  std::vector<char> seen(tensors.size(), 0);
+  detail::interpret_json(text, what, [&] {
+    JsonReader r(text, what);
+    if (const auto kind = r.peek(); kind != JsonReader::Kind::kObject) {
+      throw FormatError(what + ": is a JSON " + JsonReader::kind_name(kind) +
+                        ", expected an object keyed by tensor name");
+    }
+    r.begin_object(/*caller_checks_keys=*/true);
+    std::string name;
+    while (r.next_key(name)) {
+      const auto found = by_name.find(name);
+      if (!found) {
+        throw FormatError(what + ": names tensor " + json_quote(name) + " that is not in the file");
+      }
+      if (seen[*found]) r.duplicate_key(name);
+      seen[*found] = 1;
+      on_entry(tensors[*found], r);
+    }
+    r.expect_end();
+  });
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!seen[i]) {
+      throw FormatError(what + ": has no entry for tensor " + json_quote(tensors[i].name));
     }
   }
-  for (const TensorInfo& t : tensors) {
-    if (!j.contains(t.name)) {
-      throw FormatError(what + ": has no entry for tensor " + json_quote(t.name));
-    }
-  }
-  return j;
 }
 
 }  // namespace
@@ -56,7 +72,9 @@ Json parse_per_tensor_object(const std::map<std::string, std::string>& metadata,
 ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& file) {
   ShardHeader h;
   h.tensors.reserve(raw.tensors.size());
-  std::unordered_map<std::string, size_t> by_name;
+  // Views of the names in h.tensors, which is not resized after this loop.
+  TensorsByName by_name;
+  by_name.reserve(raw.tensors.size());
   for (const HeaderTensor& e : raw.tensors) {
     TensorInfo t;
     t.name = e.name;
@@ -65,12 +83,23 @@ ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& fil
     t.offsets.assign(e.shape.size(), 0);
     t.data_offset = raw.data_start + e.begin;
     t.nbytes = e.end - e.begin;
-    by_name.emplace(t.name, h.tensors.size());
     h.tensors.push_back(std::move(t));
   }
+  for (size_t i = 0; i < h.tensors.size(); ++i) by_name.insert(h.tensors[i].name, i);
   const auto& md = raw.metadata;
   auto has = [&](std::string_view k) { return md.contains(std::string(k)); };
 
+  if (!has(kMetaFormatVersion)) {
+    // Our keys are reserved: a file that carries some of them claims our layout, and without the
+    // version nothing says which rules it follows.
+    for (const auto& [key, value] : md) {
+      if (key.starts_with("fsdp_ema_")) {
+        throw FormatError(file + ": metadata key " + json_quote(key) + " without " +
+                          std::string(kMetaFormatVersion) +
+                          ": a file that claims the fsdp_ema layout must say its version");
+      }
+    }
+  }
   if (has(kMetaFormatVersion)) {
     const std::string& v = md.at(std::string(kMetaFormatVersion));
     if (parse_decimal(v) != kShardFormatVersion) {
@@ -88,27 +117,39 @@ ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& fil
   }
 
   if (has(kMetaDcpShardingInfo)) {
-    const Json info = parse_per_tensor_object(md, kMetaDcpShardingInfo, h.tensors, by_name, file);
-    for (TensorInfo& t : h.tensors) {
-      const Json& entry = info.at(t.name);
-      const std::string ctx = file + ": tensor " + json_quote(t.name) + ": DCP_SHARDING_INFO";
-      if (!entry.is_object() || !entry.contains("saved_offsets")) {
-        throw FormatError(ctx + " entry must be an object with \"saved_offsets\"");
+    for_each_tensor_entry(md, kMetaDcpShardingInfo, h.tensors, by_name, file,
+                          [&](TensorInfo& t, JsonReader& r) {
+      auto ctx = [&] {
+        return file + ": tensor " + json_quote(t.name) + ": DCP_SHARDING_INFO";
+      };
+      std::optional<Shape> offsets;
+      bool present = false;
+      if (r.peek() == JsonReader::Kind::kObject) {
+        r.begin_object();
+        std::string k;
+        while (r.next_key(k)) {
+          if (k == "saved_offsets") {
+            present = true;
+            offsets = r.read_shape();
+          } else {
+            r.skip_value();
+          }
+        }
       }
-      auto offsets = detail::as_shape(entry.at("saved_offsets"));
+      if (!present) throw FormatError(ctx() + " entry must be an object with \"saved_offsets\"");
       if (!offsets || offsets->size() != t.shape.size()) {
-        throw FormatError(ctx + " saved_offsets must be " + std::to_string(t.shape.size()) +
+        throw FormatError(ctx() + " saved_offsets must be " + std::to_string(t.shape.size()) +
                           " non-negative integers (one per dimension of shape " +
                           shape_to_string(t.shape) + ")");
       }
       for (size_t d = 0; d < offsets->size(); ++d) {
         if ((*offsets)[d] > std::numeric_limits<int64_t>::max() - t.shape[d]) {
-          throw FormatError(ctx + " saved_offsets " + shape_to_string(*offsets) +
+          throw FormatError(ctx() + " saved_offsets " + shape_to_string(*offsets) +
                             " + shape overflow");
         }
       }
       t.offsets = std::move(*offsets);
-    }
+    });
   }
 
   for (TensorInfo& t : h.tensors) {
@@ -117,43 +158,49 @@ ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& fil
   }
 
   if (has(kMetaGlobalShapes)) {
-    const Json shapes = parse_per_tensor_object(md, kMetaGlobalShapes, h.tensors, by_name, file);
-    for (TensorInfo& t : h.tensors) {
-      const std::string ctx =
-          file + ": tensor " + json_quote(t.name) + ": " + std::string(kMetaGlobalShapes);
-      auto g = detail::as_shape(shapes.at(t.name));
+    for_each_tensor_entry(md, kMetaGlobalShapes, h.tensors, by_name, file,
+                          [&](TensorInfo& t, JsonReader& r) {
+      auto ctx = [&] {
+        return file + ": tensor " + json_quote(t.name) + ": " + std::string(kMetaGlobalShapes);
+      };
+      auto g = r.read_shape();
       if (!g || g->size() != t.shape.size()) {
-        throw FormatError(ctx + " entry must be " + std::to_string(t.shape.size()) +
+        throw FormatError(ctx() + " entry must be " + std::to_string(t.shape.size()) +
                           " non-negative integers (one per dimension of shape " +
                           shape_to_string(t.shape) + ")");
       }
       for (size_t d = 0; d < g->size(); ++d) {
         if (t.offsets[d] + t.shape[d] > (*g)[d]) {
-          throw FormatError(ctx + ": offsets " + shape_to_string(t.offsets) + " + shape " +
+          throw FormatError(ctx() + ": offsets " + shape_to_string(t.offsets) + " + shape " +
                             shape_to_string(t.shape) + " exceed global shape " +
                             shape_to_string(*g) + " in dimension " + std::to_string(d));
         }
       }
       if (!numel(*g)) {
-        throw FormatError(ctx + ": global shape " + shape_to_string(*g) + " overflows");
+        throw FormatError(ctx() + ": global shape " + shape_to_string(*g) + " overflows");
       }
       t.global_shape = std::move(*g);
-    }
+    });
   }
 
   if (has(kMetaChecksums)) {
-    const Json sums = parse_per_tensor_object(md, kMetaChecksums, h.tensors, by_name, file);
-    for (TensorInfo& t : h.tensors) {
-      const Json& v = sums.at(t.name);
+    for_each_tensor_entry(md, kMetaChecksums, h.tensors, by_name, file,
+                          [&](TensorInfo& t, JsonReader& r) {
       std::optional<uint64_t> c;
-      if (v.is_string()) c = parse_checksum(v.get_ref<const std::string&>());
+      std::string text;
+      if (r.peek() == JsonReader::Kind::kString) {
+        text = r.read_string();
+        c = parse_checksum(text);
+        text = json_quote(text);
+      } else {
+        text = std::string(r.skip_value());
+      }
       if (!c) {
-        throw FormatError(file + ": tensor " + json_quote(t.name) + ": checksum " +
-                          v.dump(-1, ' ', false, Json::error_handler_t::replace) +
+        throw FormatError(file + ": tensor " + json_quote(t.name) + ": checksum " + text +
                           " is not \"xxh3-64:<16 lowercase hex digits>\"");
       }
       t.checksum = *c;
-    }
+    });
   }
 
   if (has(kMetaWorldSize)) {
@@ -178,11 +225,107 @@ ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& fil
   return h;
 }
 
+namespace {
+
+// Read descriptors of open ShardFiles, least recently used evicted past kCapacity: a reader of a
+// checkpoint with thousands of shard files keeps a bounded number open. Entries are shared_ptrs so
+// that an eviction never closes a descriptor another thread is reading from.
+class ReadFdCache {
+ public:
+  static constexpr size_t kCapacity = 128;
+  using Fd = std::shared_ptr<const detail::UniqueFd>;
+
+  static ReadFdCache& instance() {
+    static auto* cache = new ReadFdCache();  // leaked: ShardFiles may die during static teardown
+    return *cache;
+  }
+
+  void put(const void* key, Fd fd) {
+    std::lock_guard lock(mu_);
+    insert_locked(key, std::move(fd));
+  }
+
+  // The cached descriptor of `key`, or the file reopened (and checked to be the same file).
+  Fd get(const void* key, const std::string& path, const detail::FileIdentity& identity) {
+    std::lock_guard lock(mu_);
+    if (auto it = where_.find(key); it != where_.end()) {
+      lru_.splice(lru_.begin(), lru_, it->second);
+      return it->second->second;
+    }
+    auto fd = std::make_shared<detail::UniqueFd>(detail::open_read_only(path));
+    if (detail::file_identity(fd->get(), path) != identity) {
+      throw FormatError(path +
+                        ": changed since it was opened (replaced, truncated or rewritten by "
+                        "another writer): refusing to read it");
+    }
+    insert_locked(key, fd);
+    return fd;
+  }
+
+  void forget(const void* key) noexcept {
+    std::lock_guard lock(mu_);
+    if (auto it = where_.find(key); it != where_.end()) {
+      lru_.erase(it->second);
+      where_.erase(it);
+    }
+  }
+
+ private:
+  void insert_locked(const void* key, Fd fd) {
+    lru_.emplace_front(key, std::move(fd));
+    where_[key] = lru_.begin();
+    if (lru_.size() > kCapacity) {
+      where_.erase(lru_.back().first);
+      lru_.pop_back();
+    }
+  }
+
+  std::mutex mu_;
+  std::list<std::pair<const void*, Fd>> lru_;
+  std::unordered_map<const void*, std::list<std::pair<const void*, Fd>>::iterator> where_;
+};
+
+// Reads of at most this many bytes at a time when hashing on the way: the block is hashed while it
+// is still in cache.
+constexpr uint64_t kHashBlockBytes = uint64_t{1} << 20;
+// verify_all reads the data section in blocks of this size, so that many small tensors cost one
+// pread per block, not one each.
+constexpr uint64_t kVerifyBlockBytes = uint64_t{8} << 20;
+
+// torch and safetensors treat BOOL bytes other than 0 and 1 as undefined: refuse them.
+void check_bool_bytes(const std::string& path, const TensorInfo& t, const std::byte* p,
+                      uint64_t n) {
+  if (t.dtype != DType::kBool) return;
+  for (uint64_t i = 0; i < n; ++i) {
+    if (static_cast<unsigned char>(p[i]) > 1) {
+      throw FormatError(path + ": tensor " + json_quote(t.name) + ": BOOL byte " +
+                        std::to_string(static_cast<unsigned>(p[i])) +
+                        " is neither 0 nor 1 (corrupt or not a bool tensor)");
+    }
+  }
+}
+
+void check_stored_checksum(const std::string& path, const TensorInfo& t, uint64_t actual) {
+  if (actual != *t.checksum) {
+    throw FormatError(path + ": tensor " + json_quote(t.name) + ": checksum mismatch: stored " +
+                      format_checksum(*t.checksum) + ", data hashes to " +
+                      format_checksum(actual) + " (corrupted data)");
+  }
+}
+
+}  // namespace
+
 struct ShardFile::Impl {
   std::string path;
-  detail::MappedFile map;  // the descriptor is closed once mapped: thousands of files stay open
+  detail::FileIdentity identity;
   ShardHeader header;
-  std::unordered_map<std::string, size_t> by_name;
+  detail::NameIndex by_name;  // views of header.tensors' names
+  mutable std::once_flag map_once;
+  mutable detail::MappedFile map;  // zero-copy opt-in only
+
+  ~Impl() { ReadFdCache::instance().forget(this); }
+
+  ReadFdCache::Fd fd() const { return ReadFdCache::instance().get(this, path, identity); }
 };
 
 ShardFile::ShardFile(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -193,20 +336,20 @@ ShardFile::~ShardFile() = default;
 ShardFile ShardFile::open(const std::string& path, bool verify_checksums) {
   auto impl = std::make_unique<Impl>();
   impl->path = path;
-  {
-    const detail::UniqueFd fd = detail::open_read_only(path);
-    const uint64_t size = detail::fd_size(fd.get(), path);
-    std::byte first8[8] = {};
-    if (size >= 8) detail::pread_all(fd.get(), first8, 8, 0, path);
-    const uint64_t n = parse_header_length(std::span<const std::byte>(first8, 8), size, path);
-    std::string json(n, '\0');
-    detail::pread_all(fd.get(), json.data(), n, 8, path);
-    impl->header = interpret_shard_header(parse_safetensors_header(json, size, path), path);
-    impl->map = detail::MappedFile(fd.get(), size, path);
-  }
+  auto fd = std::make_shared<detail::UniqueFd>(detail::open_read_only(path));
+  impl->identity = detail::file_identity(fd->get(), path);
+  const uint64_t size = impl->identity.size;
+  std::byte first8[8] = {};
+  if (size >= 8) detail::pread_all(fd->get(), first8, 8, 0, path);
+  const uint64_t n = parse_header_length(std::span<const std::byte>(first8, 8), size, path);
+  std::string json(n, '\0');
+  detail::pread_all(fd->get(), json.data(), n, 8, path);
+  impl->header = interpret_shard_header(parse_safetensors_header(json, size, path), path);
+  impl->by_name.reserve(impl->header.tensors.size());
   for (size_t i = 0; i < impl->header.tensors.size(); ++i) {
-    impl->by_name.emplace(impl->header.tensors[i].name, i);
+    impl->by_name.insert(impl->header.tensors[i].name, i);
   }
+  ReadFdCache::instance().put(impl.get(), std::move(fd));
   ShardFile file(std::move(impl));
   if (verify_checksums) file.verify_all();
   return file;
@@ -222,8 +365,8 @@ const std::map<std::string, std::string>& ShardFile::metadata() const {
 bool ShardFile::is_fsdp_ema() const { return impl_->header.fsdp_ema; }
 
 const TensorInfo* ShardFile::find(std::string_view name) const {
-  auto it = impl_->by_name.find(std::string(name));
-  return it == impl_->by_name.end() ? nullptr : &impl_->header.tensors[it->second];
+  const auto i = impl_->by_name.find(name);
+  return i ? &impl_->header.tensors[*i] : nullptr;
 }
 
 const TensorInfo& ShardFile::tensor(std::string_view name) const {
@@ -236,6 +379,10 @@ const TensorInfo& ShardFile::tensor(std::string_view name) const {
 
 std::span<const std::byte> ShardFile::data(const TensorInfo& t) const {
   if (t.nbytes == 0) return {};
+  std::call_once(impl_->map_once, [&] {
+    const auto fd = impl_->fd();
+    impl_->map = detail::MappedFile(fd->get(), impl_->identity.size, impl_->path);
+  });
   return {impl_->map.data() + t.data_offset, t.nbytes};
 }
 
@@ -243,7 +390,8 @@ std::span<const std::byte> ShardFile::data(std::string_view name) const {
   return data(tensor(name));
 }
 
-void ShardFile::read(const TensorInfo& t, uint64_t offset, uint64_t length, void* dst) const {
+void ShardFile::read(const TensorInfo& t, uint64_t offset, uint64_t length, void* dst,
+                     Checksummer* hash) const {
   auto end = checked_add(offset, length);
   if (!end || *end > t.nbytes) {
     throw FormatError(impl_->path + ": tensor " + json_quote(t.name) + ": read of " +
@@ -251,33 +399,87 @@ void ShardFile::read(const TensorInfo& t, uint64_t offset, uint64_t length, void
                       " is outside its " + std::to_string(t.nbytes) + " bytes");
   }
   if (length == 0) return;
-  const std::byte* src = impl_->map.data() + t.data_offset + offset;
-  detail::advise_willneed(src, length);
-  std::memcpy(dst, src, length);
+  const auto fd = impl_->fd();
+  auto* out = static_cast<std::byte*>(dst);
+  if (hash == nullptr) {
+    detail::pread_all(fd->get(), out, length, t.data_offset + offset, impl_->path);
+    check_bool_bytes(impl_->path, t, out, length);
+    return;
+  }
+  for (uint64_t pos = 0; pos < length; pos += kHashBlockBytes) {
+    const uint64_t n = std::min(kHashBlockBytes, length - pos);
+    detail::pread_all(fd->get(), out + pos, n, t.data_offset + offset + pos, impl_->path);
+    hash->update(out + pos, n);
+    check_bool_bytes(impl_->path, t, out + pos, n);
+  }
+}
+
+bool ShardFile::read_verified(const TensorInfo& t, void* dst, bool verify) const {
+  if (!verify || !t.checksum) {
+    read(t, 0, t.nbytes, dst);
+    return false;
+  }
+  Checksummer h;
+  read(t, 0, t.nbytes, dst, &h);
+  check_stored_checksum(impl_->path, t, h.digest());
+  return true;
 }
 
 uint64_t ShardFile::compute_checksum(const TensorInfo& t) const {
-  const auto bytes = data(t);
-  detail::advise_willneed(bytes.data(), bytes.size());
-  return checksum_of(bytes);
+  Checksummer h;
+  std::vector<std::byte> block(std::min(kHashBlockBytes, t.nbytes));
+  for (uint64_t pos = 0; pos < t.nbytes; pos += block.size()) {
+    const uint64_t n = std::min<uint64_t>(block.size(), t.nbytes - pos);
+    read(t, pos, n, block.data());
+    h.update(block.data(), n);
+  }
+  return h.digest();
 }
 
 bool ShardFile::verify(const TensorInfo& t) const {
   if (!t.checksum) return false;
-  const uint64_t actual = compute_checksum(t);
-  if (actual != *t.checksum) {
-    throw FormatError(impl_->path + ": tensor " + json_quote(t.name) +
-                      ": checksum mismatch: stored " + format_checksum(*t.checksum) +
-                      ", data hashes to " + format_checksum(actual) + " (corrupted data)");
-  }
+  check_stored_checksum(impl_->path, t, compute_checksum(t));
   return true;
 }
 
 bool ShardFile::verify(std::string_view name) const { return verify(tensor(name)); }
 
 size_t ShardFile::verify_all() const {
+  // Tensors are in data order and contiguous (checked at parse): stream the data section once.
+  const auto& tensors = impl_->header.tensors;
+  if (tensors.empty()) return 0;
+  const uint64_t data_end = impl_->identity.size;
+  std::vector<std::byte> block(std::min(kVerifyBlockBytes, data_end - tensors.front().data_offset));
+  uint64_t block_start = 0;
+  uint64_t block_len = 0;
+  std::shared_ptr<const detail::UniqueFd> fd;
   size_t n = 0;
-  for (const TensorInfo& t : impl_->header.tensors) n += verify(t) ? 1 : 0;
+  for (const TensorInfo& t : tensors) {
+    if (!t.checksum) continue;
+    const uint64_t end = t.data_offset + t.nbytes;
+    if (t.data_offset >= block_start && end <= block_start + block_len) {
+      const std::byte* p = block.data() + (t.data_offset - block_start);
+      check_bool_bytes(impl_->path, t, p, t.nbytes);
+      check_stored_checksum(impl_->path, t, checksum_of(std::span<const std::byte>(p, t.nbytes)));
+      ++n;
+      continue;
+    }
+    Checksummer h;
+    for (uint64_t pos = t.data_offset; pos < end;) {
+      if (pos < block_start || pos >= block_start + block_len) {
+        if (!fd) fd = impl_->fd();
+        block_start = pos;
+        block_len = std::min<uint64_t>(block.size(), data_end - pos);
+        detail::pread_all(fd->get(), block.data(), block_len, block_start, impl_->path);
+      }
+      const uint64_t take = std::min(end, block_start + block_len) - pos;
+      h.update(block.data() + (pos - block_start), take);
+      check_bool_bytes(impl_->path, t, block.data() + (pos - block_start), take);
+      pos += take;
+    }
+    check_stored_checksum(impl_->path, t, h.digest());
+    ++n;
+  }
   return n;
 }
 

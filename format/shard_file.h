@@ -1,4 +1,4 @@
-// Reading one shard file (ours or any safetensors file): mmap, validated header, checksums.
+// Reading one shard file (ours or any safetensors file): validated header, owned reads, checksums.
 #pragma once
 
 #include <cstddef>
@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "format/checksum.h"
 #include "format/safetensors_header.h"
 #include "format/tensor_info.h"
 
@@ -44,14 +45,17 @@ struct ShardHeader {
 // keys and DCP_SHARDING_INFO are required.
 ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& file);
 
-// One safetensors file, mapped read-only (the descriptor is closed right after mapping, so a
-// reader of thousands of shard files needs no file-descriptor headroom). Move-only. The file must
-// not be truncated in place while open (reading the lost pages would raise SIGBUS, as with any
-// mapping, e.g. the safetensors package's); our writers never do that: they rename new files in,
-// and a mapping keeps the old file's data.
+// One safetensors file, validated at open. Reads go through pread(2) into memory the caller owns,
+// hashed in the same pass where asked: a file truncated or rewritten afterwards cannot change
+// or crash what was read, and a truncation during a read is a FormatError, never SIGBUS.
+// Descriptors come from a small process-wide cache (a reader of thousands of shard files needs no
+// descriptor headroom); a file reopened after eviction must still be the same inode, size and
+// mtime as at open, or the read is refused. Zero-copy access (data()) maps the file on first use:
+// an explicit opt-in with the usual mapping risk (truncating the file then touching the bytes
+// raises SIGBUS, as with torch.load(mmap=True) or safetensors' mapping). Move-only.
 class ShardFile {
  public:
-  // Opens, maps and validates the file; with verify_checksums, also checks every stored checksum.
+  // Opens and validates the file; with verify_checksums, also checks every stored checksum.
   static ShardFile open(const std::string& path, bool verify_checksums = true);
 
   ShardFile(ShardFile&&) noexcept;
@@ -71,13 +75,19 @@ class ShardFile {
   const std::map<std::string, std::string>& metadata() const;
   bool is_fsdp_ema() const;
 
-  // The tensor's bytes inside the mapping (valid while this object lives).
+  // Zero-copy: the tensor's bytes inside a private copy-on-write mapping of the file, made on
+  // first call and valid while this object lives. Opt-in only (see the class comment).
   std::span<const std::byte> data(const TensorInfo& tensor) const;
   std::span<const std::byte> data(std::string_view name) const;
 
-  // Copies `length` bytes from byte `offset` of the tensor's data (from the mapping, with
-  // read-ahead requested for large ranges).
-  void read(const TensorInfo& tensor, uint64_t offset, uint64_t length, void* dst) const;
+  // Reads `length` bytes from byte `offset` of the tensor's data into dst (pread); with `hash`,
+  // also feeds them to it, block by block while they are in cache.
+  void read(const TensorInfo& tensor, uint64_t offset, uint64_t length, void* dst,
+            Checksummer* hash = nullptr) const;
+  // Reads the whole tensor into dst (tensor.nbytes bytes) and checks its stored checksum in the
+  // same pass when `verify` and the file stores one (throws on a mismatch, naming the file and
+  // tensor). Returns whether a checksum was checked.
+  bool read_verified(const TensorInfo& tensor, void* dst, bool verify) const;
 
   // Checks the stored checksum of one tensor: true when it matches, false when the file stores
   // none; throws FormatError("<file>: tensor '<name>': checksum mismatch ...") otherwise.
@@ -86,7 +96,7 @@ class ShardFile {
   // verify() for every tensor; returns how many had a checksum.
   size_t verify_all() const;
 
-  // XXH3-64 of the tensor's bytes as they are in the file now.
+  // XXH3-64 of the tensor's bytes as they are in the file now (streamed through pread).
   uint64_t compute_checksum(const TensorInfo& tensor) const;
 
  private:

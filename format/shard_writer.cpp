@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <limits>
 #include <set>
+#include <string_view>
 #include <unordered_set>
 #include <utility>
 
@@ -93,6 +94,12 @@ std::string shard_file_name(int64_t rank, int64_t world_size) {
   std::snprintf(buf, sizeof(buf), "shard-%05lld-of-%05lld.safetensors",
                 static_cast<long long>(rank), static_cast<long long>(world_size));
   return buf;
+}
+
+std::string alternate_shard_file_name(int64_t rank, int64_t world_size) {
+  std::string name = shard_file_name(rank, world_size);
+  name.insert(name.size() - std::string_view(".safetensors").size(), ".b");
+  return name;
 }
 
 uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> tensors,

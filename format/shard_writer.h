@@ -32,6 +32,10 @@ struct TensorToWrite {
 
 // "shard-00003-of-00008.safetensors" (5-digit rank and world size, wider if needed).
 std::string shard_file_name(int64_t rank, int64_t world_size);
+// "shard-00003-of-00008.b.safetensors": the name an overwrite writes when the committed index
+// references the plain one (see format/commit.h), so the old checkpoint stays whole until the new
+// index replaces it.
+std::string alternate_shard_file_name(int64_t rank, int64_t world_size);
 
 // Writes one shard file at `path` atomically (temporary in the same directory, fsync, rename,
 // directory fsync; see write_safetensors_file) and returns its size in bytes. Inputs are validated

@@ -41,13 +41,15 @@ void ema_shard_update_(TensorList ema, TensorList model, const at::Tensor& decay
 int64_t save_shard(const std::string& directory, int64_t rank, int64_t world_size,
                    const std::vector<std::string>& names, TensorList shards,
                    c10::ArrayRef<int64_t> offsets, c10::ArrayRef<int64_t> global_shapes,
-                   bool fsync) {
+                   bool fsync, bool overwrite) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("fsdp_ema::save_shard", "")
           .typed<at::Tensor(c10::string_view, int64_t, int64_t, const std::vector<std::string>&,
-                            TensorList, c10::ArrayRef<int64_t>, c10::ArrayRef<int64_t>, bool)>();
-  return op.call(directory, rank, world_size, names, shards, offsets, global_shapes, fsync)
+                            TensorList, c10::ArrayRef<int64_t>, c10::ArrayRef<int64_t>, bool,
+                            bool)>();
+  return op
+      .call(directory, rank, world_size, names, shards, offsets, global_shapes, fsync, overwrite)
       .item<int64_t>();
 }
 

@@ -22,6 +22,7 @@
 #include <unordered_set>
 
 #include "format/checkpoint_dir.h"
+#include "format/commit.h"
 #include "format/error.h"
 #include "format/index.h"
 #include "format/shard_file.h"
@@ -187,8 +188,9 @@ at::ScalarType to_scalar_type(format::DType d) {
 }
 
 at::Tensor save_shard(c10::string_view directory, int64_t rank, int64_t world_size,
-                   const std::vector<std::string>& names, at::TensorList shards,
-                   at::IntArrayRef offsets, at::IntArrayRef global_shapes, bool fsync) {
+                      const std::vector<std::string>& names, at::TensorList shards,
+                      at::IntArrayRef offsets, at::IntArrayRef global_shapes, bool fsync,
+                      bool overwrite) {
   constexpr const char* kOp = "fsdp_ema::save_shard: ";
   SaveRequest req = validate_save(kOp, rank, world_size, names, shards, offsets, global_shapes);
   format::WriteOptions options;
@@ -222,15 +224,18 @@ at::Tensor save_shard(c10::string_view directory, int64_t rank, int64_t world_si
     };
     options.free_buffer = [](void*) {};  // the tensors in `staging` own the memory
   }
-  const std::string path =
-      join(directory, format::shard_file_name(rank, world_size));
-  const DirectoryLock lock(kOp, std::string(directory), /*exclusive=*/false);
-  TORCH_CHECK(!is_committed(std::string(directory)), kOp, "directory '", directory,
+  const std::string dir(directory);
+  const DirectoryLock lock(kOp, dir, /*exclusive=*/false);
+  TORCH_CHECK(overwrite || !is_committed(dir), kOp, "directory '", directory,
               "' is already committed (", format::kIndexFileName,
-              " exists); save into a fresh directory, or remove the index first to replace it");
-  remove_stale_temporaries(std::string(directory), format::shard_file_name(rank, world_size));
+              " exists); save into a fresh directory, or pass overwrite=True to replace it");
   const auto bytes = translate_errors(kOp, [&] {
-    return static_cast<int64_t>(format::write_shard_file(path, std::move(req.tensors), options));
+    // An overwrite writes under a name the committed index does not reference (format/commit.h):
+    // the old checkpoint stays whole until the commit replaces its index.
+    const std::string file = format::shard_file_name_to_write(dir, rank, world_size);
+    remove_stale_temporaries(dir, file);
+    return static_cast<int64_t>(
+        format::write_shard_file(join(directory, file), std::move(req.tensors), options));
   });
   return at::scalar_tensor(bytes, at::TensorOptions().dtype(at::kLong));
 }
@@ -242,42 +247,44 @@ int64_t commit_checkpoint(c10::string_view directory, int64_t world_size, bool o
   const std::string dir(directory);
   const DirectoryLock lock(kOp, dir, /*exclusive=*/true);
   return translate_errors(kOp, [&] {
-    const format::CheckpointIndex index = format::build_index_from_dir(dir, world_size);
-    format::write_index(dir, index, overwrite, fsync);
-    return static_cast<int64_t>(index.tensors.size());
+    return static_cast<int64_t>(
+        format::commit_directory(dir, world_size, overwrite, fsync).tensors.size());
   });
 }
 
 std::tuple<std::vector<std::string>, std::vector<at::Tensor>, std::vector<int64_t>,
            std::vector<int64_t>>
-load_shard(c10::string_view path, bool verify, std::optional<at::Device> device) {
+load_shard(c10::string_view path, bool verify, std::optional<at::Device> device, bool mmap) {
   constexpr const char* kOp = "fsdp_ema::load_shard: ";
   return translate_errors(kOp, [&] {
+    const at::Device target = device.value_or(at::Device(at::kCPU));
+    const bool zero_copy = mmap && target.is_cpu();
+    // Owned reads verify each tensor while reading it; zero-copy verifies the file up front.
     auto file = std::make_shared<format::ShardFile>(
-        format::ShardFile::open(std::string(path), verify));
+        format::ShardFile::open(std::string(path), verify && zero_copy));
     std::vector<std::string> names;
     std::vector<at::Tensor> tensors;
     std::vector<int64_t> offsets;
     std::vector<int64_t> global_shapes;
-    const at::Device target = device.value_or(at::Device(at::kCPU));
     for (const format::TensorInfo& info : file->tensors()) {
       names.push_back(info.name);
       offsets.insert(offsets.end(), info.offsets.begin(), info.offsets.end());
       global_shapes.insert(global_shapes.end(), info.global_shape.begin(),
                            info.global_shape.end());
       const auto options = at::TensorOptions().dtype(to_scalar_type(info.dtype));
-      const auto bytes = file->data(info);
-      const auto element = static_cast<uintptr_t>(format::dtype_size(info.dtype));
-      const bool aligned = reinterpret_cast<uintptr_t>(bytes.data()) % element == 0;
       at::Tensor t;
-      if (target.is_cpu() && aligned && !bytes.empty()) {
-        // Zero-copy view of the read-only mapping; the tensor keeps the file mapped. Writing to
-        // it faults, so callers that mutate should clone (ShardedEMA.load copies into its own).
-        t = at::from_blob(const_cast<std::byte*>(bytes.data()), info.shape,
-                          [file](void*) {}, options);
-      } else {
+      if (zero_copy && info.nbytes > 0) {
+        const auto bytes = file->data(info);
+        const auto element = static_cast<uintptr_t>(format::dtype_size(info.dtype));
+        if (reinterpret_cast<uintptr_t>(bytes.data()) % element == 0) {
+          // A view of the private (copy-on-write) mapping; the tensor keeps the file mapped.
+          t = at::from_blob(const_cast<std::byte*>(bytes.data()), info.shape, [file](void*) {},
+                            options);
+        }
+      }
+      if (!t.defined()) {
         t = at::empty(info.shape, options);
-        if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+        file->read_verified(info, t.data_ptr(), verify && !zero_copy);
         if (!target.is_cpu()) t = t.to(target);
       }
       tensors.push_back(std::move(t));
@@ -309,12 +316,13 @@ void verify_pieces(const format::CheckpointDir& dir,
 }
 
 at::Tensor read_rows(const std::shared_ptr<const format::CheckpointDir>& dir,
-                     const format::IndexTensor& tensor, format::RowRange rows, bool verify) {
+                     const format::IndexTensor& tensor, format::RowRange rows, bool verify,
+                     bool mmap) {
   std::vector<int64_t> shape(tensor.shape.begin(), tensor.shape.end());
   const bool whole = shape.empty() || (rows.begin == 0 && rows.end == shape[0]);
   if (!shape.empty()) shape[0] = rows.size();
   const auto options = at::TensorOptions().dtype(to_scalar_type(tensor.dtype));
-  for (size_t k = 0; k < tensor.pieces.size(); ++k) {
+  for (size_t k = 0; mmap && k < tensor.pieces.size(); ++k) {
     const format::IndexPiece& piece = tensor.pieces[k];
     const bool exact = piece.shape == format::Shape(shape.begin(), shape.end()) &&
                        (piece.offsets.empty() || piece.offsets[0] == rows.begin);
@@ -338,7 +346,7 @@ at::Tensor read_rows(const std::shared_ptr<const format::CheckpointDir>& dir,
 std::vector<at::Tensor> load_tensors(c10::string_view directory,
                                      const std::vector<std::string>& names, int64_t rank,
                                      int64_t world_size, bool verify,
-                                     std::optional<at::Device> device) {
+                                     std::optional<at::Device> device, bool mmap) {
   constexpr const char* kOp = "fsdp_ema::load_tensors: ";
   TORCH_CHECK(world_size >= 1, kOp, "world_size must be >= 1, got ", world_size);
   TORCH_CHECK(rank >= 0 && rank < world_size, kOp, "rank must be in [0, world_size), got rank ",
@@ -352,12 +360,19 @@ std::vector<at::Tensor> load_tensors(c10::string_view directory,
       const format::IndexTensor& info = dir->tensor(name);
       plan.emplace_back(&info, rank_rows(info, rank, world_size));
     }
-    if (verify) verify_pieces(*dir, plan);
-    std::vector<at::Tensor> out;
-    for (const auto& [info, rows] : plan) {
-      at::Tensor t = read_rows(dir, *info, rows, verify);
-      if (device.has_value() && !device->is_cpu()) t = t.to(*device);
-      out.push_back(std::move(t));
+    const bool to_device = device.has_value() && !device->is_cpu();
+    const bool zero_copy = mmap && !to_device;
+    // Zero-copy views skip the read, so their pieces are hashed up front (in parallel); owned
+    // reads hash each piece while reading it.
+    if (verify && zero_copy) verify_pieces(*dir, plan);
+    std::vector<at::Tensor> out(plan.size());
+    at::parallel_for(0, static_cast<int64_t>(plan.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        out[i] = read_rows(dir, *plan[i].first, plan[i].second, verify, zero_copy);
+      }
+    });
+    if (to_device) {
+      for (at::Tensor& t : out) t = t.to(*device);
     }
     return out;
   });

@@ -22,43 +22,51 @@ namespace fsdp_ema::ops {
 format::DType to_format_dtype(at::ScalarType t, const std::string& what);
 at::ScalarType to_scalar_type(format::DType d);
 
-// Writes one rank's local shards to <directory>/shard-<rank>-of-<world_size>.safetensors.
+// Writes one rank's local shards to <directory>/shard-<rank>-of-<world_size>.safetensors (with
+// overwrite, into a committed directory: under a name its index does not reference, see
+// format/commit.h; without, a committed directory is refused).
 //   names:         [N]    fully qualified names
 //   shards:        [N]    local shards (any device; CUDA staged through pinned memory)
 //   offsets:       [sum of shards[i].dim()]  global offset of each shard, concatenated
 //   global_shapes: [sum of shards[i].dim()]  global shape of each tensor, concatenated
 // Returns the file's size in bytes (0-dim int64 CPU tensor).
 at::Tensor save_shard(c10::string_view directory, int64_t rank, int64_t world_size,
-                   const std::vector<std::string>& names, at::TensorList shards,
-                   at::IntArrayRef offsets, at::IntArrayRef global_shapes, bool fsync);
+                      const std::vector<std::string>& names, at::TensorList shards,
+                      at::IntArrayRef offsets, at::IntArrayRef global_shapes, bool fsync,
+                      bool overwrite);
 
 // Writes <directory>/fsdp_ema.index.json from the headers of the world_size shard files: the
-// commit marker. Returns the number of tensors in the checkpoint.
+// commit marker (format::commit_directory: an overwrite replaces the old index in one rename, then
+// removes the files only the old one referenced). Returns the number of tensors.
 int64_t commit_checkpoint(c10::string_view directory, int64_t world_size, bool overwrite,
                           bool fsync);
 
-// One shard file back: names, local shards, concatenated offsets and global shapes.
+// One shard file back: names, local shards, concatenated offsets and global shapes. The shards
+// are memory the caller owns, read and verified in one pass; with mmap (opt-in) CPU shards are
+// zero-copy views of a private mapping of the file instead (truncating the file while they live,
+// then touching them, raises SIGBUS, as with torch.load(mmap=True)).
 std::tuple<std::vector<std::string>, std::vector<at::Tensor>, std::vector<int64_t>,
            std::vector<int64_t>>
-load_shard(c10::string_view path, bool verify, std::optional<at::Device> device);
+load_shard(c10::string_view path, bool verify, std::optional<at::Device> device, bool mmap);
 
 // Tensors of a committed checkpoint (or DCP HuggingFace directory): for world_size == 1 the full
 // tensors, else the dim-0 rows rank `rank` of `world_size` holds (torch.chunk semantics).
 std::vector<at::Tensor> load_tensors(c10::string_view directory,
                                      const std::vector<std::string>& names, int64_t rank,
                                      int64_t world_size, bool verify,
-                                     std::optional<at::Device> device);
+                                     std::optional<at::Device> device, bool mmap);
 
 // The dim-0 rows of `tensor` that rank `rank` of `world_size` holds (torch.chunk). A 0-dim tensor
 // has no rows to split: every rank gets all of it, as FSDP replicates it ({0, 1}).
 format::RowRange rank_rows(const format::IndexTensor& tensor, int64_t rank, int64_t world_size);
 
 // The dim-0 rows [rows.begin, rows.end) of `tensor` (all of it for a 0-dim tensor) as a CPU
-// tensor. When one stored piece holds exactly those rows (reading back at the world size that
-// wrote the checkpoint, or a whole tensor one rank wrote) the result maps the file (copy-on-write,
-// no copy) and keeps `dir` open; otherwise the rows are assembled from the pieces.
+// tensor the caller owns (read and verified in one pass). With mmap (opt-in), when one stored
+// piece holds exactly those rows, the result is instead a zero-copy view of a private mapping of
+// the file that keeps `dir` open (see load_shard for the risk).
 at::Tensor read_rows(const std::shared_ptr<const format::CheckpointDir>& dir,
-                     const format::IndexTensor& tensor, format::RowRange rows, bool verify);
+                     const format::IndexTensor& tensor, format::RowRange rows, bool verify,
+                     bool mmap);
 
 // Checks, in parallel, every stored piece that intersects the requested rows of each tensor
 // (each piece at most once per CheckpointDir), so that later reads need not hash sequentially.

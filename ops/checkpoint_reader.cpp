@@ -38,14 +38,15 @@ std::string join_names(const std::vector<std::string>& names, size_t limit = 20)
 struct CheckpointReader::Impl {
   std::shared_ptr<const format::CheckpointDir> owner;  // also kept by zero-copy tensors
   const format::CheckpointDir& dir;
+  bool mmap;
 };
 
-CheckpointReader::CheckpointReader(const std::string& directory)
+CheckpointReader::CheckpointReader(const std::string& directory, bool mmap)
     : impl_(translate([&] {
         auto dir = std::make_shared<const format::CheckpointDir>(
             format::CheckpointDir::open(directory));
         const format::CheckpointDir& ref = *dir;
-        return std::make_unique<Impl>(Impl{std::move(dir), ref});
+        return std::make_unique<Impl>(Impl{std::move(dir), ref, mmap});
       })) {}
 
 CheckpointReader::~CheckpointReader() = default;
@@ -83,14 +84,17 @@ at::Tensor CheckpointReader::load_chunk(const std::string& name, int64_t rank, i
   return translate([&] {
     const format::IndexTensor& info = impl_->dir.tensor(name);
     const at::Tensor t =
-        ops::read_rows(impl_->owner, info, ops::rank_rows(info, rank, world_size), verify);
+        ops::read_rows(impl_->owner, info, ops::rank_rows(info, rank, world_size), verify,
+                       impl_->mmap && device.is_cpu());
     return device.is_cpu() ? t : t.to(device);
   });
 }
 
 std::unordered_map<std::string, at::Tensor> CheckpointReader::load_all(at::Device device,
                                                                        bool verify) const {
-  if (verify) {
+  if (verify && impl_->mmap && device.is_cpu()) {
+    // Zero-copy views are not read, so hash their pieces first, in parallel; owned loads hash
+    // each piece while reading it.
     std::vector<std::pair<const format::IndexTensor*, format::RowRange>> plan;
     for (const auto& t : impl_->dir.tensors()) {
       plan.emplace_back(&t, ops::rank_rows(t, 0, 1));

@@ -32,9 +32,11 @@ TORCH_LIBRARY(fsdp_ema, m) {
   // Writes one rank's local shards to <directory>/shard-<rank>-of-<world_size>.safetensors
   // atomically (temporary file, fsync, rename, directory fsync); returns the file's bytes as a
   // 0-dim int64 CPU tensor (a tensor, not an int, so that torch.compile can trace the call).
+  // Refuses a committed directory unless overwrite (then it writes under a name the committed
+  // index does not reference, so the old checkpoint stays whole until the commit).
   m.def(torch::schema(
       "save_shard(str directory, int rank, int world_size, str[] names, Tensor[] shards, "
-      "int[] offsets, int[] global_shapes, bool fsync=True) -> Tensor",
+      "int[] offsets, int[] global_shapes, bool fsync=True, bool overwrite=False) -> Tensor",
       c10::AliasAnalysisKind::CONSERVATIVE));
   // Writes <directory>/fsdp_ema.index.json, the commit marker, once every rank's file exists;
   // refuses an already committed directory unless overwrite. Returns the number of tensors.
@@ -43,14 +45,16 @@ TORCH_LIBRARY(fsdp_ema, m) {
       "-> int",
       c10::AliasAnalysisKind::CONSERVATIVE));
   // One shard file back: names, local shards, concatenated global offsets and global shapes.
+  // Tensors are owned memory, read and verified in one pass; mmap=True (opt-in) returns zero-copy
+  // views of the file's mapping instead (SIGBUS if the file is truncated while they live).
   m.def(
-      "load_shard(str path, bool verify=True, Device? device=None) "
+      "load_shard(str path, bool verify=True, Device? device=None, bool mmap=False) "
       "-> (str[] names, Tensor[] shards, int[] offsets, int[] global_shapes)");
   // Named tensors of a committed checkpoint (ours, or a DCP HuggingFace directory): whole, or the
   // dim-0 rows rank `rank` of `world_size` holds (torch.chunk semantics, any world size).
   m.def(
       "load_tensors(str directory, str[] names, int rank=0, int world_size=1, bool verify=True, "
-      "Device? device=None) -> Tensor[]");
+      "Device? device=None, bool mmap=False) -> Tensor[]");
   // JSON description of a checkpoint directory: layout, world size, tensors (dtype, shape).
   m.def("checkpoint_info(str directory) -> str");
 

@@ -14,6 +14,7 @@
 #include "format/export.h"
 #include "format/index.h"
 #include "tools/progress.h"
+#include "tools/terminal_text.h"
 
 #ifndef FSDP_EMA_VERSION
 #define FSDP_EMA_VERSION "unknown"
@@ -23,6 +24,7 @@ namespace {
 
 namespace fmt = fsdp_ema::format;
 using fsdp_ema::tools::human_bytes;
+using fsdp_ema::tools::printable;
 using fsdp_ema::tools::Progress;
 
 std::string with_commas(uint64_t v) {
@@ -38,7 +40,8 @@ int cmd_inspect(const std::string& dir) {
   size_t pieces = 0;
   for (const std::string& f : ckpt.files()) file_bytes += ckpt.shard_file(f).file_bytes();
 
-  std::printf("checkpoint:  %s\n", dir.c_str());
+  // Names, metadata and file names come from the checkpoint: printed escaped (printable()).
+  std::printf("checkpoint:  %s\n", printable(dir).c_str());
   if (ckpt.layout() == fmt::CheckpointLayout::kFsdpEma) {
     std::printf("format:      fsdp_ema (index format_version %" PRId64 ")\n", index.format_version);
     std::printf("world size:  %" PRId64 "\n", ckpt.world_size());
@@ -48,18 +51,24 @@ int cmd_inspect(const std::string& dir) {
   }
   std::printf("files:       %zu (%s)\n", ckpt.files().size(), human_bytes(file_bytes).c_str());
   for (const auto& [k, v] : index.metadata)
-    std::printf("metadata:    %s = %s\n", k.c_str(), v.c_str());
+    std::printf("metadata:    %s = %s\n", printable(k).c_str(), printable(v).c_str());
 
+  std::vector<std::string> names;
+  names.reserve(index.tensors.size());
   size_t name_w = 4;
-  for (const fmt::IndexTensor& t : index.tensors) name_w = std::max(name_w, t.name.size());
+  for (const fmt::IndexTensor& t : index.tensors) {
+    names.push_back(printable(t.name));
+    name_w = std::max(name_w, names.back().size());
+  }
   name_w = std::min<size_t>(name_w, 60);
   std::printf("\n%-*s  %-7s  %-20s  %15s  %6s\n", static_cast<int>(name_w), "NAME", "DTYPE",
               "SHAPE", "BYTES", "PIECES");
-  for (const fmt::IndexTensor& t : index.tensors) {
+  for (size_t i = 0; i < index.tensors.size(); ++i) {
+    const fmt::IndexTensor& t = index.tensors[i];
     const uint64_t b = ckpt.tensor_nbytes(t.name);
     total_bytes += b;
     pieces += t.pieces.size();
-    std::printf("%-*s  %-7s  %-20s  %15s  %6zu\n", static_cast<int>(name_w), t.name.c_str(),
+    std::printf("%-*s  %-7s  %-20s  %15s  %6zu\n", static_cast<int>(name_w), names[i].c_str(),
                 std::string(fmt::dtype_name(t.dtype)).c_str(),
                 fmt::shape_to_string(t.shape).c_str(), with_commas(b).c_str(), t.pieces.size());
   }
@@ -73,14 +82,14 @@ int cmd_verify(const std::string& dir, size_t max_failures) {
   try {
     ckpt.emplace(fmt::CheckpointDir::open(dir));
   } catch (const fmt::FormatError& e) {
-    std::printf("FAIL: %s\n", e.what());
-    std::printf("verify: %s is not a valid checkpoint\n", dir.c_str());
+    std::printf("FAIL: %s\n", printable(e.what()).c_str());
+    std::printf("verify: %s is not a valid checkpoint\n", printable(dir).c_str());
     return 1;
   }
   size_t failures = 0, pieces = 0, verified = 0;
   uint64_t bytes = 0;
   auto fail = [&](const std::string& msg) {
-    if (failures < max_failures) std::printf("FAIL: %s\n", msg.c_str());
+    if (failures < max_failures) std::printf("FAIL: %s\n", printable(msg).c_str());
     ++failures;
   };
   for (const std::string& f : ckpt->stray_files()) {
@@ -103,7 +112,7 @@ int cmd_verify(const std::string& dir, size_t max_failures) {
     std::printf("... and %zu more failures\n", failures - max_failures);
   }
   if (failures > 0) {
-    std::printf("verify: %zu failure(s) in %s\n", failures, dir.c_str());
+    std::printf("verify: %zu failure(s) in %s\n", failures, printable(dir).c_str());
     return 1;
   }
   std::printf("OK: %zu tensors, %zu pieces, %s; coverage checked, %zu checksums verified%s\n",
@@ -140,7 +149,7 @@ int cmd_export(const std::string& dir, const std::string& out, const std::string
   progress.finish(total, total);
   if (!quiet) {
     std::printf("exported %s (%s) to %s:", with_commas(r.total_size).c_str(),
-                human_bytes(r.total_size).c_str(), out.c_str());
+                human_bytes(r.total_size).c_str(), printable(out).c_str());
     for (const std::string& f : r.files) std::printf(" %s", f.c_str());
     if (r.wrote_index) std::printf(" model.safetensors.index.json");
     std::printf("\n");
@@ -219,7 +228,7 @@ int main(int argc, char** argv) {
     }
   } catch (const std::exception& e) {
     std::fflush(stdout);
-    std::fprintf(stderr, "\nfsdp-ema: error: %s\n", e.what());
+    std::fprintf(stderr, "\nfsdp-ema: error: %s\n", printable(e.what()).c_str());
     return 1;
   }
   return 2;

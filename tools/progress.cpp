@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cinttypes>
 
+#include "tools/terminal_text.h"
+
 namespace fsdp_ema::tools {
 
 std::string human_bytes(uint64_t bytes) {
@@ -68,7 +70,8 @@ void Progress::draw(uint64_t done, uint64_t total, std::string_view detail, bool
     const int filled = std::clamp(static_cast<int>(frac * kWidth), 0, kWidth);
     std::string bar(static_cast<size_t>(filled), '#');
     bar.append(static_cast<size_t>(kWidth - filled), '.');
-    std::string d(detail.substr(0, 40));
+    // The detail is a tensor name from the checkpoint: escaped before it reaches the terminal.
+    std::string d = printable(detail).substr(0, 40);
     std::fprintf(out_, "\r%s [%s] %5.1f%%  %s / %s  %s  %-40s", label_.c_str(), bar.c_str(),
                  frac * 100.0, human_bytes(done).c_str(), human_bytes(total).c_str(), rate.c_str(),
                  d.c_str());

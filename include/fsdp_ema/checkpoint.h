@@ -36,7 +36,13 @@ class CheckpointReader {
  public:
   // Opens and validates `directory` (everything but the tensor data). A directory of shard files
   // without fsdp_ema.index.json is an incomplete checkpoint and is refused.
-  explicit CheckpointReader(const std::string& directory);
+  //
+  // Loaded tensors are memory the caller owns, read and verified in one pass: truncating or
+  // rewriting the files afterwards changes nothing. With mmap = true (opt-in), a CPU load whose
+  // rows one stored piece holds exactly is a zero-copy view of a private mapping of the file
+  // instead: faster, but truncating the file while the tensor lives and then touching it raises
+  // SIGBUS (as with torch.load(mmap=True)).
+  explicit CheckpointReader(const std::string& directory, bool mmap = false);
   ~CheckpointReader();
   CheckpointReader(CheckpointReader&&) noexcept;
   CheckpointReader& operator=(CheckpointReader&&) noexcept;

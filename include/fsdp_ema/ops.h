@@ -41,11 +41,13 @@ namespace fsdp_ema {
 
 // Writes one rank's local shards to <directory>/shard-<rank>-of-<world_size>.safetensors
 // atomically; returns the file's size in bytes. offsets / global_shapes hold one entry per
-// dimension of each shard, concatenated in shard order. See the op reference in README.md.
+// dimension of each shard, concatenated in shard order. A committed directory is refused unless
+// overwrite (the old checkpoint then stays loadable until commit_checkpoint(overwrite=true)).
+// See the op reference in README.md.
 int64_t save_shard(const std::string& directory, int64_t rank, int64_t world_size,
                    const std::vector<std::string>& names, c10::ArrayRef<at::Tensor> shards,
                    c10::ArrayRef<int64_t> offsets, c10::ArrayRef<int64_t> global_shapes,
-                   bool fsync = true);
+                   bool fsync = true, bool overwrite = false);
 
 // Writes <directory>/fsdp_ema.index.json (the commit marker) once all world_size shard files
 // exist; refuses a committed directory unless overwrite. Returns the number of tensors.

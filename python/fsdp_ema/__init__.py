@@ -33,7 +33,7 @@ from .training_state import (latest_checkpoint, load_training_state,  # noqa: E4
 # (TorchScript keeps it through CONSERVATIVE alias analysis, set in C++.)
 @torch.library.register_fake("fsdp_ema::save_shard")
 def _save_shard_fake(directory, rank, world_size, names, shards, offsets, global_shapes,
-                     fsync=True):
+                     fsync=True, overwrite=False):
     # Registered as the Meta kernel too: real meta tensors (not a tracer's fake ones) would
     # otherwise "save" nothing and return a garbage count.
     from torch._subclasses.fake_tensor import FakeTensor

@@ -1,4 +1,4 @@
-"""Small torch.distributed helpers shared by ShardedEMA and its FSDP1 layout code."""
+"""Small helpers shared by ShardedEMA, its FSDP1 layout code and the training-state code."""
 
 from __future__ import annotations
 
@@ -15,6 +15,22 @@ def chunk_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
     size = -(-rows // world_size)
     begin = min(rank * size, rows)
     return begin, min(begin + size, rows)
+
+
+def check_dtype_kind(name: str, saved: torch.dtype, here: torch.dtype) -> None:
+    """Raises TypeError unless ``saved`` and ``here`` are of one kind (floating, integer, bool,
+    complex). Floating precision may change on a load (a float32 checkpoint into bfloat16);
+    an integer into a float (an optimizer's step, say) or back would be a silent cast."""
+    def kind(d: torch.dtype) -> str:
+        if d == torch.bool:
+            return "bool"
+        if d.is_complex:
+            return "complex"
+        return "floating" if d.is_floating_point else "integer"
+
+    if kind(saved) != kind(here):
+        raise TypeError(f"{name!r} is {saved} in the checkpoint but {here} here (no silent "
+                        f"{kind(saved)}-to-{kind(here)} cast)")
 
 
 def comm_device(group: dist.ProcessGroup | None, preferred: torch.device) -> torch.device:

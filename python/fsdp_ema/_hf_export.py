@@ -127,12 +127,16 @@ class Writer:
             f.flush()
             os.fsync(f.fileno())
             f.close()
-        names = set(self.plan.names)
-        if len(self.plan.names) > 1:
-            names.add(INDEX_NAME)
-        # Weight files of an earlier export that this one does not replace would be read too.
+        # Renames only, in an order that shows a reader the earlier export, none, or this one,
+        # never a mix (as format/export.cpp does): the earlier index first (its numbered files
+        # are then no export), then the earlier files this export does not rename over, then
+        # the new weight files, the new index last.
+        index_path = os.path.join(self.directory, INDEX_NAME)
+        if os.path.lexists(index_path):
+            os.remove(index_path)
+            _fsync_dir(self.directory)
         for stale in os.listdir(self.directory):
-            if is_export_file(stale) and stale not in names:
+            if is_export_file(stale) and stale not in self.plan.names and stale != INDEX_NAME:
                 os.remove(os.path.join(self.directory, stale))
         for tmp, name in zip(self._tmp, self.plan.names):
             os.replace(tmp, os.path.join(self.directory, name))
@@ -145,14 +149,18 @@ class Writer:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, os.path.join(self.directory, INDEX_NAME))
-        fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(self.directory)
 
     def abort(self) -> None:
         for f, path in zip(self._files, self._tmp):
             f.close()
             if os.path.exists(path):
                 os.remove(path)
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -56,40 +56,50 @@ def _flatten(shards: Mapping[str, Shard]):
 
 
 def save_shard(directory: str | os.PathLike, shards: Mapping[str, Shard], *, rank: int = 0,
-               world_size: int = 1, fsync: bool = True) -> int:
+               world_size: int = 1, fsync: bool = True, overwrite: bool = False) -> int:
     """Writes this rank's file atomically; returns its size in bytes.
 
     ``shards`` maps a name to a whole tensor, or to ``(local_shard, global_offsets,
     global_shape)``. A tensor replicated on every rank (a 0-dim one, say) must be written by one
-    rank only: the commit refuses pieces that overlap.
+    rank only: the commit refuses pieces that overlap. A committed directory is refused unless
+    ``overwrite``: then the file goes under a name the committed index does not reference, and
+    the old checkpoint stays loadable until ``commit(..., overwrite=True)`` replaces its index.
     """
     os.makedirs(directory, exist_ok=True)
     names, tensors, offsets, global_shapes = _flatten(shards)
     return int(torch.ops.fsdp_ema.save_shard(os.fspath(directory), rank, world_size, names,
-                                             tensors, offsets, global_shapes, fsync))
+                                             tensors, offsets, global_shapes, fsync, overwrite))
 
 
 def commit(directory: str | os.PathLike, world_size: int, *, overwrite: bool = False,
            fsync: bool = True) -> int:
-    """Writes the index (the commit marker) once every rank's file is there."""
+    """Writes the index (the commit marker) once every rank's file is there; with ``overwrite``
+    it replaces a committed index in one rename, then removes the files only the old one
+    referenced."""
     return torch.ops.fsdp_ema.commit_checkpoint(os.fspath(directory), world_size, overwrite, fsync)
 
 
 def save(directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor], *,
          overwrite: bool = False, fsync: bool = True) -> int:
-    """Single-process save: one shard file plus the index. Returns the bytes of the shard file."""
-    nbytes = save_shard(directory, tensors, rank=0, world_size=1, fsync=fsync)
+    """Single-process save: one shard file plus the index. Returns the bytes of the shard file.
+    With ``overwrite`` a committed checkpoint in ``directory`` is replaced atomically: a reader
+    sees the old one whole until the new index lands, then the new one."""
+    nbytes = save_shard(directory, tensors, rank=0, world_size=1, fsync=fsync, overwrite=overwrite)
     commit(directory, 1, overwrite=overwrite, fsync=fsync)
     return nbytes
 
 
-def load_shard(path: str | os.PathLike, *, verify: bool = True, device=None):
+def load_shard(path: str | os.PathLike, *, verify: bool = True, device=None, mmap: bool = False):
     """One shard file: ``{name: (local_shard, global_offsets, global_shape)}``.
 
-    On the CPU the tensors map the file (no copy).
+    The tensors are memory the caller owns, read and checksum-verified in one pass, so a file
+    truncated or rewritten afterwards changes nothing. ``mmap=True`` (CPU only) returns zero-copy
+    views of a private mapping of the file instead, as ``torch.load(mmap=True)`` does, with the
+    same risk: truncating the file while the tensors live and then touching them kills the
+    process with SIGBUS.
     """
     names, tensors, offsets, global_shapes = torch.ops.fsdp_ema.load_shard(
-        os.fspath(path), verify, device)
+        os.fspath(path), verify, device, mmap)
     out, pos = {}, 0
     for name, t in zip(names, tensors):
         out[name] = (t, offsets[pos:pos + t.dim()], global_shapes[pos:pos + t.dim()])
@@ -103,11 +113,14 @@ def info(directory: str | os.PathLike) -> dict:
 
 
 def load(directory: str | os.PathLike, names: Sequence[str] | None = None, *, rank: int = 0,
-         world_size: int = 1, verify: bool = True, device=None) -> dict:
+         world_size: int = 1, verify: bool = True, device=None, mmap: bool = False) -> dict:
     """Tensors of a committed checkpoint: whole (``world_size=1``), or the dim-0 rows
-    ``torch.chunk(t, world_size)[rank]`` would give, whatever world size wrote it."""
+    ``torch.chunk(t, world_size)[rank]`` would give, whatever world size wrote it.
+
+    Owned memory, read and verified in one pass; ``mmap=True`` opts in to zero-copy views where
+    one stored piece holds exactly the rows asked for (see :func:`load_shard` for the risk)."""
     if names is None:
         names = sorted(info(directory)["tensors"])
     tensors = torch.ops.fsdp_ema.load_tensors(os.fspath(directory), list(names), rank,
-                                              world_size, verify, device)
+                                              world_size, verify, device, mmap)
     return dict(zip(names, tensors))

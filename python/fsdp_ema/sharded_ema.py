@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
 import math
 import os
 from collections import defaultdict
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint as _ckpt
-from ._dist import chunk_rows, comm_device, raise_if_any_rank_failed
+from ._dist import check_dtype_kind, chunk_rows, comm_device, raise_if_any_rank_failed
 
 __all__ = ["ShardedEMA", "Warmup"]
 
@@ -973,17 +972,8 @@ class ShardedEMA:
             if os.path.exists(index) and not overwrite:
                 raise FileExistsError(f"{directory!r} already holds a committed checkpoint; pass "
                                       f"overwrite=True to replace it")
-            if rank == 0:
-                os.makedirs(directory, exist_ok=True)
-                # The old index goes first: until the new one is committed the directory is an
-                # incomplete checkpoint, never an old index over new files.
-                if os.path.exists(index):
-                    os.remove(index)
-                ours = _ckpt.shard_file_name(0, world).split("-of-")[1]
-                for stale in glob.glob(os.path.join(glob.escape(directory),
-                                                    "shard-*-of-*.safetensors")):
-                    if not stale.endswith("-of-" + ours):
-                        os.remove(stale)
+            # An overwrite keeps the old checkpoint whole until the new index lands; the commit
+            # then removes the old files (and any of another world size): format/commit.h.
         except Exception as e:  # noqa: BLE001 (re-raised on every rank below)
             error = e
         self._agree(error, what)
@@ -993,7 +983,8 @@ class ShardedEMA:
             shards.update(slot.pieces(t.detach(), rank, world))
         nbytes, error = 0, None
         try:
-            nbytes = _ckpt.save_shard(directory, shards, rank=rank, world_size=world)
+            nbytes = _ckpt.save_shard(directory, shards, rank=rank, world_size=world,
+                                      overwrite=overwrite)
         except Exception as e:  # noqa: BLE001
             error = e
         self._agree(error, what)  # also the barrier: every rank's file is durable past here
@@ -1034,25 +1025,34 @@ class ShardedEMA:
         reads only the rows it keeps where the layout allows. Collective."""
         directory = os.fspath(directory)
         what = f"ShardedEMA.load({directory!r})"
-        info = _ckpt.info(directory)
-        available = {k: torch.Size(v["shape"]) for k, v in info["tensors"].items()}
-        self._check_names(available, strict, "load")
-        requests: dict[tuple[int, int], list[str]] = defaultdict(list)
-        for slot in self._slots:
-            for fqn, _ in slot.names():
-                if fqn in available:
-                    requests[slot.file_request()].append(fqn)
-        loaded, error = {}, None
+        # Everything that can fail (reading the index, names, shapes, dtypes, data, checksums)
+        # happens on every rank before the agreement; the EMA is written only after it, so one
+        # rank's failure raises everywhere and leaves every rank's EMA as it was.
+        values, error = [], None
         try:
+            info = _ckpt.info(directory)
+            available = {k: torch.Size(v["shape"]) for k, v in info["tensors"].items()}
+            self._check_names(available, strict, "load")
+            requests: dict[tuple[int, int], list[str]] = defaultdict(list)
+            for slot in self._slots:
+                for fqn, _ in slot.names():
+                    if fqn in available:
+                        requests[slot.file_request()].append(fqn)
+            loaded = {}
             for (rank, world), names in requests.items():
                 loaded.update(_ckpt.load(directory, names, rank=rank, world_size=world,
                                          verify=verify))
+            for slot, ema in zip(self._slots, self._ema):
+                for fqn, _ in slot.names():
+                    if fqn in loaded:
+                        check_dtype_kind(fqn, loaded[fqn].dtype, ema.dtype)
+            values = [{fqn: slot.from_file(fqn, loaded[fqn])
+                       for fqn, _ in slot.names() if fqn in loaded} for slot in self._slots]
         except Exception as e:  # noqa: BLE001
             error = e
         self._agree(error, what)
-        for slot, ema in zip(self._slots, self._ema):
-            slot.assign(ema, {fqn: slot.from_file(fqn, loaded[fqn])
-                              for fqn, _ in slot.names() if fqn in loaded})
+        for slot, ema, v in zip(self._slots, self._ema, values):
+            slot.assign(ema, v)
 
     def __repr__(self) -> str:
         kinds = defaultdict(int)

@@ -22,6 +22,8 @@ import numbers
 import os
 import random
 import shutil
+import stat
+import warnings
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as _ckpt
-from ._dist import chunk_rows, raise_if_any_rank_failed
+from ._dist import check_dtype_kind, chunk_rows, raise_if_any_rank_failed
 
 __all__ = ["save_training_state", "load_training_state", "latest_checkpoint",
            "read_training_state_json", "META_TENSOR", "INDEX_NAME", "SIDECAR_NAME"]
@@ -87,28 +89,64 @@ def _encode(v: Any, where: str = "extra") -> Any:
                     f"neither as JSON nor as a tensor; pass its state_dict() or plain values")
 
 
-def _decode(v: Any) -> Any:
+def _b64(body: Any, where: str) -> bytes:
+    # validate=True: a character outside the alphabet is an error, never silently dropped bytes.
+    if not isinstance(body, str):
+        raise ValueError(f"{where}: base64 text expected, got {type(body).__name__}")
+    try:
+        return base64.b64decode(body, validate=True)
+    except ValueError as e:
+        raise ValueError(f"{where}: invalid base64 ({e})") from None
+
+
+def _decode(v: Any, where: str = "extra") -> Any:
+    """Inverse of ``_encode``; a malformed tag raises ValueError naming ``where``."""
     if isinstance(v, list):
-        return [_decode(x) for x in v]
+        return [_decode(x, f"{where}[{i}]") for i, x in enumerate(v)]
     if not isinstance(v, dict):
         return v
-    if len(v) == 1:
+    if len(v) == 1 and next(iter(v)) in _TAGS:
         (tag, body), = v.items()
         if tag == "__tuple__":
-            return tuple(_decode(x) for x in body)
+            if not isinstance(body, list):
+                raise ValueError(f"{where}: __tuple__ holds a {type(body).__name__}, not a list")
+            return tuple(_decode(x, f"{where}[{i}]") for i, x in enumerate(body))
         if tag == "__float__":
+            if body not in ("inf", "-inf", "nan"):
+                raise ValueError(f"{where}: __float__ {body!r} is not inf, -inf or nan")
             return float(body)
         if tag == "__dict__":
-            return {_decode(k): _decode(x) for k, x in body}
+            if not (isinstance(body, list) and all(isinstance(p, list) and len(p) == 2
+                                                   for p in body)):
+                raise ValueError(f"{where}: __dict__ must hold [key, value] pairs")
+            out = {}
+            for k, x in body:
+                key = _decode(k, where)
+                try:
+                    out[key] = _decode(x, f"{where}[{key!r}]")
+                except TypeError:
+                    raise ValueError(f"{where}: key {key!r} is not hashable") from None
+            return out
         if tag == "__bytes__":
-            return base64.b64decode(body)
-        if tag == "__tensor__":
-            dtype = getattr(torch, body["dtype"])
-            raw = bytearray(base64.b64decode(body["data"]))
-            flat = (torch.frombuffer(raw, dtype=torch.uint8) if raw
-                    else torch.empty(0, dtype=torch.uint8))
-            return flat.view(dtype).reshape(body["shape"]).clone()
-    return {k: _decode(x) for k, x in v.items()}
+            return _b64(body, where)
+        # __tensor__
+        if not (isinstance(body, dict) and set(body) == {"dtype", "shape", "data"}):
+            raise ValueError(f"{where}: __tensor__ needs exactly dtype, shape and data")
+        dtype = getattr(torch, str(body["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{where}: unknown tensor dtype {body['dtype']!r}")
+        shape = body["shape"]
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise ValueError(f"{where}: tensor shape {shape!r} is not a list of sizes")
+        raw = bytearray(_b64(body["data"], where))
+        expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if len(raw) != expected:
+            raise ValueError(f"{where}: a {body['dtype']} tensor of shape {shape} needs "
+                             f"{expected} bytes, the data has {len(raw)}")
+        flat = (torch.frombuffer(raw, dtype=torch.uint8) if raw
+                else torch.empty(0, dtype=torch.uint8))
+        return flat.view(dtype).reshape(shape).clone()
+    return {k: _decode(x, f"{where}[{k!r}]") for k, x in v.items()}
 
 
 def _json_tensor(doc: Any) -> torch.Tensor:
@@ -140,21 +178,63 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _bytes_tensor(b64: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(b64)), dtype=torch.uint8).clone()
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    torch.set_rng_state(_bytes_tensor(state["torch_cpu"]))
-    random.setstate(_decode(state["python"]))
+def _checked_rng_state(state: Any, where: str) -> dict[str, Any]:
+    """Decodes one rank's saved RNG states and checks each against this torch, Python and NumPy
+    (a scratch generator takes it first), so that restoring them afterwards cannot fail."""
+    if not isinstance(state, dict) or "torch_cpu" not in state or "python" not in state:
+        raise ValueError(f"{where}: an RNG state needs 'torch_cpu' and 'python'")
+    out: dict[str, Any] = {}
+    raw = _b64(state["torch_cpu"], f"{where}.torch_cpu")
+    want = torch.get_rng_state().numel()
+    if len(raw) != want:
+        raise ValueError(f"{where}.torch_cpu: {len(raw)} bytes, but this torch's CPU generator "
+                         f"state has {want}")
+    cpu = torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
+    try:
+        torch.Generator().set_state(cpu)
+    except RuntimeError as e:
+        raise ValueError(f"{where}.torch_cpu: refused by torch: {e}") from None
+    out["torch_cpu"] = cpu
+    python_state = _decode(state["python"], f"{where}.python")
+    try:
+        random.Random().setstate(python_state)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}.python: refused by random.setstate: {e}") from None
+    out["python"] = python_state
     if "cuda" in state and torch.cuda.is_available():
-        for i, s in enumerate(state["cuda"][:torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(_bytes_tensor(s), i)
+        if not isinstance(state["cuda"], list):
+            raise ValueError(f"{where}.cuda: a list of per-device states expected")
+        out["cuda"] = []
+        for i, b64 in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            raw = _b64(b64, f"{where}.cuda[{i}]")
+            want = torch.cuda.get_rng_state(i).numel()
+            if len(raw) != want:
+                raise ValueError(f"{where}.cuda[{i}]: {len(raw)} bytes, but this torch's CUDA "
+                                 f"generator state has {want}")
+            out["cuda"].append(torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone())
     if "numpy" in state:
         import numpy as np
 
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+        try:
+            name, keys, pos, has_gauss, cached = state["numpy"]
+            np_state = (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)
+            np.random.RandomState().set_state(np_state)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ValueError(f"{where}.numpy: refused by numpy: {e}") from None
+        out["numpy"] = np_state
+    return out
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restores what ``_checked_rng_state`` returned."""
+    torch.set_rng_state(state["torch_cpu"])
+    random.setstate(state["python"])
+    for i, s in enumerate(state.get("cuda", [])):
+        torch.cuda.set_rng_state(s, i)
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
 
 
 # --- tensors: what this rank writes, and where it reads from --------------------------------------
@@ -270,18 +350,26 @@ class _Target:
         else:
             raise TypeError(f"{name!r}: not a tensor ({type(value).__name__})")
 
-    def fill(self, loaded: torch.Tensor) -> None:
-        if self.local is None:
-            return
+    def prepare(self, loaded: torch.Tensor) -> torch.Tensor:
+        """The part of ``loaded`` this rank's tensor takes, checked (shape, dtype kind) so that
+        ``fill`` cannot fail."""
         if self.box is not None:
             for dim, (begin, size) in enumerate(zip(*self.box)):
                 loaded = loaded.narrow(dim, begin, size)
-        self.local.copy_(loaded)
+        if loaded.shape != self.local.shape:
+            raise ValueError(f"{self.name!r}: {list(loaded.shape)} read for a local tensor of "
+                             f"{list(self.local.shape)}")
+        check_dtype_kind(self.name, loaded.dtype, self.local.dtype)
+        return loaded
+
+    def fill(self, prepared: torch.Tensor) -> None:
+        self.local.copy_(prepared)
 
 
-def _read_into(directory: str, targets: list[_Target], available: Mapping[str, Any],
-               verify: bool) -> None:
-    """Fills every target: one ``fsdp_ema.checkpoint.load`` call per (rank, world) request."""
+def _read_all(directory: str, targets: list[_Target], available: Mapping[str, Any],
+              verify: bool) -> list[tuple[_Target, torch.Tensor]]:
+    """Reads (and checks) every target's data without writing any: one
+    ``fsdp_ema.checkpoint.load`` call per (rank, world) request."""
     for t in targets:
         if t.name not in available:
             raise KeyError(f"{t.name!r} is not in the checkpoint")
@@ -289,16 +377,27 @@ def _read_into(directory: str, targets: list[_Target], available: Mapping[str, A
         if saved != t.shape:
             raise ValueError(f"{t.name!r} is {list(saved)} in the checkpoint but "
                              f"{list(t.shape)} here")
+        if t.local is not None:
+            check_dtype_kind(t.name, getattr(torch, _DTYPE_NAMES[available[t.name]["dtype"]]),
+                        t.local.dtype)
     requests: dict[tuple[int, int], list[_Target]] = defaultdict(list)
     for t in targets:
         if t.local is not None:
             requests[t.request].append(t)
+    out = []
     with torch.no_grad():
         for (rank, world), group in requests.items():
             loaded = _ckpt.load(directory, [t.name for t in group], rank=rank, world_size=world,
                                 verify=verify)
-            for t in group:
-                t.fill(loaded[t.name])
+            out += [(t, t.prepare(loaded[t.name])) for t in group]
+    return out
+
+
+# checkpoint_info's dtype names -> torch attribute names.
+_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+                "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+                "U16": "uint16", "U32": "uint32", "U64": "uint64"}
 
 
 # --- collecting state -----------------------------------------------------------------------------
@@ -423,34 +522,35 @@ def save_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
         if rank == 0:
             shards[META_TENSOR] = _json_tensor(doc)
             os.makedirs(directory, exist_ok=True)
-            if os.path.exists(index):  # overwrite: uncommitted until the new index is there
-                os.remove(index)
-            ours = _ckpt.shard_file_name(0, world).split("-of-")[1]
-            for entry in os.listdir(directory):
-                if (entry.startswith("shard-") and entry.endswith(".safetensors")
-                        and not entry.endswith("-of-" + ours)):
-                    os.remove(os.path.join(directory, entry))
             _write_atomically(os.path.join(directory, SIDECAR_NAME),
                               json.dumps(doc, indent=1, sort_keys=True).encode("utf-8"))
     except Exception as e:  # noqa: BLE001 (re-raised on every rank below)
         error = e
     _agree(error, group, what)
 
+    # An overwrite keeps the old checkpoint whole until the new index lands (the new files go
+    # under names the old index does not reference; the commit removes the old ones afterwards).
     nbytes, error = 0, None
     try:
-        nbytes = _ckpt.save_shard(directory, shards, rank=rank, world_size=world)
+        nbytes = _ckpt.save_shard(directory, shards, rank=rank, world_size=world,
+                                  overwrite=overwrite)
     except Exception as e:  # noqa: BLE001
         error = e
     _agree(error, group, what)  # also the barrier: every rank's file is durable past here
     error = None
     if rank == 0:
         try:
-            _ckpt.commit(directory, world)
-            if keep_last is not None:
-                _rotate(directory, int(keep_last))
+            _ckpt.commit(directory, world, overwrite=overwrite)
         except Exception as e:  # noqa: BLE001
             error = e
     _agree(error, group, what)
+    if rank == 0 and keep_last is not None:
+        # The save is committed: a rotation that fails is a warning, never this save's error.
+        try:
+            _rotate(directory, int(keep_last))
+        except Exception as e:  # noqa: BLE001
+            warnings.warn(f"{what}: committed, but removing older checkpoints failed: {e}",
+                          RuntimeWarning, stacklevel=2)
     return nbytes
 
 
@@ -490,15 +590,40 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 def _rotate(new: str, keep_last: int) -> None:
     """Removes committed checkpoints beside ``new`` beyond the last ``keep_last`` (name order),
-    never ``new`` itself. Each goes index first, so an interrupted removal leaves an incomplete
-    directory, never a committed one with missing files."""
-    new_path = Path(new).resolve()
-    committed = _committed(new_path.parent)
-    keep = {p.resolve() for p in committed[-keep_last:]} | {new_path}
-    for p in committed:
-        if p.resolve() not in keep:
-            os.remove(p / INDEX_NAME)
-            shutil.rmtree(p)
+    never ``new`` itself. Only real directories directly in the root count and are removed: a
+    symbolic link (to a checkpoint elsewhere, say) is neither followed nor touched, and every
+    removal goes through file descriptors opened without following links, so nothing outside the
+    root is ever changed. Each goes index first, so an interrupted removal leaves an incomplete
+    directory, never a committed one with missing files. Raises on the first failure (the caller
+    warns: the new checkpoint is committed by then)."""
+    new = os.path.abspath(new)
+    root, new_name = os.path.dirname(new), os.path.basename(new)
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        committed = []
+        for name in sorted(os.listdir(root_fd)):
+            if name.startswith("."):
+                continue
+            try:
+                if not (stat.S_ISDIR(os.lstat(name, dir_fd=root_fd).st_mode) and stat.S_ISREG(
+                        os.lstat(os.path.join(name, INDEX_NAME), dir_fd=root_fd).st_mode)):
+                    continue
+            except FileNotFoundError:
+                continue
+            if _is_committed_training_state(Path(root) / name):
+                committed.append(name)
+        for name in committed[:-keep_last]:
+            if name == new_name:
+                continue
+            # O_NOFOLLOW: if the entry became a link since it was looked at, this fails.
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
+            try:
+                os.unlink(INDEX_NAME, dir_fd=fd)
+            finally:
+                os.close(fd)
+            shutil.rmtree(name, dir_fd=root_fd)
+    finally:
+        os.close(root_fd)
 
 
 # --- loading --------------------------------------------------------------------------------------
@@ -528,7 +653,8 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     Each rank reads only the rows it holds (``fsdp_ema.checkpoint.load`` with its rank and world
     size) where the layout is torch.chunk dim-0 rows (FSDP2, FSDP1), whole tensors otherwise.
     RNG states: rank ``r`` restores the state rank ``r`` saved; ranks past the saved world size
-    keep theirs. A failure on any rank raises on every rank.
+    keep theirs. Everything is read and checked on every rank before anything is written: a
+    failure on any rank raises on every rank and leaves every object (and the RNGs) as it was.
     """
     from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
                                                          set_optimizer_state_dict)
@@ -540,7 +666,11 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     group = _default_group()
     rank, _ = _rank_world(group)
 
-    doc, available, error = None, None, None
+    # Nothing is written until every rank has read and checked everything it will restore (the
+    # JSON document, extra, its RNG states, every tensor's data and dtype) and all ranks agree:
+    # a failure anywhere raises on every rank and leaves model, optimizer, EMA and RNGs as they
+    # were.
+    doc, available, extra, rng_state, error = None, None, None, None, None
     try:
         info = _ckpt.info(directory)
         doc = read_training_state_json(directory, verify=verify, info=info)
@@ -548,6 +678,19 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
         for part, given in (("model", model), ("optimizer", optimizer), ("ema", ema)):
             if given is not None and doc.get(part) is None:
                 raise ValueError(f"the checkpoint holds no {part} state")
+        extra = _decode(doc.get("extra"), f"{directory}: extra")
+        if not isinstance(extra, dict):
+            raise ValueError(f"extra is a {type(extra).__name__}, not a dict")
+        if ema is not None and doc["ema"]["step"] is not None and (
+                type(doc["ema"]["step"]) is not int or doc["ema"]["step"] < 0):
+            raise ValueError(f"the EMA step {doc['ema']['step']!r} is not a count")
+        if rng and doc.get("rng") and rank < doc["rng"]["ranks"]:
+            name = f"{RNG_PREFIX}{rank}"
+            if name not in available:
+                raise KeyError(f"{name!r} (rank {rank}'s RNG states) is not in the checkpoint")
+            rng_state = _checked_rng_state(
+                _tensor_json(_ckpt.load(directory, [name], verify=verify)[name]),
+                f"{directory}: {name}")
     except Exception as e:  # noqa: BLE001
         error = e
     _agree(error, group, what)
@@ -557,7 +700,7 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     model_sd = _model_state(model) if model is not None else None
     ema_sd = ema.state_dict() if ema is not None else None
 
-    error = None
+    error, reads = None, []
     try:
         targets: list[_Target] = []
         if model_sd is not None:
@@ -573,13 +716,22 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
                     continue
                 for key, v in list(entries.items()):
                     entry = saved_state[fqn].get(key)
+                    where = f"optimizer state {fqn}.{key}"
                     if entry is None:
-                        raise KeyError(f"optimizer state {fqn}.{key} is not in the checkpoint")
+                        raise KeyError(f"{where} is not in the checkpoint")
                     if "tensor" in entry:
+                        if not isinstance(v, torch.Tensor):
+                            raise TypeError(f"{where} is a tensor in the checkpoint but a "
+                                            f"{type(v).__name__} here")
                         targets.append(_Target(entry["tensor"], v))
                     else:
-                        entries[key] = _decode(entry["value"])
-            saved_groups = [_decode(g) for g in doc["optimizer"]["param_groups"]]
+                        value = _decode(entry["value"], where)
+                        if isinstance(v, torch.Tensor) or type(value) is not type(v):
+                            raise TypeError(f"{where} is a {type(value).__name__} in the "
+                                            f"checkpoint but a {type(v).__name__} here")
+                        entries[key] = value
+            saved_groups = [_decode(g, f"param_groups[{i}]")
+                            for i, g in enumerate(doc["optimizer"]["param_groups"])]
             if len(saved_groups) != len(optim_sd["param_groups"]):
                 raise ValueError(f"the checkpoint has {len(saved_groups)} param groups, the "
                                  f"optimizer {len(optim_sd['param_groups'])}")
@@ -596,11 +748,14 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
             targets += [_Target(EMA_PREFIX + k, ema_sd[k]) for k in mine if k in saved]
             if doc["ema"]["step"] is not None:
                 ema_sd[step_key] = torch.tensor(doc["ema"]["step"], dtype=torch.int64)
-        _read_into(directory, targets, available, verify)
+        reads = _read_all(directory, targets, available, verify)
     except Exception as e:  # noqa: BLE001
         error = e
     _agree(error, group, what)
 
+    with torch.no_grad():
+        for target, value in reads:
+            target.fill(value)
     if model_sd is not None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -609,11 +764,9 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
         set_optimizer_state_dict(model, optimizer, optim_sd, options=_state_options())
     if ema_sd is not None:
         ema.load_state_dict(ema_sd, strict=strict)
-
-    if rng and doc.get("rng") and rank < doc["rng"]["ranks"]:
-        name = f"{RNG_PREFIX}{rank}"
-        _set_rng_state(_tensor_json(_ckpt.load(directory, [name], verify=verify)[name]))
-    return _decode(doc["extra"])
+    if rng_state is not None:
+        _set_rng_state(rng_state)
+    return extra
 
 
 def _check_names(what: str, mine: set[str], saved: set[str], strict: bool) -> None:

@@ -484,7 +484,8 @@ TEST_F(DcpFixture, ReadsEveryTensorOfADcpHuggingFaceShardedDirectory) {
   EXPECT_TRUE(ckpt.stray_files().empty());
 }
 
-TEST_F(DcpFixture, MissingDcpFileIsACoverageError) {
+TEST_F(DcpFixture, MissingDcpFileIsRefusedByNameAndByCoverage) {
+  // A hole in DCP's shard numbering (rank + 1) is named before anything is read.
   TempDir dir;
   for (const auto& e : std::filesystem::directory_iterator(data("dcp_hf_sharded"))) {
     if (e.path().filename() != "shard-00003-model-00001-of-00001.safetensors") {
@@ -492,7 +493,21 @@ TEST_F(DcpFixture, MissingDcpFileIsACoverageError) {
     }
   }
   EXPECT_THAT(error_of([&] { CheckpointDir::open(dir.path()); }),
-              AllOf(HasSubstr("missing piece or gap")));
+              HasSubstr("incomplete DCP checkpoint: files of shard 3 (rank 2) are missing but "
+                        "shard 4 is present"));
+  // Renumbered so that the names show no hole, the lost rank's 2-d pieces still leave a gap.
+  std::filesystem::rename(dir.file("shard-00004-model-00001-of-00001.safetensors"),
+                          dir.file("shard-00003-model-00001-of-00001.safetensors"));
+  EXPECT_THAT(error_of([&] { CheckpointDir::open(dir.path()); }),
+              HasSubstr("missing piece or gap"));
+}
+
+TEST_F(DcpFixture, MissingModelFileOfNIsRefused) {
+  TempDir dir;
+  const auto src = data("dcp_hf_sharded") + "/shard-00001-model-00001-of-00001.safetensors";
+  std::filesystem::copy_file(src, dir.file("model-00001-of-00002.safetensors"));
+  EXPECT_THAT(error_of([&] { CheckpointDir::open(dir.path()); }),
+              HasSubstr("incomplete checkpoint: model file 2 of 2 is missing"));
 }
 
 TEST_F(DcpFixture, FilesThatDisagreeOnADtypeAreRefused) {

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
+#include <map>
+
 #include "format/checksum.h"
 #include "format/safetensors_header.h"
 #include "format/shard_file.h"
@@ -87,8 +89,11 @@ TEST_F(ShardCorruption, HeaderGarbageIsInvalidJson) {
   for (size_t i = 8 + 10; i < 8 + 30; ++i) bytes[i] = std::byte{'#'};
   EXPECT_THAT(open_error(bytes), AllOf(HasSubstr(bad_path()), HasSubstr("invalid JSON")));
   bytes = good_;
-  bytes[8] = std::byte{0xff};  // not UTF-8, not JSON
+  bytes[9] = std::byte{0xff};  // not UTF-8, not JSON
   EXPECT_THAT(open_error(bytes), HasSubstr("invalid JSON"));
+  bytes = good_;
+  bytes[8] = std::byte{0xff};  // the JSON must start at the first header byte
+  EXPECT_THAT(open_error(bytes), HasSubstr("header does not start with '{'"));
 }
 
 TEST_F(ShardCorruption, HugeHeaderLengthIsRefusedBeforeReading) {
@@ -140,7 +145,7 @@ TEST_F(ShardCorruption, OffsetErrorsAreNamed) {
       {R"({"__metadata__":{"x":1}})", 0, "metadata values must be strings"},
       {R"({"__metadata__":[]})", 0, "\"__metadata__\" is a JSON array"},
       {R"({"a":[1,2]})", 0, "tensor \"a\": entry is a JSON array"},
-      {R"([1,2,3])", 0, "header is a JSON array, expected an object"},
+      {R"([1,2,3])", 0, "header does not start with '{'"},
       {R"({"":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}})", 0, "empty name"},
       {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}} x)", 8, "invalid JSON"},
       {"{\"a\":[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]"
@@ -172,15 +177,48 @@ TEST_F(ShardCorruption, InconsistentFsdpEmaMetadataIsRefused) {
       {R"("DCP_SHARDING_INFO":"{\"a\":{\"saved_offsets\":[0]},\"b\":{\"saved_offsets\":[0]}}")",
        "names tensor \"b\" that is not in the file"},
       {R"("DCP_SHARDING_INFO":"not json")", "metadata DCP_SHARDING_INFO: invalid JSON"},
-      {R"("DCP_SHARDING_INFO":"{\"a\":{\"saved_offsets\":[3]}}","fsdp_ema_global_shapes":"{\"a\":[4]}")",
-       "offsets [3] + shape [2] exceed global shape [4] in dimension 0"},
-      {R"("fsdp_ema_checksums":"{\"a\":\"xxh3-64:XYZ\"}")", "is not \"xxh3-64:<16 lowercase hex"},
-      {R"("fsdp_ema_checksums":"{\"a\":\"xxh3-64:0000000000000000\"}")", "checksum mismatch"},
-      {R"("fsdp_ema_rank":"3","fsdp_ema_world_size":"2")", "not an integer in [0, world size)"},
-      {R"("fsdp_ema_world_size":"0")", "is not a positive integer"},
+      // Our keys are reserved: one without the version is refused, whatever its value.
+      {R"("fsdp_ema_checksums":"{\"a\":\"xxh3-64:0000000000000000\"}")",
+       "metadata key \"fsdp_ema_checksums\" without fsdp_ema_format_version"},
+      {R"("fsdp_ema_world_size":"1")", "metadata key \"fsdp_ema_world_size\" without"},
   };
   for (const Case& c : cases) {
     const std::string json = "{\"__metadata__\":{" + c.metadata + "}," + tensor + "}";
+    EXPECT_THAT(open_error(raw_safetensors(json, 8)),
+                AllOf(HasSubstr(bad_path()), HasSubstr(c.message)))
+        << json;
+  }
+  // Each of our keys is checked on its own: a complete, consistent set with one entry replaced.
+  const std::map<std::string, std::string> complete = {
+      {"fsdp_ema_format_version", R"("1")"},
+      {"fsdp_ema_rank", R"("0")"},
+      {"fsdp_ema_world_size", R"("1")"},
+      {"DCP_SHARDING_INFO", R"("{\"a\":{\"saved_offsets\":[0]}}")"},
+      {"fsdp_ema_global_shapes", R"("{\"a\":[2]}")"},
+      {"fsdp_ema_checksums", R"("{\"a\":\")" + sum + R"(\"}")"},
+  };
+  struct Replaced {
+    std::map<std::string, std::string> entries;
+    const char* message;
+  };
+  const Replaced replaced[] = {
+      {{{"DCP_SHARDING_INFO", R"("{\"a\":{\"saved_offsets\":[3]}}")"},
+        {"fsdp_ema_global_shapes", R"("{\"a\":[4]}")"}},
+       "offsets [3] + shape [2] exceed global shape [4] in dimension 0"},
+      {{{"fsdp_ema_checksums", R"("{\"a\":\"xxh3-64:XYZ\"}")"}},
+       "is not \"xxh3-64:<16 lowercase hex"},
+      {{{"fsdp_ema_checksums", R"("{\"a\":\"xxh3-64:0000000000000000\"}")"}}, "checksum mismatch"},
+      {{{"fsdp_ema_rank", R"("3")"}, {"fsdp_ema_world_size", R"("2")"}},
+       "not an integer in [0, world size)"},
+      {{{"fsdp_ema_world_size", R"("0")"}}, "is not a positive integer"},
+  };
+  for (const Replaced& c : replaced) {
+    std::map<std::string, std::string> md = complete;
+    for (const auto& [k, v] : c.entries) md[k] = v;
+    std::string json = "{\"__metadata__\":{";
+    for (const auto& [k, v] : md) json += "\"" + k + "\":" + v + ",";
+    json.back() = '}';
+    json += "," + tensor + "}";
     EXPECT_THAT(open_error(raw_safetensors(json, 8)),
                 AllOf(HasSubstr(bad_path()), HasSubstr(c.message)))
         << json;

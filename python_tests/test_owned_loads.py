@@ -1,0 +1,153 @@
+"""Loads return memory the caller owns (read and verified in one pass): a checkpoint file that is
+truncated or rewritten afterwards (another node rotating checkpoints, ``rsync --inplace``) can
+neither crash the process nor change values. Zero-copy is an explicit ``mmap=True`` opt-in with
+the risk ``torch.load(mmap=True)`` documents. Plus the format edges an attack found, through the
+ops: a DCP directory missing a rank's file, zero-element shapes whose strides overflow."""
+
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_ema import checkpoint as ckpt
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def reference():
+    g = torch.Generator().manual_seed(3)
+    return {
+        "w": torch.randn(300, 70, generator=g),
+        "b": torch.randn(70, generator=g).to(torch.bfloat16),
+        "m": torch.rand(50, generator=g) > 0.5,
+        "step": torch.tensor(12, dtype=torch.int64),
+    }
+
+
+def shard_path(directory):
+    return os.path.join(directory, ckpt.shard_file_name(0, 1))
+
+
+def test_owned_loads_survive_truncation_and_in_place_rewrite(tmp_path):
+    ref = reference()
+    ckpt.save(tmp_path, ref)
+    whole = ckpt.load(tmp_path)
+    rows = ckpt.load(tmp_path, ["w"], rank=1, world_size=3)
+    shard = ckpt.load_shard(shard_path(tmp_path))
+    # Rewritten in place with other bytes, then truncated to nothing.
+    with open(shard_path(tmp_path), "r+b") as f:
+        f.seek(4096)
+        f.write(b"\xff" * 40000)
+    os.truncate(shard_path(tmp_path), 0)
+    for name, t in ref.items():  # touches every element
+        assert torch.equal(whole[name], t), name
+        assert torch.equal(shard[name][0], t), name
+    assert torch.equal(rows["w"], torch.chunk(ref["w"], 3)[1])
+    # A new load is refused with the file named, never a crash.
+    with pytest.raises(RuntimeError, match=r"shard-00000-of-00001\.safetensors"):
+        ckpt.load(tmp_path)
+
+
+def test_owned_load_detects_corruption_in_the_same_pass(tmp_path):
+    ckpt.save(tmp_path, reference())
+    raw = bytearray(Path(shard_path(tmp_path)).read_bytes())
+    raw[-300] ^= 0x10  # inside the last tensor's data
+    Path(shard_path(tmp_path)).write_bytes(bytes(raw))
+    with pytest.raises(RuntimeError, match="checksum mismatch"):
+        ckpt.load_shard(shard_path(tmp_path))
+    with pytest.raises(RuntimeError, match="checksum mismatch"):
+        ckpt.load(tmp_path)
+
+
+def mapping_of(ptr: int) -> str:
+    """The file behind the memory mapping that holds address `ptr` ("" for anonymous memory)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= ptr < hi:
+                return fields[5].strip() if len(fields) > 5 else ""
+    return ""
+
+
+def test_mmap_is_an_explicit_zero_copy_opt_in(tmp_path):
+    ref = reference()
+    ckpt.save(tmp_path, ref)
+    file = os.path.realpath(shard_path(tmp_path))
+    mapped = ckpt.load(tmp_path, ["w"], mmap=True)["w"]
+    owned = ckpt.load(tmp_path, ["w"])["w"]
+    assert torch.equal(mapped, ref["w"]) and torch.equal(owned, ref["w"])
+    # The opt-in views the file's pages; the default is memory of the process's own.
+    assert mapping_of(mapped.data_ptr()) == file
+    assert mapping_of(owned.data_ptr()) != file
+    shard = ckpt.load_shard(shard_path(tmp_path), mmap=True)["w"][0]
+    assert mapping_of(shard.data_ptr()) == file
+    assert mapping_of(ckpt.load_shard(shard_path(tmp_path))["w"][0].data_ptr()) != file
+    # Writes to a zero-copy tensor stay in this process (private mapping), never in the file.
+    shard.add_(1)
+    assert torch.equal(ckpt.load(tmp_path, ["w"])["w"], ref["w"])
+
+
+def test_mmap_opt_in_carries_the_documented_sigbus_risk(tmp_path):
+    # The opt-in really maps the file: truncating it and then touching the tensor kills the
+    # process with SIGBUS, exactly the risk the docs state (run in a child process).
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(ROOT / "python")!r})
+        import torch
+        from fsdp_ema import checkpoint as ckpt
+        d = {str(tmp_path)!r}
+        ckpt.save(d, {{"w": torch.arange(1 << 20, dtype=torch.float32)}})
+        owned = ckpt.load(d)["w"]
+        mapped = ckpt.load(d, mmap=True)["w"]
+        os.truncate(os.path.join(d, ckpt.shard_file_name(0, 1)), 0)
+        assert float(owned.sum()) == float(torch.arange(1 << 20, dtype=torch.float64).sum())
+        print("owned ok", flush=True)
+        print(float(mapped.sum()), flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "python")})
+    assert "owned ok" in proc.stdout, proc.stderr
+    assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stdout, proc.stderr)
+
+
+def raw_safetensors(header: dict, data: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def test_zero_element_shape_whose_strides_overflow_is_a_clear_error(tmp_path):
+    path = tmp_path / "z.safetensors"
+    path.write_bytes(raw_safetensors(
+        {"z": {"dtype": "F32", "shape": [0, 2**62, 4], "data_offsets": [0, 0]}}, b""))
+    with pytest.raises(RuntimeError, match=r'z\.safetensors: tensor "z".*overflows'):
+        ckpt.load_shard(path)
+
+
+def test_bool_bytes_other_than_zero_or_one_are_refused(tmp_path):
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(raw_safetensors(
+        {"m": {"dtype": "BOOL", "shape": [4], "data_offsets": [0, 4]}}, b"\x00\x01\x07\x01"))
+    with pytest.raises(RuntimeError, match=r'tensor "m": BOOL byte 7'):
+        ckpt.load_shard(path)
+
+
+def test_dcp_directory_missing_a_rank_file_is_refused(tmp_path):
+    src = ROOT / "tests" / "format" / "data" / "dcp_hf_sharded"
+    dst = tmp_path / "dcp"
+    shutil.copytree(src, dst)
+    assert ckpt.info(dst)["layout"] == "dcp-huggingface"
+    (dst / "shard-00002-model-00001-of-00001.safetensors").unlink()
+    with pytest.raises(RuntimeError, match=r"files of shard 2 \(rank 1\) are missing"):
+        ckpt.load(dst)
+    with pytest.raises(RuntimeError, match=r"files of shard 2 \(rank 1\) are missing"):
+        ckpt.info(dst)
