@@ -167,8 +167,8 @@ MUTANTS = {
         [pytest("python_tests/test_sharded_ema_local.py", "-k", "strict_false")]),
     "strict-false-load-directory-loads-nothing": (
         "python/fsdp_ema/sharded_ema.py",
-        "for fqn, _ in slot.names() if fqn in loaded})",
-        "for fqn, _ in slot.names() if fqn in loaded and strict})",
+        "for fqn, _ in slot.names() if fqn in loaded} for slot in self._slots]",
+        "for fqn, _ in slot.names() if fqn in loaded and strict} for slot in self._slots]",
         [pytest("python_tests/test_sharded_ema_local.py", "-k", "strict_false")]),
 }
 
