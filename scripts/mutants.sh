@@ -92,12 +92,19 @@ MUTANTS = {
         "    } else if (verify && whole_piece) {\n      ensure_verified(ti, pi);",
         [pytest("python_tests/test_checkpoint.py", "-k", "partial_read"),
          ctest("^CheckpointDirCorruption\\.")]),
-    "one-row-intersection-missed": (
+    "one-row-overlap-not-seen-by-the-commit": (
+        "format/index.cpp",
+        "      hi[d] = cell_of(d, p.offsets[d] + p.shape[d]);\n",
+        "      hi[d] = cell_of(d, p.offsets[d] + p.shape[d]);\n"
+        "      if (d == 0 && hi[d] - lo[d] > 1) --hi[d];\n",
+        [pytest("python_tests/test_checkpoint.py", "-k", "one_row"),
+         ctest("^Coverage\\.")]),
+    "one-row-intersection-missed-by-reads": (
         "format/shape.cpp",
         "    if (hi <= lo) return std::nullopt;",
         "    if (hi <= lo || (hi - lo == 1 && a.shape[d] > 1 && b.shape[d] > 1)) return std::nullopt;",
-        [pytest("python_tests/test_checkpoint.py", "-k", "one_row"),
-         ctest("^Coverage\\.")]),
+        [pytest("python_tests/test_checkpoint.py", "-k", "resharding"),
+         ctest("^CheckpointDir")]),
     "rename-before-the-header-write": (
         "format/safetensors_writer.cpp",
         "  detail::pwrite_all(fd.get(), header.data(), header.size(), 0, guard.path);\n"
