@@ -222,7 +222,9 @@ def test_missing_index_is_an_incomplete_checkpoint(committed):
 def test_truncated_file_is_refused(committed, keep):
     data = _shard0(committed).read_bytes()
     _shard0(committed).write_bytes(data[:keep] if keep >= 0 else data[:-1])
-    with pytest.raises(RuntimeError, match="shard-00000-of-00002.safetensors"):
+    # The message names the file and says it is cut short (not only that something failed).
+    with pytest.raises(RuntimeError, match=r"shard-00000-of-00002\.safetensors: .*"
+                                           r"(truncated|shorter than|past the end)"):
         ckpt.load(committed)
 
 
@@ -266,6 +268,60 @@ def test_commit_refuses_a_missing_rank(tmp_path):
     with pytest.raises(RuntimeError, match="shard-00001-of-00002.safetensors"):
         ckpt.commit(tmp_path, 2)
     assert not (tmp_path / "fsdp_ema.index.json").exists()
+    with pytest.raises(RuntimeError, match="incomplete checkpoint"):
+        ckpt.load(tmp_path)
+    # Once the late rank's file is there, the same commit goes through and lists both files.
+    ckpt.save_shard(tmp_path, {"w": (torch.full((2,), 2.0), [2], [4])}, rank=1, world_size=2)
+    assert ckpt.commit(tmp_path, 2) == 1
+    index = json.loads((tmp_path / "fsdp_ema.index.json").read_text())
+    assert sorted(p["file"] for p in index["tensors"]["w"]["pieces"]) == [
+        ckpt.shard_file_name(0, 2), ckpt.shard_file_name(1, 2)]
+    assert torch.equal(ckpt.load(tmp_path)["w"], torch.tensor([1.0, 1.0, 2.0, 2.0]))
+
+
+def test_commit_refuses_a_missing_rank_whose_file_holds_nothing(tmp_path):
+    """Rank 0's file alone covers every tensor (rank 1 holds no rows, as for a 1-row tensor
+    on 2 ranks): the commit must still wait for rank 1's file, not index what is there."""
+    ckpt.save_shard(tmp_path, {"s": torch.tensor(1.0), "row": (torch.ones(1, 4), [0, 0], [1, 4])},
+                    rank=0, world_size=2)
+    with pytest.raises(RuntimeError, match="shard-00001-of-00002.safetensors"):
+        ckpt.commit(tmp_path, 2)
+    assert not (tmp_path / "fsdp_ema.index.json").exists()
+    ckpt.save_shard(tmp_path, {}, rank=1, world_size=2)
+    assert ckpt.commit(tmp_path, 2) == 2  # tensors indexed
+    assert ckpt.info(tmp_path)["world_size"] == 2
+
+
+@pytest.mark.parametrize("second", [(2, 3), (2, 4)], ids=["overlap-and-gap", "overlap"])
+def test_commit_refuses_pieces_that_overlap_by_one_row(tmp_path, second):
+    """Rows [0, 3) and [2, 5) of 6: one row twice and one row missing, so the element counts
+    add up and only the overlap check can tell; and rows [0, 3) and [2, 6)."""
+    begin, rows = second
+    t = torch.arange(12.0).reshape(6, 2)
+    ckpt.save_shard(tmp_path, {"w": (t[:3], [0, 0], [6, 2])}, rank=0, world_size=2)
+    ckpt.save_shard(tmp_path, {"w": (t[begin:begin + rows], [begin, 0], [6, 2])}, rank=1,
+                    world_size=2)
+    with pytest.raises(RuntimeError, match=r'tensor "w": pieces overlap.*offsets \[0, 0\].*'
+                                           r'offsets \[2, 0\]'):
+        ckpt.commit(tmp_path, 2)
+    assert not (tmp_path / "fsdp_ema.index.json").exists()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_partial_read_of_a_corrupted_piece_fails_the_checksum(committed, rank):
+    """Rows of a piece read on their own (load at another world size) are verified against
+    the whole piece's checksum: a flip in row 30 fails the reads of rows [0, 16) and
+    [16, 32) of piece 0 alike, and leaves the rows of the intact piece 1 readable."""
+    data = bytearray(_shard0(committed).read_bytes())
+    row_bytes = 8 * 4
+    data[len(data) - 2 * row_bytes + 4] ^= 0x10  # row 30 of the 32 rows in shard 0
+    _shard0(committed).write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match=r"shard-00000-of-00002\.safetensors.*checksum"):
+        ckpt.load(committed, rank=rank, world_size=4)
+    rows = ckpt.load(committed, rank=rank, world_size=4, verify=False)["w"]
+    assert rows.shape == (16, 8)
+    expected = make_tensor((64, 8), torch.float32, 0)
+    assert torch.equal(ckpt.load(committed, rank=2, world_size=4)["w"], expected[32:48])
 
 
 SAVE_ERRORS = {
@@ -296,6 +352,53 @@ def test_save_shard_rejects_bad_rank(tmp_path, rank, world):
     with pytest.raises(RuntimeError, match="world_size|rank"):
         torch.ops.fsdp_ema.save_shard(str(tmp_path), rank, world, ["a"], [torch.ones(1)], [0], [1])
     assert list(tmp_path.iterdir()) == []
+
+
+# --- dtype casts against torch's ------------------------------------------------------------------
+
+CLI = Path(__file__).resolve().parents[1] / "build" / "bin" / "fsdp-ema"
+
+
+def _cast_sources():
+    g = torch.Generator().manual_seed(11)
+    # Round-to-nearest-even ties and edges for both targets: 1 + 2^-8 and 1 + 3 * 2^-8 are bf16
+    # ties (down and up to even), 1 + 2^-11 and 1 + 3 * 2^-11 are f16 ties, 65520 rounds to
+    # f16 infinity, 2^-25 and 3 * 2^-25 are f16 subnormal ties, 3e38 overflows f16 only.
+    edges = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1 + 2**-8, 1 + 3 * 2**-8,
+                          -(1 + 2**-8), 1 + 2**-8 + 2**-20, 1 + 2**-11, 1 + 3 * 2**-11,
+                          65504.0, 65519.0, 65520.0, 2**-24, 2**-25, 3 * 2**-25, 1e-30, 3e38,
+                          -1e-40, 2**-126, 2**-133], dtype=torch.float32)
+    return {
+        "f32": torch.cat([torch.randn(3000, generator=g) * 1000, edges,
+                          torch.randn(999, generator=g) * 1e-6]),
+        "f64": torch.randn(2000, generator=g, dtype=torch.float64) * 50,
+        "f16": (torch.randn(1000, generator=g) * 100).half(),
+        "bf16": (torch.randn(1000, generator=g) * 100).bfloat16(),
+        "ids": torch.randint(-1000, 1000, (17,), generator=g),
+        "mask": torch.rand(9, generator=g) > 0.5,
+    }
+
+
+@pytest.mark.parametrize("flag,dtype", [("bf16", torch.bfloat16), ("f16", torch.float16),
+                                        ("f32", torch.float32), ("f64", torch.float64)])
+def test_cli_export_casts_as_torch_does(tmp_path, flag, dtype):
+    """The expected bytes come from torch's own casts (an independent implementation), not
+    from the cast code under test."""
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    assert CLI.exists(), f"{CLI} is missing: scripts/build.sh builds it with the library"
+    tensors = _cast_sources()
+    ckpt.save(tmp_path / "ck", tensors)
+    done = subprocess.run([str(CLI), "export", "-q", "--dtype", flag, str(tmp_path / "ck"),
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(got) == sorted(tensors)
+    for name, t in tensors.items():
+        expected = t.to(dtype) if t.is_floating_point() else t
+        assert bit_equal(got[name], expected), (name, flag)
 
 
 # --- save_shard is never dead-code-eliminated ---------------------------------------------------

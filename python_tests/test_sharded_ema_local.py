@@ -176,6 +176,94 @@ def test_update_every_and_start_step_are_honoured():
         prev = state
 
 
+# The schedule, written out here rather than taken from ShardedEMA.decay_at (which would share a
+# bug with the code under test). k counts update() calls from 0.
+def expected_decay(k, decay, warmup, update_every, start_step):
+    if k < start_step:
+        return 0.0                    # before start_step the EMA copies the weights
+    if k % update_every != 0:
+        return 1.0                    # a skipped update keeps the EMA as it is
+    if warmup is None:
+        return decay
+    s = k - start_step                # updates since start_step: 0 at the first one
+    gamma, power, min_decay = warmup
+    return min(max(1.0 - (1.0 + s / gamma) ** -power, min_decay), decay)
+
+
+def timm_decay(step, decay, update_after_step, gamma, power, min_decay):
+    """timm ModelEmaV3.get_decay, as timm writes it (``step`` counts optimizer steps from 1)."""
+    step = max(0, step - update_after_step - 1)
+    if step <= 0:
+        return 0.0
+    d = 1 - (1 + step / gamma) ** -power
+    return max(min(d, decay), min_decay)
+
+
+def test_the_written_out_schedule_for_one_case():
+    """update_every=3, start_step=4, Warmup(gamma=1, power=1): the warmup is s / (1 + s)."""
+    got = [expected_decay(k, 0.9, (1.0, 1.0, 0.0), 3, 4) for k in range(16)]
+    assert got == pytest.approx([0.0, 0.0, 0.0, 0.0,  # k < start_step: copy
+                                 1.0, 1.0,            # k = 4, 5: not multiples of 3
+                                 2 / 3,               # k = 6: s = 2
+                                 1.0, 1.0,
+                                 5 / 6,               # k = 9: s = 5
+                                 1.0, 1.0,
+                                 8 / 9,               # k = 12: s = 8
+                                 1.0, 1.0,
+                                 0.9],                # k = 15: 11/12 clamped to the decay
+                                rel=0, abs=1e-15)
+    # timm's warmup where the two agree (update_every=1, min_decay=0): timm's step is ours + 1.
+    for k in range(40):
+        assert expected_decay(k, 0.99, (2.0, 0.75, 0.0), 1, 5) == pytest.approx(
+            timm_decay(k + 1, 0.99, 5, 2.0, 0.75, 0.0), rel=0, abs=1e-15), k
+
+
+SCHEDULES = [(1, 0), (1, 3), (2, 0), (3, 4), (4, 2), (2, 5)]
+
+
+@pytest.mark.parametrize("update_every,start_step", SCHEDULES)
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_every_applied_decay_equals_the_written_out_schedule(mode, update_every, start_step):
+    """The decay update() applies at every step (seen in the float64 EMA values, not only in
+    last_decay) against the schedule written out above, for warmup and fixed decays."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).double()
+    warmup = (2.0, 0.75, 0.05)
+    emas = {
+        "warmup": ShardedEMA(model, 0.95, warmup=Warmup(*warmup), update_every=update_every,
+                             start_step=start_step, dtype=torch.float64),
+        "fixed": ShardedEMA(model, 0.95, update_every=update_every, start_step=start_step,
+                            dtype=torch.float64),
+    }
+    updates = {name: ema.update for name, ema in emas.items()}
+    if mode == "compiled":
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        updates = {name: torch.compile(ema.update, backend=counter, fullgraph=True)
+                   for name, ema in emas.items()}
+    refs = {name: {n: p.detach().clone() for n, p in model.named_parameters()} for name in emas}
+    g = torch.Generator().manual_seed(4)
+    for k in range(3 * update_every + start_step + 8):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+        for name, ema in emas.items():
+            d = expected_decay(k, 0.95, warmup if name == "warmup" else None, update_every,
+                               start_step)
+            updates[name]()
+            if mode == "compiled" and k == 0 and name == "fixed":
+                frames = counter.frame_count  # both compiled by now
+            assert float(ema.last_decay) == pytest.approx(d, rel=0, abs=1e-15), (name, k)
+            assert ema.decay_at(k) == pytest.approx(d, rel=0, abs=1e-15), (name, k)
+            state = ema.state_dict()
+            for n, p in model.named_parameters():
+                refs[name][n] = d * refs[name][n] + (1 - d) * p.detach()
+                torch.testing.assert_close(state[n], refs[name][n], rtol=1e-13, atol=1e-13,
+                                           msg=f"{name} EMA of {n} after update {k}")
+    if mode == "compiled":
+        assert counter.frame_count == frames  # never recompiled after the first update
+
+
 def test_compiled_step_with_warmup_compiles_once_in_20_steps_and_matches_eager():
     """SGD step + ema.update() as one torch.compile(fullgraph=True) graph (inductor), as in
     examples/ema_compiled_loop.py (torch.optim's step() graph-breaks by design)."""
@@ -193,16 +281,19 @@ def test_compiled_step_with_warmup_compiles_once_in_20_steps_and_matches_eager()
     torch._dynamo.reset()
     compiled_step = torch.compile(step, backend=counter, fullgraph=True)
     g = torch.Generator().manual_seed(3)
-    for _ in range(20):
+    for k in range(20):
         x, y = torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)
         for model in (eager_model, compiled_model):
             model.zero_grad()
             F.mse_loss(model(x), y).backward()
         step(list(eager_model.parameters()), eager_ema)
         compiled_step(list(compiled_model.parameters()), compiled_ema)
+        # Both against the schedule written out, not against each other: they run the same code.
+        expected = expected_decay(k, 0.99, (1.0, 0.75, 0.0), 2, 2)
+        assert float(eager_ema.last_decay) == pytest.approx(expected, rel=0, abs=1e-15), k
+        assert float(compiled_ema.last_decay) == pytest.approx(expected, rel=0, abs=1e-15), k
     assert counter.frame_count == 1, "ema.update() in a compiled step recompiled"
     assert int(compiled_ema.step) == 20
-    assert float(compiled_ema.last_decay) == eager_ema.decay_at(19)
     compiled_state, eager_state = compiled_ema.state_dict(), eager_ema.state_dict()
     for name, t in eager_state.items():
         # Inductor may fuse the SGD arithmetic differently (last-bit differences that the
@@ -315,6 +406,37 @@ def test_load_state_dict_lists_missing_unexpected_and_misshaped_names():
     before = {n: t.clone() for n, t in ema.state_dict().items()}
     ema.load_state_dict(state, strict=False)  # loads what matches
     assert torch.equal(ema.state_dict()["inp.bias"], before["inp.bias"])
+
+
+def test_strict_false_loads_the_names_present_and_keeps_the_others(tmp_path):
+    """A state (and a checkpoint directory) with really different values: every name present
+    is loaded, the missing one keeps its value, the unexpected one is ignored."""
+    ema = ShardedEMA(make(), 0.8)
+    other = ShardedEMA(make(seed=9), 0.8)
+    train(other.model, 2, other)
+    before = {n: t.clone() for n, t in ema.state_dict().items()}
+    state = {n: t.clone() for n, t in other.state_dict().items() if n != "inp.bias"}
+    state["extra.weight"] = torch.zeros(2)
+    params = [n for n, _ in ema.model.named_parameters()]
+    for n in params:
+        if n != "inp.bias":
+            assert not torch.equal(state[n], before[n]), n  # a load that does nothing fails
+    for load in ("state_dict", "directory"):
+        fresh = ShardedEMA(make(), 0.8)
+        if load == "state_dict":
+            fresh.load_state_dict(state, strict=False)
+            assert int(fresh.step) == 2
+        else:
+            fsdp_ema.checkpoint.save(tmp_path / "part", {n: t for n, t in state.items()
+                                                         if n != ShardedEMA.STEP_KEY},
+                                     overwrite=True)
+            fresh.load(tmp_path / "part", strict=False)
+        got = fresh.state_dict()
+        for n, t in got.items():
+            if n == ShardedEMA.STEP_KEY:
+                continue
+            expected = before[n] if n == "inp.bias" else state[n]
+            assert torch.equal(t, expected), (load, n)
 
 
 # --- checkpoint directories ---------------------------------------------------------------------

@@ -62,13 +62,43 @@ def test_decay_tensor_equals_decay_float(device, op):
 
 @pytest.mark.parametrize("decay_dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_decay_tensor_dtypes_and_cpu_decay_for_device_tensors(device, decay_dtype):
+    # 0.75 is exact in every decay dtype, and unlike 0.5 it tells decay from 1 - decay.
     ema, model = make_case([(257,)], torch.float32, torch.float32, device)
-    expected = reference(ema[0], model[0], 0.5)
-    torch.ops.fsdp_ema.update_(ema, model, torch.tensor(0.5, dtype=decay_dtype))  # on the CPU
+    expected = reference(ema[0], model[0], 0.75)
+    swapped = reference(ema[0], model[0], 0.25)
+    assert not torch.allclose(expected, swapped)
+    torch.ops.fsdp_ema.update_(ema, model, torch.tensor(0.75, dtype=decay_dtype))  # on the CPU
     assert_ema_close(ema[0], expected)
     ema2, _ = make_case([(257,)], torch.float32, torch.float32, device)
-    torch.ops.fsdp_ema.update_(ema2, model, torch.tensor(0.5, dtype=decay_dtype, device=device))
+    torch.ops.fsdp_ema.update_(ema2, model, torch.tensor(0.75, dtype=decay_dtype, device=device))
     assert_ema_close(ema2[0], expected)
+    ema3, _ = make_case([(257,)], torch.float32, torch.float32, device)
+    torch.ops.fsdp_ema.ema_shard_update_(ema3, model,
+                                         torch.tensor(0.75, dtype=decay_dtype, device=device))
+    assert_ema_close(ema3[0], expected)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_cpu_update_splits_the_work_across_1_2_and_3_threads(threads):
+    """The CPU kernel splits the flat element range of all pairs between threads (each thread
+    starting mid-tensor); every split must give torch.lerp's values on any machine."""
+    sizes = [(70001,), (3,), (131077,), (1,), (0,), (99999,), (65536,), (5, 7)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert torch.get_num_threads() == threads
+        for ema_dtype, model_dtype in [(torch.float32, torch.bfloat16),
+                                       (torch.bfloat16, torch.float32),
+                                       (torch.float64, torch.float16)]:
+            ema, model = make_case(sizes, ema_dtype, model_dtype, "cpu", seed=threads)
+            expected = [reference(e, m, 0.9) for e, m in zip(ema, model)]
+            torch.ops.fsdp_ema.update_(ema, model, 0.9)
+            # Every element updated exactly once: a skipped or repeated range is far outside
+            # one rounding of the EMA dtype.
+            for a, b in zip(ema, expected):
+                assert_ema_close(a, b)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_decay_zero_copies_and_decay_one_keeps_exactly(device):
@@ -160,9 +190,10 @@ def _bad_cases(device):
         "expanded ema": ([torch.zeros(1, **f32).expand(5)], [torch.ones(5, **f32)], 0.5,
                          "ema[0] has internally overlapping memory"),
     }
-    if device == "cpu" and torch.cuda.is_available():
-        cases["mixed devices"] = ([torch.zeros(3)], [torch.ones(3, device="cuda")], 0.5,
-                                  "model[0] is on cuda:0 but ema[0] is on cpu")
+    if device == "cpu":
+        # Built only when it can run; listed always, so that CPU hosts report it as a skip.
+        cases["mixed devices"] = (lambda: ([torch.zeros(3)], [torch.ones(3, device="cuda")], 0.5,
+                                           "model[0] is on cuda:0 but ema[0] is on cpu"))
     return cases
 
 
@@ -171,7 +202,9 @@ def test_bad_input_names_argument_and_changes_nothing(device, case):
     cases = _bad_cases(device)
     if case not in cases:
         pytest.skip("case only applies to CPU tensors")
-    ema, model, decay, message = cases[case]
+    if case == "mixed devices" and not torch.cuda.is_available():
+        pytest.skip("mixed devices need a CUDA device")
+    ema, model, decay, message = cases[case]() if callable(cases[case]) else cases[case]
     before = [e.clone() for e in ema]
     # The first pairs are valid: validation must finish before any write.
     with pytest.raises(RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -317,8 +350,8 @@ def test_torchscript_keeps_update_on_an_inline_list():
 
     scripted = torch.jit.script(EmaModule())
     assert "fsdp_ema::update_" in str(scripted.forward.graph)
-    scripted(0.5)
-    assert torch.equal(scripted.ema, torch.arange(6.0).reshape(2, 3) * 0.5)
+    scripted(0.75)  # not 0.5: decay and 1 - decay must differ
+    assert torch.equal(scripted.ema, torch.arange(6.0).reshape(2, 3) * 0.25)
 
 
 @pytest.mark.parametrize("isa", ["default", "avx2"])

@@ -19,6 +19,13 @@ if [ ! -f "$SAN_BUILD/build.ninja" ]; then
     -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFSDP_EMA_FORMAT_SANITIZE=ON >/dev/null
 fi
 cmake --build "$SAN_BUILD" --parallel "$(nproc)"
+# The libFuzzer smoke run is part of every test run: a clang without libFuzzer must fail here,
+# not drop the test (the default build's ctest also replays the corpus, format_fuzz_replay).
+if ! (cd "$SAN_BUILD" && ctest -N -R '^format_fuzz_smoke$' | grep -q 'Total Tests: 1'); then
+  echo "scripts/test.sh: no format_fuzz_smoke test in $SAN_BUILD: clang's libFuzzer is missing" \
+       "(scripts/setup.sh installs clang and libclang-rt-dev)" >&2
+  exit 1
+fi
 (cd "$SAN_BUILD" && ctest --output-on-failure --parallel "$(nproc)" --timeout 300)
 
 echo "== Python tests (pytest)"

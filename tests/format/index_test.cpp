@@ -157,6 +157,12 @@ TEST(Coverage, GapsOverlapsAndOutOfBoundsPiecesAreNamed) {
                     HasSubstr("a.safetensors at offsets [0, 0] with shape [3, 4]"),
                     HasSubstr("b.safetensors at offsets [2, 0] with shape [2, 4]")));
 
+  // One row held twice, one row missing: the element counts add up to the total.
+  IndexTensor twice{"w", DType::kF32, {6, 2}, {}};
+  twice.pieces = {piece("a.safetensors", {0, 0}, {3, 2}), piece("b.safetensors", {2, 0}, {3, 2})};
+  EXPECT_THAT(error_of([&] { check_coverage(twice, "idx"); }),
+              AllOf(HasSubstr("pieces overlap"), HasSubstr("b.safetensors at offsets [2, 0]")));
+
   // Overlap hidden from a volume check: one piece missing, another doubled.
   IndexTensor swapped{"w", DType::kF32, {2, 4}, {}};
   swapped.pieces = {piece("a.safetensors", {0, 0}, {1, 2}), piece("b.safetensors", {0, 0}, {1, 2}),

@@ -81,6 +81,12 @@ def main():
     bad = json.loads(json.dumps(index))
     bad["tensors"]["w"]["pieces"][1]["offsets"] = [1, 0]
     seeds["index_overlap"] = json.dumps(bad).encode()
+    # Edge values a serializer may drop or mangle: a zero checksum, escaped names and metadata.
+    edge = json.loads(json.dumps(index))
+    edge["tensors"]["w"]["pieces"][0]["checksum"] = "xxh3-64:0000000000000000"
+    edge["metadata"] = {"": "", "quote\"and\\": "line\nbreak\u00e9\t"}
+    edge["tensors"]["n\u00e9\"x"] = edge["tensors"].pop("s")
+    seeds["index_edges"] = json.dumps(edge).encode()
     for name, blob in seeds.items():
         with open(os.path.join(CORPUS, name), "wb") as f:
             f.write(blob)

@@ -1,0 +1,346 @@
+#!/usr/bin/env bash
+# Planted bugs the tests must catch (not part of CI; about 10 minutes for all on 2 cores).
+#
+# Each mutant is (file, exact old text, new text) plus the tests that must fail once it is in:
+# targeted ctest -R / pytest selections, not the whole suite. The mutants are applied one at a
+# time to ONE scratch copy of this checkout (a git worktree of HEAD under $FSDP_EMA_MUTANTS_DIR,
+# default /tmp/fsdp_ema_mutants, with the checkout's uncommitted changes and untracked files
+# copied in, and its own build directory: ccache makes each rebuild one object), each reverted
+# before the next. The selections first run on the unmutated copy (they must pass there).
+#
+#   bash scripts/mutants.sh                 # every mutant
+#   bash scripts/mutants.sh NAME...         # some of them (names from --list)
+#   bash scripts/mutants.sh --list
+#   FSDP_EMA_MUTANTS_NO_BASELINE=1 ...      # skip the baseline run
+#
+# Prints a killed/survived table; exits non-zero when a mutant survives or is an ERROR (its old
+# text is not in the file exactly once, it does not build, or its tests fail without it): when
+# code moves, update the mutant's old/new text below.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+source "$here/env.sh"
+export FSDP_EMA_MUTANTS_ROOT="$FSDP_EMA_ROOT"
+export FSDP_EMA_MUTANTS_DIR="${FSDP_EMA_MUTANTS_DIR:-/tmp/fsdp_ema_mutants}"
+IFS= read -r -d '' program <<'PY' || true
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.environ["FSDP_EMA_MUTANTS_ROOT"]
+SCRATCH = os.environ["FSDP_EMA_MUTANTS_DIR"]
+TREE = os.path.join(SCRATCH, "tree")
+BUILD = os.path.join(TREE, "build")
+PYTHON = os.environ["FSDP_EMA_PYTHON"]
+
+
+def pytest(*args):
+    return ("pytest", [PYTHON, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args])
+
+
+def ctest(regex):
+    return ("ctest", ["ctest", "--test-dir", BUILD, "--output-on-failure", "-R", regex,
+                      "--no-tests=error", "--timeout", "600"])
+
+
+# name: (file, old text, new text, tests that must fail). Keep the sites in code that rarely
+# moves, and the old text short but unique in its file.
+MUTANTS = {
+    # --- kernels --------------------------------------------------------------------------------
+    "cpu-thread-partition": (
+        "kernels/update_cpu.cpp",
+        "if (stop > pos) kernel(pairs[p], pos - first, stop - first, decay);",
+        "if (stop > pos) kernel(pairs[p], 0, stop - first, decay);",
+        [pytest("python_tests/test_update.py", "-k", "threads")]),
+    "cpu-decay-zero-not-exact": (
+        "kernels/update_cpu_impl.h",
+        "    if (w < 0.5f) {\n      lerp_float_range<true>(e, m, n, w);",
+        "    if (w <= 1.0f) {\n      lerp_float_range<true>(e, m, n, w);",
+        [pytest("python_tests/test_update.py", "-k", "decay_zero_copies"),
+         pytest("python_tests/test_sharded_ema_local.py", "-k", "decay_zero")]),
+    "cpu-weight-rounded-to-bf16": (
+        "kernels/update_cpu_impl.h",
+        "const float w = 1.0f - static_cast<float>(decay);",
+        "const float w = static_cast<float>(c10::BFloat16(1.0f - static_cast<float>(decay)));",
+        [pytest("python_tests/test_update.py", "-k", "matches_lerp_for_every_dtype_pair")]),
+    # --- ops ------------------------------------------------------------------------------------
+    "bf16-decay-tensor-read-as-1-minus-decay": (
+        "ops/update.cpp",
+        "  const double value = decay.item<double>();",
+        "  const double value = decay.scalar_type() == at::kBFloat16 ? 1.0 - decay.item<double>()\n"
+        "                                                            : decay.item<double>();",
+        [pytest("python_tests/test_update.py", "-k", "decay_tensor_dtypes")]),
+    "update-overlap-of-two-elements-missed": (
+        "ops/update.cpp",
+        "    if (e.is_ema && far_all != nullptr && e.lo < far_all->hi) fail_overlap(e, *far_all);\n"
+        "    if (far_ema != nullptr && e.lo < far_ema->hi) fail_overlap(e, *far_ema);",
+        "    if (e.is_ema && far_all != nullptr && e.lo + 8 < far_all->hi) fail_overlap(e, *far_all);\n"
+        "    if (far_ema != nullptr && e.lo + 8 < far_ema->hi) fail_overlap(e, *far_ema);",
+        [pytest("python_tests/test_update.py", "-k", "bad_input"),
+         pytest("python_tests/test_bad_inputs.py", "-k", "overlap")]),
+    # --- format ---------------------------------------------------------------------------------
+    "chunk-rows-cpp-remainder-one": (
+        "format/checkpoint_dir.cpp",
+        "const int64_t cs = rows / world + (rows % world != 0 ? 1 : 0);",
+        "const int64_t cs = rows / world + (rows % world > 1 ? 1 : 0);",
+        [pytest("python_tests/test_checkpoint.py", "-k", "resharding"),
+         pytest("python_tests/test_gather_shards.py")]),
+    "partial-read-skips-checksum": (
+        "format/checkpoint_dir.cpp",
+        "    } else if (verify) {\n      ensure_verified(ti, pi);",
+        "    } else if (verify && whole_piece) {\n      ensure_verified(ti, pi);",
+        [pytest("python_tests/test_checkpoint.py", "-k", "partial_read"),
+         ctest("^CheckpointDirCorruption\\.")]),
+    "one-row-overlap-not-seen-by-the-commit": (
+        "format/index.cpp",
+        "      hi[d] = cell_of(d, p.offsets[d] + p.shape[d]);\n",
+        "      hi[d] = cell_of(d, p.offsets[d] + p.shape[d]);\n"
+        "      if (d == 0 && hi[d] - lo[d] > 1) --hi[d];\n",
+        [pytest("python_tests/test_checkpoint.py", "-k", "one_row"),
+         ctest("^Coverage\\.")]),
+    "one-row-intersection-missed-by-reads": (
+        "format/shape.cpp",
+        "    if (hi <= lo) return std::nullopt;",
+        "    if (hi <= lo || (hi - lo == 1 && a.shape[d] > 1 && b.shape[d] > 1)) return std::nullopt;",
+        [pytest("python_tests/test_checkpoint.py", "-k", "resharding"),
+         ctest("^CheckpointDir")]),
+    "rename-before-the-header-write": (
+        "format/safetensors_writer.cpp",
+        "  detail::pwrite_all(fd.get(), header.data(), header.size(), 0, guard.path);\n"
+        "  if (options.fsync) detail::fsync_fd(fd.get(), guard.path);\n"
+        "  fd.close_or_throw(guard.path);\n"
+        "  detail::rename_replace(guard.path, path);\n"
+        "  guard.armed = false;\n",
+        "  detail::rename_replace(guard.path, path);\n"
+        "  guard.armed = false;\n"
+        "  detail::pwrite_all(fd.get(), header.data(), header.size(), 0, path);\n"
+        "  if (options.fsync) detail::fsync_fd(fd.get(), path);\n"
+        "  fd.close_or_throw(path);\n",
+        [pytest("python_tests/test_disk_full.py")]),
+    "temporary-kept-after-a-failed-write": (
+        "format/safetensors_writer.cpp",
+        "    if (armed) detail::remove_quietly(path);",
+        "    if (armed && false) detail::remove_quietly(path);",
+        [pytest("python_tests/test_disk_full.py")]),
+    "cast-rounds-ties-away-from-zero": (
+        "format/dtype_cast.cpp",
+        "if (rem > half || (rem == half && (q & 1))) ++q;",
+        "if (rem >= half) ++q;",
+        [pytest("python_tests/test_checkpoint.py", "-k", "cli_export_casts"),
+         ctest("^DTypeCast\\.")]),
+    "commit-indexes-without-a-missing-rank": (
+        "format/index.cpp",
+        "    if (!detail::path_exists(path)) {\n      throw FormatError(dir + \": missing shard file \"",
+        "    if (!detail::path_exists(path)) continue;\n    if (false) {\n"
+        "      throw FormatError(dir + \": missing shard file \"",
+        [pytest("python_tests/test_checkpoint.py", "-k", "missing_rank")]),
+    "index-json-drops-a-zero-checksum": (
+        "format/index.cpp",
+        "      if (p.checksum) {\n        out += \", \\\"checksum\\\": \\\"\";",
+        "      if (p.checksum && *p.checksum != 0) {\n        out += \", \\\"checksum\\\": \\\"\";",
+        [ctest("^format_fuzz_replay$")]),
+    # --- Python ---------------------------------------------------------------------------------
+    "chunk-rows-python-remainder-one": (
+        "python/fsdp_ema/_dist.py",
+        "size = -(-rows // world_size)",
+        "size = rows // world_size + (rows % world_size > 1)",
+        [pytest("python_tests/test_sharded_ema.py", "-k", "read_at_1 and plain")]),
+    "warmup-ignores-start-step": (
+        "python/fsdp_ema/sharded_ema.py",
+        "s = (k - self.start_step).clamp_min(0).to(torch.float64)",
+        "s = k.clamp_min(0).to(torch.float64)",
+        [pytest("python_tests/test_sharded_ema_local.py", "-k", "written_out")]),
+    "update-every-counted-from-start-step": (
+        "python/fsdp_ema/sharded_ema.py",
+        "d = torch.where(k % self.update_every == 0, d, 1.0)",
+        "d = torch.where((k - self.start_step) % self.update_every == 0, d, 1.0)",
+        [pytest("python_tests/test_sharded_ema_local.py", "-k", "written_out")]),
+    "decay-at-ignores-start-step": (
+        "python/fsdp_ema/sharded_ema.py",
+        "return self.warmup(step - self.start_step, self.decay) if self.warmup else self.decay",
+        "return self.warmup(step, self.decay) if self.warmup else self.decay",
+        [pytest("python_tests/test_sharded_ema_local.py", "-k", "written_out")]),
+    "commit-before-the-barrier": (
+        "python/fsdp_ema/sharded_ema.py",
+        "        self._agree(error, what)  # also the barrier: every rank's file is durable past "
+        "here\n        error = None\n        if rank == 0:",
+        "        if rank == 0 and error is None:",
+        [pytest("python_tests/test_sharded_ema.py", "-k", "slow_rank")]),
+    "strict-false-load-state-dict-loads-nothing": (
+        "python/fsdp_ema/sharded_ema.py",
+        "for fqn, _ in slot.names() if fqn in state_dict}",
+        "for fqn, _ in slot.names() if fqn in state_dict and strict}",
+        [pytest("python_tests/test_sharded_ema_local.py", "-k", "strict_false")]),
+    "strict-false-load-directory-loads-nothing": (
+        "python/fsdp_ema/sharded_ema.py",
+        "for fqn, _ in slot.names() if fqn in loaded} for slot in self._slots]",
+        "for fqn, _ in slot.names() if fqn in loaded and strict} for slot in self._slots]",
+        [pytest("python_tests/test_sharded_ema_local.py", "-k", "strict_false")]),
+}
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+def git(*args, cwd=ROOT, **kw):
+    return subprocess.run(["git", "-C", cwd, *args], check=True, text=True, capture_output=True,
+                          **kw).stdout
+
+
+def prepare_tree():
+    """TREE = HEAD of ROOT plus ROOT's uncommitted changes and untracked (not ignored) files."""
+    head = git("rev-parse", "HEAD").strip()
+    os.makedirs(SCRATCH, exist_ok=True)
+    if not os.path.isdir(os.path.join(TREE, ".git")) and not os.path.isfile(
+            os.path.join(TREE, ".git")):
+        shutil.rmtree(TREE, ignore_errors=True)
+        git("worktree", "prune")
+        git("worktree", "add", "--detach", TREE, head)
+    else:
+        git("checkout", "--detach", "-f", head, cwd=TREE)
+        git("clean", "-fdq", cwd=TREE)  # not -x: the build directory stays
+    diff = subprocess.run(["git", "-C", ROOT, "diff", "HEAD", "--binary"], check=True,
+                          capture_output=True).stdout
+    if diff:
+        subprocess.run(["git", "-C", TREE, "apply", "--whitespace=nowarn"], input=diff,
+                       check=True)
+    untracked = git("ls-files", "--others", "--exclude-standard", "-z").split("\0")
+    for rel in filter(None, untracked):
+        os.makedirs(os.path.dirname(os.path.join(TREE, rel)) or TREE, exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, rel), os.path.join(TREE, rel))
+    return head, bool(diff), len([u for u in untracked if u])
+
+
+def tree_env():
+    env = dict(os.environ)
+    for key in ("FSDP_EMA_ROOT", "FSDP_EMA_BUILD", "FSDP_EMA_LIBRARY", "CCACHE_BASEDIR",
+                "PYTHONPATH"):
+        env.pop(key, None)
+    env["FSDP_EMA_BUILD"] = BUILD
+    env["PYTHONPATH"] = os.path.join(TREE, "python")
+    return env
+
+
+def build():
+    out = subprocess.run(["bash", os.path.join(TREE, "scripts", "build.sh")], cwd=TREE,
+                         env=tree_env(), capture_output=True, text=True)
+    return out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def run_tests(tests):
+    """Runs every selection: (the ones that failed, the ones that passed, an output tail)."""
+    failed, passed, tail = [], [], ""
+    for kind, cmd in tests:
+        label = describe(kind, cmd)
+        try:
+            out = subprocess.run(cmd, cwd=TREE, env=tree_env(), capture_output=True, text=True,
+                                 timeout=1800)
+        except subprocess.TimeoutExpired:
+            failed.append(label + " (timed out)")
+            continue
+        if out.returncode != 0:
+            failed.append(label)
+            tail = tail or (out.stdout + out.stderr)[-2000:]
+        else:
+            passed.append(label)
+    return failed, passed, tail
+
+
+def describe(kind, cmd):
+    if kind == "ctest":
+        return "ctest -R " + cmd[cmd.index("-R") + 1]
+    args = cmd[cmd.index("no:cacheprovider") + 1:]
+    return "pytest " + " ".join(repr(a) if " " in a else a for a in args)
+
+
+def main(argv):
+    if argv[:1] == ["--list"]:
+        for name, (path, *_rest) in MUTANTS.items():
+            print(f"{name:45s} {path}")
+        return 0
+    unknown = [a for a in argv if a not in MUTANTS]
+    if unknown:
+        print(f"mutants.sh: unknown mutant(s) {unknown}; see --list", file=sys.stderr)
+        return 2
+    names = argv or list(MUTANTS)
+    head, dirty, untracked = prepare_tree()
+    log(f"== scratch copy {TREE}: HEAD {head[:12]}"
+        f"{' + uncommitted changes' if dirty else ''}{f' + {untracked} untracked' if untracked else ''}")
+    t0 = time.monotonic()
+    ok, output = build()
+    if not ok:
+        log(output)
+        log("mutants.sh: the unmutated copy does not build")
+        return 1
+    log(f"== built in {time.monotonic() - t0:.0f} s")
+
+    baseline_failed = set()
+    if not os.environ.get("FSDP_EMA_MUTANTS_NO_BASELINE"):
+        seen = {}
+        for name in names:
+            for test in MUTANTS[name][3]:
+                seen.setdefault(describe(*test), test)
+        for label, test in seen.items():
+            t = time.monotonic()
+            failed, _, output = run_tests([test])
+            log(f"   baseline {'FAIL' if failed else 'ok  '} {time.monotonic() - t:6.0f} s  {label}")
+            if failed:
+                log(output)
+                baseline_failed.add(label)
+
+    rows = []
+    for name in names:
+        path, old, new, tests = MUTANTS[name]
+        full = os.path.join(TREE, path)
+        t = time.monotonic()
+        with open(full) as f:
+            original = f.read()
+        count = original.count(old)
+        if count != 1:
+            rows.append((name, path, "ERROR", 0, f"old text found {count} times (code moved?)"))
+            log(f"-- {name}: ERROR, old text found {count} times in {path}")
+            continue
+        if any(describe(*test) in baseline_failed for test in tests):
+            rows.append((name, path, "ERROR", 0, "its tests fail without the mutant"))
+            continue
+        try:
+            with open(full, "w") as f:
+                f.write(original.replace(old, new))
+            built = True
+            if not path.endswith(".py"):
+                built, output = build()
+            if not built:
+                result, detail = "ERROR", "does not build"
+                log(output)
+            else:
+                failed, passed, _ = run_tests(tests)
+                result = "killed" if failed else "SURVIVED"
+                detail = "; ".join(failed) if failed else "every selected test passed"
+                if failed and passed:  # a selection that misses it guards another path
+                    detail += " (passed: " + "; ".join(passed) + ")"
+        finally:
+            with open(full, "w") as f:
+                f.write(original)
+        elapsed = time.monotonic() - t
+        rows.append((name, path, result, elapsed, detail))
+        log(f"-- {name}: {result} in {elapsed:.0f} s ({detail})")
+    if any(not p.endswith(".py") for n in names for p in [MUTANTS[n][0]]):
+        build()  # leave the copy built unmutated
+
+    width = max(len(r[0]) for r in rows)
+    log("")
+    log(f"{'mutant':{width}s}  {'file':32s} {'result':8s} {'time':>6s}  failing tests / why")
+    for name, path, result, elapsed, detail in rows:
+        log(f"{name:{width}s}  {path:32s} {result:8s} {elapsed:5.0f}s  {detail}")
+    killed = sum(r[2] == "killed" for r in rows)
+    log(f"\n{killed} of {len(rows)} killed, "
+        f"{sum(r[2] == 'SURVIVED' for r in rows)} survived, "
+        f"{sum(r[2] == 'ERROR' for r in rows)} error(s); total {time.monotonic() - t0:.0f} s")
+    return 0 if killed == len(rows) else 1
+
+
+sys.exit(main(sys.argv[1:]))
+PY
+exec nice -n "${FSDP_EMA_MUTANTS_NICE:-10}" "$FSDP_EMA_PYTHON" -c "$program" "$@"
