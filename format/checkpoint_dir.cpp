@@ -517,29 +517,29 @@ void CheckpointDir::read_slice(std::string_view name, std::span<const int64_t> o
                                bool verify) const {
   const size_t ti = impl_->tensor_index(name);
   const IndexTensor& t = impl_->index.tensors[ti];
-  const std::string ctx = impl_->path + ": tensor " + json_quote(t.name);
+  auto ctx = [&] { return impl_->path + ": tensor " + json_quote(t.name); };  // on error only
   const size_t ndim = t.shape.size();
   if (offsets.size() != ndim || shape.size() != ndim) {
-    throw FormatError(ctx + ": slice offsets " + shape_to_string(offsets) + " and shape " +
+    throw FormatError(ctx() + ": slice offsets " + shape_to_string(offsets) + " and shape " +
                       shape_to_string(shape) + " need " + std::to_string(ndim) +
                       " entries each (global shape " + shape_to_string(t.shape) + ")");
   }
   for (size_t d = 0; d < ndim; ++d) {
     if (offsets[d] < 0 || shape[d] < 0 || offsets[d] > t.shape[d] ||
         shape[d] > t.shape[d] - offsets[d]) {
-      throw FormatError(ctx + ": slice at offsets " + shape_to_string(offsets) + " with shape " +
+      throw FormatError(ctx() + ": slice at offsets " + shape_to_string(offsets) + " with shape " +
                         shape_to_string(shape) + " is outside global shape " +
                         shape_to_string(t.shape));
     }
   }
   const uint64_t need = *nbytes(shape, t.dtype);
   if (dst_bytes != need) {
-    throw FormatError(ctx + ": destination has " + std::to_string(dst_bytes) +
+    throw FormatError(ctx() + ": destination has " + std::to_string(dst_bytes) +
                       " bytes but the slice of shape " + shape_to_string(shape) + " of " +
                       std::string(dtype_name(t.dtype)) + " needs " + std::to_string(need));
   }
   if (need == 0) return;
-  if (dst == nullptr) throw FormatError(ctx + ": destination is null");
+  if (dst == nullptr) throw FormatError(ctx() + ": destination is null");
   const Box want{Shape(offsets.begin(), offsets.end()), Shape(shape.begin(), shape.end())};
   for (size_t pi = 0; pi < t.pieces.size(); ++pi) {
     const IndexPiece& p = t.pieces[pi];
@@ -559,10 +559,10 @@ void CheckpointDir::read_full(std::string_view name, void* dst, size_t dst_bytes
 void CheckpointDir::read_rows(std::string_view name, int64_t row_begin, int64_t row_end, void* dst,
                               size_t dst_bytes, bool verify) const {
   const IndexTensor& t = tensor(name);
-  const std::string ctx = impl_->path + ": tensor " + json_quote(t.name);
-  if (t.shape.empty()) throw FormatError(ctx + ": is 0-dim, it has no rows");
+  auto ctx = [&] { return impl_->path + ": tensor " + json_quote(t.name); };  // on error only
+  if (t.shape.empty()) throw FormatError(ctx() + ": is 0-dim, it has no rows");
   if (row_begin < 0 || row_begin > row_end || row_end > t.shape[0]) {
-    throw FormatError(ctx + ": rows [" + std::to_string(row_begin) + ", " +
+    throw FormatError(ctx() + ": rows [" + std::to_string(row_begin) + ", " +
                       std::to_string(row_end) + ") are not inside its " +
                       std::to_string(t.shape[0]) + " rows");
   }

@@ -15,6 +15,7 @@
 #include "format/error.h"
 #include "format/file_util.h"
 #include "format/json_strict.h"
+#include "format/name_index.h"
 #include "format/shard_file.h"
 #include "format/shard_writer.h"
 
@@ -263,8 +264,8 @@ CheckpointIndex build_index(std::span<const ShardDescription> shards, int64_t wo
   if (world_size < 1) throw FormatError(where + ": world_size must be at least 1");
   std::set<std::string> files;
   std::set<int64_t> ranks;
-  std::map<std::string, IndexTensor> by_name;
-  std::map<std::string, Shape> global_of;
+  std::vector<IndexTensor> tensors;
+  detail::NameIndex by_name;  // views of the names in `shards`, which outlive it
   for (const ShardDescription& s : shards) {
     check_piece_file_name(s.file, where);
     if (!files.insert(s.file).second) throw FormatError(where + ": file " + s.file + " twice");
@@ -279,8 +280,10 @@ CheckpointIndex build_index(std::span<const ShardDescription> shards, int64_t wo
     for (const TensorInfo& ti : s.tensors) {
       auto ctx = [&] { return where + ": " + s.file + ": tensor " + json_quote(ti.name); };
       if (!ti.checksum) throw FormatError(ctx() + ": has no checksum");
-      auto [it, inserted] = by_name.try_emplace(ti.name);
-      IndexTensor& t = it->second;
+      const auto known = by_name.insert(ti.name, tensors.size());
+      const bool inserted = !known;
+      if (inserted) tensors.emplace_back();
+      IndexTensor& t = tensors[known.value_or(tensors.size() - 1)];
       if (inserted) {
         t.name = ti.name;
         t.dtype = ti.dtype;
@@ -298,11 +301,10 @@ CheckpointIndex build_index(std::span<const ShardDescription> shards, int64_t wo
   CheckpointIndex index;
   index.world_size = world_size;
   index.metadata = std::move(metadata);
-  index.tensors.reserve(by_name.size());
-  for (auto& [name, t] : by_name) {
-    std::sort(t.pieces.begin(), t.pieces.end(), offsets_less);
-    index.tensors.push_back(std::move(t));
-  }
+  for (IndexTensor& t : tensors) std::sort(t.pieces.begin(), t.pieces.end(), offsets_less);
+  std::sort(tensors.begin(), tensors.end(),
+            [](const IndexTensor& a, const IndexTensor& b) { return a.name < b.name; });
+  index.tensors = std::move(tensors);
   validate_index(index, where);
   return index;
 }

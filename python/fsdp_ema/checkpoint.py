@@ -22,8 +22,11 @@ Several ranks (each writes its own slice, then one rank commits after a barrier)
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
+from itertools import chain
 from typing import Mapping, Sequence, Tuple, Union
 
 import torch
@@ -38,7 +41,25 @@ def shard_file_name(rank: int, world_size: int) -> str:
     return f"shard-{rank:0{width}d}-of-{world_size:0{width}d}.safetensors"
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """Bulk calls create or pass 100,000+ tensors; Python's cyclic collector would walk every
+    live object several times meanwhile (none of these objects forms a cycle)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _flatten(shards: Mapping[str, Shard]):
+    values = list(shards.values())
+    if all(type(v) is torch.Tensor for v in values):  # the common case: whole tensors, fast
+        tensors = [t.detach() if t.requires_grad else t for t in values]
+        global_shapes = list(chain.from_iterable(t.shape for t in tensors))
+        return list(shards), tensors, [0] * len(global_shapes), global_shapes
     names, tensors, offsets, global_shapes = [], [], [], []
     for name, value in shards.items():
         if isinstance(value, torch.Tensor):
@@ -66,8 +87,9 @@ def save_shard(directory: str | os.PathLike, shards: Mapping[str, Shard], *, ran
     the old checkpoint stays loadable until ``commit(..., overwrite=True)`` replaces its index.
     """
     os.makedirs(directory, exist_ok=True)
-    names, tensors, offsets, global_shapes = _flatten(shards)
-    return int(torch.ops.fsdp_ema.save_shard(os.fspath(directory), rank, world_size, names,
+    with _gc_paused():
+        names, tensors, offsets, global_shapes = _flatten(shards)
+        return int(torch.ops.fsdp_ema.save_shard(os.fspath(directory), rank, world_size, names,
                                              tensors, offsets, global_shapes, fsync, overwrite))
 
 
@@ -121,6 +143,7 @@ def load(directory: str | os.PathLike, names: Sequence[str] | None = None, *, ra
     one stored piece holds exactly the rows asked for (see :func:`load_shard` for the risk)."""
     if names is None:
         names = sorted(info(directory)["tensors"])
-    tensors = torch.ops.fsdp_ema.load_tensors(os.fspath(directory), list(names), rank,
-                                              world_size, verify, device, mmap)
-    return dict(zip(names, tensors))
+    with _gc_paused():
+        tensors = torch.ops.fsdp_ema.load_tensors(os.fspath(directory), list(names), rank,
+                                                  world_size, verify, device, mmap)
+        return dict(zip(names, tensors))
