@@ -60,6 +60,24 @@ def verify(directory: Path) -> None:
         raise RuntimeError(f"fsdp-ema verify failed: {proc.stdout}{proc.stderr}")
 
 
+def reads(directory: Path, expected: dict, one: str) -> dict:
+    """The verify, load-one and load-all rows of a committed checkpoint of `expected`."""
+    names = list(expected)
+    out = {}
+    t0 = time.perf_counter()
+    verify(directory)
+    out["verify"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    single = ckpt.load(directory, [one])
+    out["load one"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    every = ckpt.load(directory, names)
+    out["load all"] = time.perf_counter() - t0
+    assert torch.equal(single[one], expected[one])
+    assert len(every) == len(names) and torch.equal(every[names[-1]], expected[names[-1]])
+    return out
+
+
 def ours(directory: Path, state: dict) -> dict:
     """One round of our four rows on `state`; returns seconds per row."""
     names = list(state)
@@ -68,17 +86,7 @@ def ours(directory: Path, state: dict) -> dict:
     t0 = time.perf_counter()
     ckpt.save(directory, state)
     out["save + commit"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    verify(directory)
-    out["verify"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    one = ckpt.load(directory, [names[len(names) // 2]])
-    out["load one"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    every = ckpt.load(directory, names)
-    out["load all"] = time.perf_counter() - t0
-    assert torch.equal(one[names[len(names) // 2]], state[names[len(names) // 2]])
-    assert len(every) == len(names) and torch.equal(every[names[-1]], state[names[-1]])
+    out.update(reads(directory, state, names[len(names) // 2]))
     return out
 
 
@@ -100,17 +108,7 @@ def ranks64(directory: Path, tensors: int = 2000, world: int = 64) -> dict:
         ckpt.save_shard(directory, shards, rank=rank, world_size=world)
     ckpt.commit(directory, world)
     out["save + commit"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    verify(directory)
-    out["verify"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    one = ckpt.load(directory, [names[7]])
-    out["load one"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    every = ckpt.load(directory, names)  # whole tensors: each assembled from 64 pieces
-    out["load all"] = time.perf_counter() - t0
-    assert torch.equal(one[names[7]], full[names[7]])
-    assert torch.equal(every[names[-1]], full[names[-1]])
+    out.update(reads(directory, full, names[7]))  # whole tensors: each from 64 pieces
     return out
 
 
