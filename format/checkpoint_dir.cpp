@@ -21,9 +21,6 @@ namespace {
 
 using detail::json_quote;
 
-// Block of a fused copy + checksum: copied into the destination, hashed while still in cache.
-constexpr uint64_t kFusedBlockBytes = uint64_t{1} << 20;
-
 bool is_digits(std::string_view s) {
   return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
 }

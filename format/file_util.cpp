@@ -262,15 +262,6 @@ std::vector<std::string> list_dir(const std::string& dir) {
   return names;
 }
 
-void advise_willneed(const void* addr, size_t size) noexcept {
-  constexpr size_t kMinBytes = size_t{4} << 20;
-  if (size < kMinBytes) return;
-  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const auto begin = reinterpret_cast<uintptr_t>(addr) & ~(page - 1);
-  const auto end = reinterpret_cast<uintptr_t>(addr) + size;
-  (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_WILLNEED);
-}
-
 MappedFile::MappedFile(int fd, uint64_t size, const std::string& path) : size_(size) {
   if (size == 0) return;
   // Private and writable: torch-side callers hand out zero-copy tensors over the mapping, and a

@@ -89,10 +89,6 @@ void remove_quietly(const std::string& path) noexcept;
 // The entries of a directory (not "." and ".."), in no particular order.
 std::vector<std::string> list_dir(const std::string& dir);
 
-// Asks the kernel to read a mapped range ahead (madvise WILLNEED) when it is large enough for
-// that to pay; a hint only.
-void advise_willneed(const void* addr, size_t size) noexcept;
-
 // A private copy-on-write mapping of a whole file (nothing for an empty file): readers hand out
 // zero-copy tensors over it, and a write to one stays in this process, never in the file.
 class MappedFile {
