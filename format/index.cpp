@@ -47,15 +47,6 @@ std::string real_path(const std::string& path) {
   return p.get();
 }
 
-void append_shape_json(std::string& out, std::span<const int64_t> s) {
-  out += '[';
-  for (size_t i = 0; i < s.size(); ++i) {
-    if (i > 0) out += ", ";
-    out += std::to_string(s[i]);
-  }
-  out += ']';
-}
-
 // For messages: when every piece spans the full extent of dims >= 1, the first dim-0 rows that
 // no piece covers; otherwise empty.
 std::string uncovered_rows(const IndexTensor& t) {
@@ -86,9 +77,14 @@ std::string uncovered_rows(const IndexTensor& t) {
 
 // resolve_piece_path once per distinct file.
 void resolve_all_pieces(const std::string& dir, const CheckpointIndex& index) {
+  // Pieces name a handful of files (one per rank), in long runs: skip a run's repeats before
+  // the set lookup.
   std::set<std::string_view> files;
+  std::string_view last;
   for (const IndexTensor& t : index.tensors) {
-    for (const IndexPiece& p : t.pieces) files.insert(p.file);
+    for (const IndexPiece& p : t.pieces) {
+      if (p.file != last) files.insert(last = p.file);
+    }
   }
   for (std::string_view f : files) resolve_piece_path(dir, f);
 }
@@ -355,7 +351,15 @@ CheckpointIndex build_index_from_files(const std::string& dir,
 }
 
 std::string index_to_json(const CheckpointIndex& index) {
+  // Appended in place into one reserved string: an index of 100,000+ tensors is tens of MB.
+  size_t estimate = 256;
+  for (const auto& [k, v] : index.metadata) estimate += k.size() + v.size() + 16;
+  for (const IndexTensor& t : index.tensors) {
+    estimate += t.name.size() + 64 + 24 * t.shape.size();
+    for (const IndexPiece& p : t.pieces) estimate += p.file.size() + 96 + 48 * p.shape.size();
+  }
   std::string out;
+  out.reserve(estimate);
   out += "{\n  \"format\": \"fsdp_ema\",\n  \"format_version\": ";
   out += std::to_string(index.format_version);
   out += ",\n  \"world_size\": ";
@@ -365,7 +369,9 @@ std::string index_to_json(const CheckpointIndex& index) {
   for (const auto& [k, v] : index.metadata) {
     out += first ? "\n    " : ",\n    ";
     first = false;
-    out += json_quote(k) + ": " + json_quote(v);
+    detail::append_json_quoted(out, k);
+    out += ": ";
+    detail::append_json_quoted(out, v);
   }
   out += first ? "},\n" : "\n  },\n";
   out += "  \"tensors\": {";
@@ -373,20 +379,20 @@ std::string index_to_json(const CheckpointIndex& index) {
   for (const IndexTensor& t : index.tensors) {
     out += first ? "\n    " : ",\n    ";
     first = false;
-    out += json_quote(t.name);
+    detail::append_json_quoted(out, t.name);
     out += ": {\"dtype\": \"";
     out += dtype_name(t.dtype);
     out += "\", \"shape\": ";
-    append_shape_json(out, t.shape);
+    append_shape_json(out, t.shape, ", ");
     out += ", \"pieces\": [";
     for (size_t i = 0; i < t.pieces.size(); ++i) {
       const IndexPiece& p = t.pieces[i];
       out += i == 0 ? "\n      {\"file\": " : ",\n      {\"file\": ";
-      out += json_quote(p.file);
+      detail::append_json_quoted(out, p.file);
       out += ", \"offsets\": ";
-      append_shape_json(out, p.offsets);
+      append_shape_json(out, p.offsets, ", ");
       out += ", \"shape\": ";
-      append_shape_json(out, p.shape);
+      append_shape_json(out, p.shape, ", ");
       if (p.checksum) {
         out += ", \"checksum\": \"";
         out += format_checksum(*p.checksum);

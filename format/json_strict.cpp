@@ -436,10 +436,30 @@ void check_syntax(std::string_view text, const std::string& what, int max_depth)
   r.expect_end();
 }
 
+namespace {
+
+// Bytes that a JSON string holds as they are: printable ASCII other than '"' and '\\'.
+bool is_plain_ascii(unsigned char c) { return c >= 0x20 && c < 0x80 && c != '"' && c != '\\'; }
+
+// The length of the run of plain ASCII at the start of s (headers are mostly such runs: appending
+// a run at once rather than byte by byte is what makes quoting 100,000 names cheap).
+size_t plain_run(std::string_view s, size_t i) {
+  const size_t start = i;
+  while (i < s.size() && is_plain_ascii(static_cast<unsigned char>(s[i]))) ++i;
+  return i - start;
+}
+
+}  // namespace
+
 void append_json_quoted(std::string& out, std::string_view s) {
   out += '"';
   size_t i = 0;
   while (i < s.size()) {
+    if (const size_t run = plain_run(s, i); run > 0) {
+      out.append(s.data() + i, run);
+      i += run;
+      if (i == s.size()) break;
+    }
     const auto c = static_cast<unsigned char>(s[i]);
     if (c >= 0x80) {
       const size_t len = utf8_length_at(s, i);
@@ -474,14 +494,10 @@ void append_json_quoted(std::string& out, std::string_view s) {
       case '\t':
         out += "\\t";
         break;
-      default:
-        if (c < 0x20) {
-          out += "\\u00";
-          out += kHex[c >> 4];
-          out += kHex[c & 0xF];
-        } else {
-          out += static_cast<char>(c);
-        }
+      default:  // the other control characters
+        out += "\\u00";
+        out += kHex[c >> 4];
+        out += kHex[c & 0xF];
     }
     ++i;
   }
@@ -498,6 +514,14 @@ std::string json_quote(std::string_view s) {
 bool is_valid_utf8(std::string_view s) {
   size_t i = 0;
   while (i < s.size()) {
+    // ASCII eight bytes at a time: no byte with its high bit set.
+    while (s.size() - i >= 8) {
+      uint64_t w;
+      std::memcpy(&w, s.data() + i, 8);
+      if ((w & 0x8080808080808080ull) != 0) break;
+      i += 8;
+    }
+    if (i >= s.size()) break;
     if (static_cast<unsigned char>(s[i]) < 0x80) {
       ++i;
       continue;

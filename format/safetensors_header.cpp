@@ -1,6 +1,7 @@
 #include "format/safetensors_header.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cstring>
 
 #include "format/error.h"
@@ -19,10 +20,11 @@ std::string entry_context(const std::string& file, const std::string& name) {
 // keys skipped); problems are reported afterwards in a fixed order: dtype, shape, data_offsets.
 HeaderTensor parse_entry(const std::string& file, const std::string& name, JsonReader& r,
                          uint64_t data_bytes) {
-  const std::string ctx = entry_context(file, name);
+  // Error contexts are built only on error: a header holds 100,000+ entries.
+  auto ctx = [&] { return entry_context(file, name); };
   if (name.empty()) throw FormatError(file + ": a tensor has an empty name");
   if (const auto kind = r.peek(); kind != JsonReader::Kind::kObject) {
-    throw FormatError(ctx + ": entry is a JSON " + JsonReader::kind_name(kind) +
+    throw FormatError(ctx() + ": entry is a JSON " + JsonReader::kind_name(kind) +
                       ", expected an object with dtype, shape and data_offsets");
   }
   HeaderTensor t;
@@ -49,38 +51,39 @@ HeaderTensor parse_entry(const std::string& file, const std::string& name, JsonR
       r.skip_value();
     }
   }
-  if (!dtype_text) throw FormatError(ctx + ": missing or non-string \"dtype\"");
+  if (!dtype_text) throw FormatError(ctx() + ": missing or non-string \"dtype\"");
   auto dtype = parse_dtype(*dtype_text);
   if (!dtype) {
-    throw FormatError(ctx + ": unknown dtype " + detail::json_quote(*dtype_text) +
+    throw FormatError(ctx() + ": unknown dtype " + detail::json_quote(*dtype_text) +
                       " (known: F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL F8_E4M3 F8_E5M2)");
   }
   t.dtype = *dtype;
-  if (!has_shape) throw FormatError(ctx + ": missing \"shape\"");
+  if (!has_shape) throw FormatError(ctx() + ": missing \"shape\"");
   if (!shape) {
-    throw FormatError(ctx + ": \"shape\" must be an array of non-negative integers");
+    throw FormatError(ctx() + ": \"shape\" must be an array of non-negative integers");
   }
   t.shape = std::move(*shape);
-  if (!has_offsets) throw FormatError(ctx + ": missing \"data_offsets\"");
+  if (!has_offsets) throw FormatError(ctx() + ": missing \"data_offsets\"");
   if (!offsets || offsets->size() != 2) {
-    throw FormatError(ctx + ": \"data_offsets\" must be [begin, end] with non-negative integers");
+    throw FormatError(ctx() + ": \"data_offsets\" must be [begin, end] with non-negative integers");
   }
   t.begin = static_cast<uint64_t>((*offsets)[0]);
   t.end = static_cast<uint64_t>((*offsets)[1]);
-  const std::string range =
-      "data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) + "]";
-  if (t.end < t.begin) throw FormatError(ctx + ": " + range + " end before begin");
+  auto range = [&] {
+    return "data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) + "]";
+  };
+  if (t.end < t.begin) throw FormatError(ctx() + ": " + range() + " end before begin");
   if (t.end > data_bytes) {
-    throw FormatError(ctx + ": " + range + " past the end of the data section (" +
+    throw FormatError(ctx() + ": " + range() + " past the end of the data section (" +
                       std::to_string(data_bytes) + " bytes): file truncated?");
   }
   auto need = nbytes(t.shape, t.dtype);
   if (!need) {
-    throw FormatError(ctx + ": shape " + shape_to_string(t.shape) + " of " +
+    throw FormatError(ctx() + ": shape " + shape_to_string(t.shape) + " of " +
                       std::string(dtype_name(t.dtype)) + " overflows a 64-bit byte count");
   }
   if (*need != t.end - t.begin) {
-    throw FormatError(ctx + ": " + range + " hold " + std::to_string(t.end - t.begin) +
+    throw FormatError(ctx() + ": " + range() + " hold " + std::to_string(t.end - t.begin) +
                       " bytes but shape " + shape_to_string(t.shape) + " of " +
                       std::string(dtype_name(t.dtype)) + " needs " + std::to_string(*need));
   }
@@ -206,52 +209,60 @@ SafetensorsHeader parse_safetensors_bytes(std::span<const std::byte> file,
 }
 
 std::string serialize_safetensors_header(
-    std::span<const HeaderTensor> tensors,
+    std::span<const HeaderEntry> tensors,
     const std::vector<std::pair<std::string, std::string>>& metadata, bool include_metadata,
     uint64_t alignment) {
-  std::string json = "{";
-  bool first = true;
-  if (include_metadata) {
-    json += "\"__metadata__\":{";
-    for (size_t i = 0; i < metadata.size(); ++i) {
-      if (i > 0) json += ',';
-      json += detail::json_quote(metadata[i].first);
-      json += ':';
-      json += detail::json_quote(metadata[i].second);
-    }
-    json += '}';
-    first = false;
-  }
-  for (const HeaderTensor& t : tensors) {
-    if (!first) json += ',';
-    first = false;
-    json += detail::json_quote(t.name);
-    json += ":{\"dtype\":\"";
-    json += dtype_name(t.dtype);
-    json += "\",\"shape\":[";
-    for (size_t d = 0; d < t.shape.size(); ++d) {
-      if (d > 0) json += ',';
-      json += std::to_string(t.shape[d]);
-    }
-    json += "],\"data_offsets\":[";
-    json += std::to_string(t.begin);
-    json += ',';
-    json += std::to_string(t.end);
-    json += "]}";
-  }
-  json += '}';
-  if (alignment == 0) alignment = 1;
-  const uint64_t unpadded = 8 + json.size();
-  const uint64_t padded = (unpadded + alignment - 1) / alignment * alignment;
-  json.append(padded - unpadded, ' ');
-
+  // Built in place after the 8 length bytes, with a size estimate reserved up front: headers of
+  // 100,000+ tensors are tens of MB, and every temporary or regrowth copies all of it.
+  size_t estimate = 16;
+  for (const auto& [k, v] : metadata) estimate += k.size() + v.size() + v.size() / 4 + 8;
+  for (const HeaderEntry& t : tensors) estimate += t.name.size() + 64 + 21 * t.shape.size();
   std::string out(8, '\0');
-  uint64_t n = json.size();
-  for (int i = 0; i < 8; ++i) {
-    out[static_cast<size_t>(i)] = static_cast<char>(n & 0xff);
+  out.reserve(8 + estimate + alignment);
+  out += '{';
+  bool first = true;
+  auto append_number = [&out](uint64_t v) {
+    char buf[24];
+    const auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), v);
+    out.append(buf, end);
+  };
+  if (include_metadata) {
+    out += "\"__metadata__\":{";
+    for (size_t i = 0; i < metadata.size(); ++i) {
+      if (i > 0) out += ',';
+      detail::append_json_quoted(out, metadata[i].first);
+      out += ':';
+      detail::append_json_quoted(out, metadata[i].second);
+    }
+    out += '}';
+    first = false;
+  }
+  for (const HeaderEntry& t : tensors) {
+    if (!first) out += ',';
+    first = false;
+    detail::append_json_quoted(out, t.name);
+    out += ":{\"dtype\":\"";
+    out += dtype_name(t.dtype);
+    out += "\",\"shape\":[";
+    for (size_t d = 0; d < t.shape.size(); ++d) {
+      if (d > 0) out += ',';
+      append_number(static_cast<uint64_t>(t.shape[d]));
+    }
+    out += "],\"data_offsets\":[";
+    append_number(t.begin);
+    out += ',';
+    append_number(t.end);
+    out += "]}";
+  }
+  out += '}';
+  if (alignment == 0) alignment = 1;
+  const uint64_t padded = (out.size() + alignment - 1) / alignment * alignment;
+  out.append(padded - out.size(), ' ');
+  uint64_t n = out.size() - 8;
+  for (size_t i = 0; i < 8; ++i) {
+    out[i] = static_cast<char>(n & 0xff);
     n >>= 8;
   }
-  out += json;
   return out;
 }
 

@@ -30,6 +30,15 @@ struct HeaderTensor {
   uint64_t end = 0;
 };
 
+// One tensor entry to serialize: views of the caller's name and shape.
+struct HeaderEntry {
+  std::string_view name;
+  DType dtype = DType::kF32;
+  std::span<const int64_t> shape;
+  uint64_t begin = 0;
+  uint64_t end = 0;
+};
+
 struct SafetensorsHeader {
   uint64_t header_bytes = 0;          // N
   uint64_t data_start = 0;            // 8 + N: file offset of the data section
@@ -60,7 +69,7 @@ SafetensorsHeader parse_safetensors_bytes(std::span<const std::byte> file, const
 // padded with trailing spaces so that its size is a multiple of `alignment`. The metadata entries
 // keep the given order; pass include_metadata = false to write no "__metadata__" at all.
 std::string serialize_safetensors_header(
-    std::span<const HeaderTensor> tensors,
+    std::span<const HeaderEntry> tensors,
     const std::vector<std::pair<std::string, std::string>>& metadata, bool include_metadata = true,
     uint64_t alignment = kHeaderAlignment);
 

@@ -180,7 +180,8 @@ std::vector<size_t> file_order(std::span<const RawTensor> tensors) {
 }
 
 RawWriteResult write_safetensors_file(const std::string& path, std::span<const RawTensor> tensors,
-                                      const MetadataFn& metadata, const WriteOptions& options) {
+                                      const MetadataFn& metadata, const WriteOptions& options,
+                                      std::vector<size_t> order) {
   if (options.chunk_bytes < 64 || options.chunk_bytes % 64 != 0) {
     throw FormatError(path + ": WriteOptions::chunk_bytes " + std::to_string(options.chunk_bytes) +
                       " must be a positive multiple of 64");
@@ -193,17 +194,18 @@ RawWriteResult write_safetensors_file(const std::string& path, std::span<const R
   }
 
   RawWriteResult result;
-  result.order = file_order(tensors);
+  if (order.size() != tensors.size()) order = file_order(tensors);
+  result.order = std::move(order);
   result.checksums.assign(tensors.size(), 0);
   result.data_offset.assign(tensors.size(), 0);
 
-  std::vector<HeaderTensor> entries(tensors.size());
+  std::vector<HeaderEntry> entries(tensors.size());
   uint64_t data_bytes = 0;
   for (size_t k = 0; k < result.order.size(); ++k) {
     const RawTensor& t = tensors[result.order[k]];
     auto end = checked_add(data_bytes, t.nbytes);
     if (!end) throw FormatError(path + ": total tensor bytes overflow");
-    entries[k] = HeaderTensor{t.name, t.dtype, t.shape, data_bytes, *end};
+    entries[k] = HeaderEntry{t.name, t.dtype, t.shape, data_bytes, *end};
     data_bytes = *end;
   }
   const std::string placeholder = serialize_safetensors_header(entries, metadata(result.checksums));
@@ -239,7 +241,7 @@ RawWriteResult write_safetensors_file(const std::string& path, std::span<const R
       const RawTensor& t = tensors[idx];
       hasher.reset();
       if (t.nbytes > 0 && t.host_data == nullptr && !t.fill) {
-        throw FormatError(path + ": tensor '" + t.name + "' has no data source");
+        throw FormatError(path + ": tensor '" + std::string(t.name) + "' has no data source");
       }
       if (t.host_data != nullptr && t.nbytes >= kDirectWriteBytes) {
         flush();

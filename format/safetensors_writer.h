@@ -6,6 +6,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -15,11 +16,12 @@
 
 namespace fsdp_ema::format {
 
-// One tensor to write; exactly one data source unless nbytes is 0.
+// One tensor to write; exactly one data source unless nbytes is 0. Name and shape are views of the
+// caller's storage, which outlives the write_safetensors_file call.
 struct RawTensor {
-  std::string name;
+  std::string_view name;
   DType dtype = DType::kF32;
-  Shape shape;
+  std::span<const int64_t> shape;
   uint64_t nbytes = 0;  // must equal numel(shape) * dtype_size(dtype); the caller checked it
   const void* host_data = nullptr;
   FillFn fill;
@@ -45,7 +47,9 @@ std::vector<size_t> file_order(std::span<const RawTensor> tensors);
 // Writes `path` through "<dir>/.<name>.tmp-<pid>-<random>": data, then the header, fsync, rename
 // over `path`, directory fsync. On any error (including one thrown by a FillFn) the temporary is
 // removed and the error rethrown; `path` is then untouched.
+// `order`, when given, is file_order(tensors) already computed by the caller.
 RawWriteResult write_safetensors_file(const std::string& path, std::span<const RawTensor> tensors,
-                                      const MetadataFn& metadata, const WriteOptions& options);
+                                      const MetadataFn& metadata, const WriteOptions& options,
+                                      std::vector<size_t> order = {});
 
 }  // namespace fsdp_ema::format

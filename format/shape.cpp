@@ -1,5 +1,7 @@
 #include "format/shape.h"
 
+#include <charconv>
+
 #include <algorithm>
 #include <limits>
 
@@ -13,6 +15,18 @@ std::string shape_to_string(std::span<const int64_t> shape) {
   }
   out += "]";
   return out;
+}
+
+void append_shape_json(std::string& out, std::span<const int64_t> shape,
+                       std::string_view separator) {
+  out += '[';
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i > 0) out += separator;
+    char buf[24];
+    const auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), shape[i]);
+    out.append(buf, end);
+  }
+  out += ']';
 }
 
 std::optional<uint64_t> checked_add(uint64_t a, uint64_t b) {

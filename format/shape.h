@@ -18,6 +18,10 @@ using Shape = std::vector<int64_t>;
 // "[4, 8]"; "[]" for a 0-dim shape.
 std::string shape_to_string(std::span<const int64_t> shape);
 
+// Appends the JSON array of the sizes: "[4,8]" (or "[4, 8]" with separator ", ").
+void append_shape_json(std::string& out, std::span<const int64_t> shape,
+                       std::string_view separator = ",");
+
 // a + b and a * b, nullopt on overflow.
 std::optional<uint64_t> checked_add(uint64_t a, uint64_t b);
 std::optional<uint64_t> checked_mul(uint64_t a, uint64_t b);

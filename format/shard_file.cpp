@@ -75,16 +75,19 @@ ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& fil
   // Views of the names in h.tensors, which is not resized after this loop.
   TensorsByName by_name;
   by_name.reserve(raw.tensors.size());
-  for (const HeaderTensor& e : raw.tensors) {
+  for (HeaderTensor& e : raw.tensors) {
     TensorInfo t;
-    t.name = e.name;
+    t.name = std::move(e.name);
     t.dtype = e.dtype;
-    t.shape = e.shape;
     t.offsets.assign(e.shape.size(), 0);
+    t.shape = std::move(e.shape);
     t.data_offset = raw.data_start + e.begin;
     t.nbytes = e.end - e.begin;
     h.tensors.push_back(std::move(t));
   }
+  // Moved into h.tensors: the raw entries would only hold a second copy of every name.
+  raw.tensors.clear();
+  raw.tensors.shrink_to_fit();
   for (size_t i = 0; i < h.tensors.size(); ++i) by_name.insert(h.tensors[i].name, i);
   const auto& md = raw.metadata;
   auto has = [&](std::string_view k) { return md.contains(std::string(k)); };
@@ -191,7 +194,7 @@ ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& fil
       if (r.peek() == JsonReader::Kind::kString) {
         text = r.read_string();
         c = parse_checksum(text);
-        text = json_quote(text);
+        if (!c) text = json_quote(text);
       } else {
         text = std::string(r.skip_value());
       }

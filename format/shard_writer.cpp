@@ -19,58 +19,52 @@ namespace {
 
 using detail::json_quote;
 
-std::string shape_json(std::span<const int64_t> s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) {
-    if (i > 0) out += ',';
-    out += std::to_string(s[i]);
-  }
-  return out + "]";
-}
-
 bool is_reserved_metadata_key(const std::string& key) {
   return key == kMetaFormat || key == kMetaDcpVersion || key == kMetaDcpShardingInfo ||
          key.starts_with("fsdp_ema_");
 }
 
 uint64_t validate(const std::string& path, size_t i, const TensorToWrite& t) {
-  const std::string ctx =
-      "write_shard_file(" + path + "): tensor #" + std::to_string(i) + " " + json_quote(t.name);
+  // Built only on error: a shard file holds 100,000+ tensors.
+  auto ctx = [&] {
+    return "write_shard_file(" + path + "): tensor #" + std::to_string(i) + " " +
+           json_quote(t.name);
+  };
   if (t.name.empty()) {
     throw FormatError("write_shard_file(" + path + "): tensor #" + std::to_string(i) +
                       " has an empty name");
   }
-  if (!detail::is_valid_utf8(t.name)) throw FormatError(ctx + ": name is not valid UTF-8");
-  if (t.name == "__metadata__") throw FormatError(ctx + ": name is reserved by safetensors");
+  if (!detail::is_valid_utf8(t.name)) throw FormatError(ctx() + ": name is not valid UTF-8");
+  if (t.name == "__metadata__") throw FormatError(ctx() + ": name is reserved by safetensors");
   const size_t ndim = t.shape.size();
   if (t.offsets.size() != ndim || t.global_shape.size() != ndim) {
-    throw FormatError(ctx + ": shape " + shape_to_string(t.shape) + ", offsets " +
+    throw FormatError(ctx() + ": shape " + shape_to_string(t.shape) + ", offsets " +
                       shape_to_string(t.offsets) + " and global shape " +
                       shape_to_string(t.global_shape) + " must have one entry per dimension each");
   }
   for (size_t d = 0; d < ndim; ++d) {
     if (t.shape[d] < 0 || t.offsets[d] < 0 || t.global_shape[d] < 0) {
-      throw FormatError(ctx + ": negative size or offset in dimension " + std::to_string(d));
+      throw FormatError(ctx() + ": negative size or offset in dimension " + std::to_string(d));
     }
     if (t.offsets[d] > t.global_shape[d] || t.shape[d] > t.global_shape[d] - t.offsets[d]) {
-      throw FormatError(ctx + ": offsets " + shape_to_string(t.offsets) + " + shape " +
+      throw FormatError(ctx() + ": offsets " + shape_to_string(t.offsets) + " + shape " +
                         shape_to_string(t.shape) + " exceed global shape " +
                         shape_to_string(t.global_shape) + " in dimension " + std::to_string(d));
     }
   }
   if (!numel(t.global_shape)) {
-    throw FormatError(ctx + ": global shape " + shape_to_string(t.global_shape) + " overflows");
+    throw FormatError(ctx() + ": global shape " + shape_to_string(t.global_shape) + " overflows");
   }
   auto bytes = nbytes(t.shape, t.dtype);
   if (!bytes) {
-    throw FormatError(ctx + ": shape " + shape_to_string(t.shape) + " of " +
+    throw FormatError(ctx() + ": shape " + shape_to_string(t.shape) + " of " +
                       std::string(dtype_name(t.dtype)) + " overflows a 64-bit byte count");
   }
   if (t.host_data != nullptr && t.fill) {
-    throw FormatError(ctx + ": has both host_data and a fill callback; give one");
+    throw FormatError(ctx() + ": has both host_data and a fill callback; give one");
   }
   if (*bytes > 0 && t.host_data == nullptr && !t.fill) {
-    throw FormatError(ctx + ": has " + std::to_string(*bytes) +
+    throw FormatError(ctx() + ": has " + std::to_string(*bytes) +
                       " bytes but neither host_data nor a fill callback");
   }
   return *bytes;
@@ -136,25 +130,37 @@ uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> te
 
   // The sharding metadata does not depend on checksums; build it once, in file order.
   const std::vector<size_t> order = file_order(raw);
+  size_t names_bytes = 0;
+  for (const TensorToWrite& t : tensors) names_bytes += t.name.size() + 4;
   std::string sharding = "{", global_shapes = "{";
+  sharding.reserve(names_bytes + 40 * order.size());
+  global_shapes.reserve(names_bytes + 24 * order.size());
   for (size_t k = 0; k < order.size(); ++k) {
     const TensorToWrite& t = tensors[order[k]];
     if (k > 0) {
       sharding += ',';
       global_shapes += ',';
     }
-    sharding += json_quote(t.name) + ":{\"saved_offsets\":" + shape_json(t.offsets) + "}";
-    global_shapes += json_quote(t.name) + ":" + shape_json(t.global_shape);
+    detail::append_json_quoted(sharding, t.name);
+    sharding += ":{\"saved_offsets\":";
+    append_shape_json(sharding, t.offsets);
+    sharding += '}';
+    detail::append_json_quoted(global_shapes, t.name);
+    global_shapes += ':';
+    append_shape_json(global_shapes, t.global_shape);
   }
   sharding += '}';
   global_shapes += '}';
 
   auto metadata = [&](std::span<const uint64_t> checksums) {
     std::string sums = "{";
+    sums.reserve(names_bytes + 30 * order.size());
     for (size_t k = 0; k < order.size(); ++k) {
       if (k > 0) sums += ',';
-      sums +=
-          json_quote(tensors[order[k]].name) + ":\"" + format_checksum(checksums[order[k]]) + "\"";
+      detail::append_json_quoted(sums, tensors[order[k]].name);
+      sums += ":\"";
+      sums += format_checksum(checksums[order[k]]);
+      sums += '"';
     }
     sums += '}';
     std::vector<std::pair<std::string, std::string>> md = {
@@ -171,7 +177,7 @@ uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> te
     return md;
   };
 
-  const RawWriteResult r = write_safetensors_file(path, raw, metadata, options);
+  const RawWriteResult r = write_safetensors_file(path, raw, metadata, options, order);
 
   if (written != nullptr) {
     ShardDescription d;

@@ -122,7 +122,10 @@ SaveRequest validate_save(const char* op, int64_t rank, int64_t world_size,
               global_shapes.size(), " entries but the shards have ", dims,
               " dimensions in total (one size per dim)");
   SaveRequest req;
-  std::unordered_set<std::string> seen;
+  req.tensors.reserve(shards.size());
+  req.keep_alive.reserve(shards.size());
+  std::unordered_set<std::string_view> seen;
+  seen.reserve(shards.size());
   int64_t pos = 0;
   for (const auto i : c10::irange(shards.size())) {
     const at::Tensor& t = shards[i];
@@ -130,16 +133,20 @@ SaveRequest validate_save(const char* op, int64_t rank, int64_t world_size,
     TORCH_CHECK(!names[i].empty(), op, "names[", i, "] is empty");
     TORCH_CHECK(seen.insert(names[i]).second, op, "names[", i, "] '", names[i],
                 "' appears twice");
-    const std::string what = "shards[" + std::to_string(i) + "] ('" + names[i] + "')";
+    // Built only on error: a save holds 100,000+ tensors.
+    auto what = [&] { return "shards[" + std::to_string(i) + "] ('" + names[i] + "')"; };
     format::TensorToWrite w;
     w.name = names[i];
-    w.dtype = to_format_dtype(t.scalar_type(), std::string(op) + what);
+    const auto dtype = format_dtype_of(t.scalar_type());
+    TORCH_CHECK(dtype, op, what(), " has dtype ", t.scalar_type(),
+                ", which safetensors cannot store");
+    w.dtype = *dtype;
     w.shape = to_shape(t.sizes());
     w.offsets = to_shape(offsets.slice(pos, t.dim()));
     w.global_shape = to_shape(global_shapes.slice(pos, t.dim()));
     pos += t.dim();
     for (const auto d : c10::irange(t.dim())) {
-      TORCH_CHECK(w.offsets[d] >= 0 && w.offsets[d] + w.shape[d] <= w.global_shape[d], op, what,
+      TORCH_CHECK(w.offsets[d] >= 0 && w.offsets[d] + w.shape[d] <= w.global_shape[d], op, what(),
                   ": offset ", w.offsets[d], " + size ", w.shape[d], " exceeds global size ",
                   w.global_shape[d], " in dim ", d);
     }
@@ -151,7 +158,7 @@ SaveRequest validate_save(const char* op, int64_t rank, int64_t world_size,
 
 }  // namespace
 
-format::DType to_format_dtype(at::ScalarType t, const std::string& what) {
+std::optional<format::DType> format_dtype_of(at::ScalarType t) {
   switch (t) {
     case at::kDouble: return format::DType::kF64;
     case at::kFloat: return format::DType::kF32;
@@ -165,8 +172,14 @@ format::DType to_format_dtype(at::ScalarType t, const std::string& what) {
     case at::kBool: return format::DType::kBool;
     case at::kFloat8_e4m3fn: return format::DType::kF8E4M3;
     case at::kFloat8_e5m2: return format::DType::kF8E5M2;
-    default: TORCH_CHECK(false, what, " has dtype ", t, ", which safetensors cannot store");
+    default: return std::nullopt;
   }
+}
+
+format::DType to_format_dtype(at::ScalarType t, const std::string& what) {
+  const auto d = format_dtype_of(t);
+  TORCH_CHECK(d, what, " has dtype ", t, ", which safetensors cannot store");
+  return *d;
 }
 
 at::ScalarType to_scalar_type(format::DType d) {

@@ -19,6 +19,8 @@
 
 namespace fsdp_ema::ops {
 
+// The safetensors dtype of a torch dtype; nullopt for one safetensors cannot store.
+std::optional<format::DType> format_dtype_of(at::ScalarType t);
 format::DType to_format_dtype(at::ScalarType t, const std::string& what);
 at::ScalarType to_scalar_type(format::DType d);
 

@@ -259,7 +259,8 @@ TEST(SafetensorsHeader, AcceptsWhatTheReferenceAcceptsAndSerializesAligned) {
   EXPECT_EQ(h.tensors[2].name, "z");
   EXPECT_FALSE(h.has_metadata);
 
-  const std::vector<HeaderTensor> tensors = {{"x", DType::kF32, {2}, 0, 8}};
+  const Shape shape = {2};
+  const std::vector<HeaderEntry> tensors = {{"x", DType::kF32, shape, 0, 8}};
   for (uint64_t align : {1u, 8u, 64u, 4096u}) {
     const std::string s = serialize_safetensors_header(tensors, {{"k", "v\"q"}}, true, align);
     EXPECT_EQ(s.size() % align, 0u);
