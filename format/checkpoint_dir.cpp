@@ -1,6 +1,7 @@
 #include "format/checkpoint_dir.h"
 
 #include <dirent.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <optional>
@@ -15,6 +16,7 @@
 #include "format/error.h"
 #include "format/file_util.h"
 #include "format/json_strict.h"
+#include "format/parallel.h"
 
 namespace fsdp_ema::format {
 namespace {
@@ -293,6 +295,26 @@ struct CheckpointDir::Impl {
       if (k == 0) return;
     }
   }
+
+  // A piece read whole into dst (the common case: a tensor saved by one rank, or the rows one
+  // rank wrote), hashed on the way the first time it is read.
+  void read_whole_piece(size_t ti, size_t pi, std::byte* dst, bool verify) const {
+    const PieceRef& r = pieces[ti][pi];
+    const ShardFile& f = files[r.file];
+    bool copied = false;
+    if (verify && index.tensors[ti].pieces[pi].checksum) {
+      std::call_once(verified[flag_base[ti] + pi], [&] {
+        Checksummer h;
+        f.read(*r.info, 0, r.info->nbytes, dst, &h);
+        copied = true;
+        check_checksum(ti, pi, h.digest());
+      });
+    }
+    if (!copied) f.read(*r.info, 0, r.info->nbytes, dst);
+  }
+
+  void read_slice_at(size_t ti, std::span<const int64_t> offsets, std::span<const int64_t> shape,
+                     void* dst, size_t dst_bytes, bool verify) const;
 };
 
 CheckpointDir::CheckpointDir(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -322,12 +344,50 @@ CheckpointDir CheckpointDir::open(const std::string& dir) {
 
   if (has_index) {
     impl->layout = CheckpointLayout::kFsdpEma;
-    impl->index = read_index(dir);
-    std::set<std::string> files;
-    for (const IndexTensor& t : impl->index.tensors) {
-      for (const IndexPiece& p : t.pieces) files.insert(p.file);
+    // The index and the shard files it names are independent parses: the listing's
+    // .safetensors files are opened while the index is read (on the machine's cores when the
+    // index is large), then those the index names are kept. A file it names that the listing
+    // did not show is opened after; an error of one it does not name is dropped.
+    std::vector<std::string> listed;
+    for (const std::string& n : names) {
+      if (n.ends_with(".safetensors")) listed.push_back(n);
     }
-    for (const std::string& f : files) open_file(f);
+    std::vector<std::optional<ShardFile>> early(listed.size());
+    struct stat st {};
+    const std::string index_path = dir + "/" + std::string(kIndexFileName);
+    const bool large = ::stat(index_path.c_str(), &st) == 0 &&
+                       static_cast<uint64_t>(st.st_size) >= detail::kParallelParseBytes;
+    const auto errors = detail::run_jobs(
+        1 + listed.size(),
+        [&](size_t i) {
+          if (i == 0) {
+            impl->index = read_index(dir);
+          } else {
+            early[i - 1].emplace(ShardFile::open(resolve_piece_path(dir, listed[i - 1]),
+                                                 /*verify_checksums=*/false));
+          }
+        },
+        large ? 0 : 1);
+    if (errors[0]) std::rethrow_exception(errors[0]);
+    std::set<std::string_view> files;
+    std::string_view last;
+    for (const IndexTensor& t : impl->index.tensors) {
+      for (const IndexPiece& p : t.pieces) {
+        if (p.file != last) files.insert(last = p.file);
+      }
+    }
+    for (std::string_view f : files) {
+      const auto it = std::lower_bound(listed.begin(), listed.end(), f);
+      const size_t k = static_cast<size_t>(it - listed.begin());
+      if (it == listed.end() || *it != f) {
+        open_file(std::string(f));
+        continue;
+      }
+      if (errors[1 + k]) std::rethrow_exception(errors[1 + k]);
+      file_slot.emplace(std::string(f), impl->files.size());
+      impl->file_names.emplace_back(f);
+      impl->files.push_back(std::move(*early[k]));
+    }
     for (size_t i = 0; i < impl->files.size(); ++i) {
       const ShardHeader& h = impl->files[i].header();
       if (!h.fsdp_ema) {
@@ -512,9 +572,14 @@ std::vector<std::string> CheckpointDir::stray_files() const {
 void CheckpointDir::read_slice(std::string_view name, std::span<const int64_t> offsets,
                                std::span<const int64_t> shape, void* dst, size_t dst_bytes,
                                bool verify) const {
-  const size_t ti = impl_->tensor_index(name);
-  const IndexTensor& t = impl_->index.tensors[ti];
-  auto ctx = [&] { return impl_->path + ": tensor " + json_quote(t.name); };  // on error only
+  impl_->read_slice_at(impl_->tensor_index(name), offsets, shape, dst, dst_bytes, verify);
+}
+
+void CheckpointDir::Impl::read_slice_at(size_t ti, std::span<const int64_t> offsets,
+                                        std::span<const int64_t> shape, void* dst,
+                                        size_t dst_bytes, bool verify) const {
+  const IndexTensor& t = index.tensors[ti];
+  auto ctx = [&] { return path + ": tensor " + json_quote(t.name); };  // on error only
   const size_t ndim = t.shape.size();
   if (offsets.size() != ndim || shape.size() != ndim) {
     throw FormatError(ctx() + ": slice offsets " + shape_to_string(offsets) + " and shape " +
@@ -537,20 +602,26 @@ void CheckpointDir::read_slice(std::string_view name, std::span<const int64_t> o
   }
   if (need == 0) return;
   if (dst == nullptr) throw FormatError(ctx() + ": destination is null");
+  if (t.pieces.size() == 1 && std::ranges::equal(t.pieces[0].offsets, offsets) &&
+      std::ranges::equal(t.pieces[0].shape, shape)) {
+    read_whole_piece(ti, 0, static_cast<std::byte*>(dst), verify);
+    return;
+  }
   const Box want{Shape(offsets.begin(), offsets.end()), Shape(shape.begin(), shape.end())};
   for (size_t pi = 0; pi < t.pieces.size(); ++pi) {
     const IndexPiece& p = t.pieces[pi];
     auto box = intersect(want, Box{p.offsets, p.shape});
     if (!box) continue;
-    impl_->copy_box(ti, pi, *box, want.offsets, want.shape, static_cast<std::byte*>(dst), verify);
+    copy_box(ti, pi, *box, want.offsets, want.shape, static_cast<std::byte*>(dst), verify);
   }
 }
 
 void CheckpointDir::read_full(std::string_view name, void* dst, size_t dst_bytes,
                               bool verify) const {
-  const IndexTensor& t = tensor(name);
+  const size_t ti = impl_->tensor_index(name);
+  const IndexTensor& t = impl_->index.tensors[ti];
   const Shape zeros(t.shape.size(), 0);
-  read_slice(name, zeros, t.shape, dst, dst_bytes, verify);
+  impl_->read_slice_at(ti, zeros, t.shape, dst, dst_bytes, verify);
 }
 
 void CheckpointDir::read_rows(std::string_view name, int64_t row_begin, int64_t row_end, void* dst,
@@ -566,7 +637,8 @@ void CheckpointDir::read_rows(std::string_view name, int64_t row_begin, int64_t 
   Shape offsets(t.shape.size(), 0), shape = t.shape;
   offsets[0] = row_begin;
   shape[0] = row_end - row_begin;
-  read_slice(name, offsets, shape, dst, dst_bytes, verify);
+  impl_->read_slice_at(static_cast<size_t>(&t - impl_->index.tensors.data()), offsets, shape, dst,
+                       dst_bytes, verify);
 }
 
 void CheckpointDir::read_chunk(std::string_view name, int64_t rank, int64_t world, void* dst,

@@ -25,14 +25,18 @@ int hex_value(char c) {
 
 }  // namespace
 
-std::string format_checksum(uint64_t value) {
+void write_checksum_digits(char* out, uint64_t value) {
   static constexpr char kHex[] = "0123456789abcdef";
-  std::string out(kChecksumPrefix);
-  out.resize(kChecksumPrefix.size() + 16);
   for (int i = 15; i >= 0; --i) {
-    out[kChecksumPrefix.size() + static_cast<size_t>(i)] = kHex[value & 0xf];
+    out[i] = kHex[value & 0xf];
     value >>= 4;
   }
+}
+
+std::string format_checksum(uint64_t value) {
+  std::string out(kChecksumPrefix);
+  out.resize(kChecksumPrefix.size() + 16);
+  write_checksum_digits(out.data() + kChecksumPrefix.size(), value);
   return out;
 }
 

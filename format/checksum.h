@@ -15,6 +15,9 @@ inline constexpr std::string_view kChecksumPrefix = "xxh3-64:";
 // "xxh3-64:" followed by 16 lowercase hex digits (always 24 characters).
 std::string format_checksum(uint64_t value);
 
+// The 16 hex digits of format_checksum(value), written to out[0..16).
+void write_checksum_digits(char* out, uint64_t value);
+
 // The value of a string format_checksum wrote; nullopt for anything else (upper-case hex, other
 // lengths, other algorithms).
 std::optional<uint64_t> parse_checksum(std::string_view text);

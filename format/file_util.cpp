@@ -65,13 +65,25 @@ uint64_t fd_size(int fd, const std::string& path) {
   return static_cast<uint64_t>(st.st_size);
 }
 
+namespace {
+FileIdentity identity_of(const struct stat& st) {
+  return {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
+          static_cast<uint64_t>(st.st_size),
+          static_cast<int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec};
+}
+}  // namespace
+
 FileIdentity file_identity(int fd, const std::string& path) {
   struct stat st {};
   if (::fstat(fd, &st) != 0) throw FormatError(path + ": fstat failed: " + errno_text(errno));
   if (!S_ISREG(st.st_mode)) throw FormatError(path + ": not a regular file");
-  return {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
-          static_cast<uint64_t>(st.st_size),
-          static_cast<int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec};
+  return identity_of(st);
+}
+
+std::optional<FileIdentity> path_identity(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return std::nullopt;
+  return identity_of(st);
 }
 
 void pwrite_all(int fd, const void* data, size_t size, uint64_t offset, const std::string& path) {

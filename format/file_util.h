@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -47,6 +48,8 @@ struct FileIdentity {
 };
 // fstat of an open regular file (throws for anything else).
 FileIdentity file_identity(int fd, const std::string& path);
+// stat of a path (links followed); nullopt when it does not exist or is not a regular file.
+std::optional<FileIdentity> path_identity(const std::string& path);
 
 void pwrite_all(int fd, const void* data, size_t size, uint64_t offset, const std::string& path);
 // Throws "unexpected end of file" when the file is shorter than offset + size.

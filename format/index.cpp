@@ -16,6 +16,8 @@
 #include "format/file_util.h"
 #include "format/json_strict.h"
 #include "format/name_index.h"
+#include "format/parallel.h"
+#include "format/recent_shards.h"
 #include "format/shard_file.h"
 #include "format/shard_writer.h"
 
@@ -297,9 +299,17 @@ CheckpointIndex build_index(std::span<const ShardDescription> shards, int64_t wo
   CheckpointIndex index;
   index.world_size = world_size;
   index.metadata = std::move(metadata);
-  for (IndexTensor& t : tensors) std::sort(t.pieces.begin(), t.pieces.end(), offsets_less);
-  std::sort(tensors.begin(), tensors.end(),
-            [](const IndexTensor& a, const IndexTensor& b) { return a.name < b.name; });
+  // Usually sorted already (one piece per tensor and rank; shard files list names in order):
+  // checking first costs n comparisons where sorting costs n log n.
+  for (IndexTensor& t : tensors) {
+    if (!std::is_sorted(t.pieces.begin(), t.pieces.end(), offsets_less)) {
+      std::sort(t.pieces.begin(), t.pieces.end(), offsets_less);
+    }
+  }
+  auto by_name_less = [](const IndexTensor& a, const IndexTensor& b) { return a.name < b.name; };
+  if (!std::is_sorted(tensors.begin(), tensors.end(), by_name_less)) {
+    std::sort(tensors.begin(), tensors.end(), by_name_less);
+  }
   index.tensors = std::move(tensors);
   validate_index(index, where);
   return index;
@@ -322,31 +332,41 @@ CheckpointIndex build_index_from_files(const std::string& dir,
     throw FormatError(dir + ": " + std::to_string(file_names.size()) + " shard file names for " +
                       std::to_string(world_size) + " ranks");
   }
-  std::vector<ShardDescription> shards;
-  shards.reserve(static_cast<size_t>(world_size));
   for (int64_t r = 0; r < world_size; ++r) {
     const std::string& name = file_names[static_cast<size_t>(r)];
-    const std::string path = detail::join_path(dir, name);
-    if (!detail::path_exists(path)) {
+    if (!detail::path_exists(detail::join_path(dir, name))) {
       throw FormatError(dir + ": missing shard file " + name + " (rank " + std::to_string(r) +
                         " of " + std::to_string(world_size) + " did not finish writing)");
     }
+  }
+  // One header per rank, parsed on the machine's cores (a file this process has just written is
+  // described from memory instead: format/recent_shards.h). Errors in rank order.
+  std::vector<ShardDescription> shards(static_cast<size_t>(world_size));
+  const auto errors = detail::run_jobs(shards.size(), [&](size_t r) {
+    const std::string& name = file_names[r];
+    const std::string path = detail::join_path(dir, name);
+    ShardDescription& d = shards[r];
+    if (auto known = detail::take_written_shard(path);
+        known && known->rank == static_cast<int64_t>(r) && known->world_size == world_size) {
+      d = std::move(*known);
+      d.file = name;
+      return;
+    }
     ShardFile f = ShardFile::open(path, /*verify_checksums=*/false);
     const ShardHeader& h = f.header();
-    if (!h.fsdp_ema || h.rank != r || h.world_size != world_size) {
+    if (!h.fsdp_ema || h.rank != static_cast<int64_t>(r) || h.world_size != world_size) {
       throw FormatError(path + ": not the fsdp_ema shard file of rank " + std::to_string(r) +
                         " of " + std::to_string(world_size) + " (metadata says rank " +
                         (h.rank ? std::to_string(*h.rank) : "?") + " of " +
                         (h.world_size ? std::to_string(*h.world_size) : "?") + ")");
     }
-    ShardDescription d;
     d.file = name;
-    d.rank = r;
+    d.rank = static_cast<int64_t>(r);
     d.world_size = world_size;
     d.file_bytes = f.file_bytes();
     d.tensors = h.tensors;
-    shards.push_back(std::move(d));
-  }
+  });
+  detail::rethrow_first(errors);
   return build_index(shards, world_size, std::move(metadata));
 }
 

@@ -211,7 +211,7 @@ SafetensorsHeader parse_safetensors_bytes(std::span<const std::byte> file,
 std::string serialize_safetensors_header(
     std::span<const HeaderEntry> tensors,
     const std::vector<std::pair<std::string, std::string>>& metadata, bool include_metadata,
-    uint64_t alignment) {
+    uint64_t alignment, std::vector<size_t>* value_offsets) {
   // Built in place after the 8 length bytes, with a size estimate reserved up front: headers of
   // 100,000+ tensors are tens of MB, and every temporary or regrowth copies all of it.
   size_t estimate = 16;
@@ -232,6 +232,7 @@ std::string serialize_safetensors_header(
       if (i > 0) out += ',';
       detail::append_json_quoted(out, metadata[i].first);
       out += ':';
+      if (value_offsets != nullptr) value_offsets->push_back(out.size() + 1);
       detail::append_json_quoted(out, metadata[i].second);
     }
     out += '}';

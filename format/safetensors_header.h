@@ -68,9 +68,11 @@ SafetensorsHeader parse_safetensors_bytes(std::span<const std::byte> file, const
 // The 8-byte length plus the JSON header for tensors already in file order (contiguous offsets),
 // padded with trailing spaces so that its size is a multiple of `alignment`. The metadata entries
 // keep the given order; pass include_metadata = false to write no "__metadata__" at all.
+// With `value_offsets`, it receives the offset in the result of each metadata value's first
+// character (just after its opening quote), in the metadata's order.
 std::string serialize_safetensors_header(
     std::span<const HeaderEntry> tensors,
     const std::vector<std::pair<std::string, std::string>>& metadata, bool include_metadata = true,
-    uint64_t alignment = kHeaderAlignment);
+    uint64_t alignment = kHeaderAlignment, std::vector<size_t>* value_offsets = nullptr);
 
 }  // namespace fsdp_ema::format

@@ -181,7 +181,7 @@ std::vector<size_t> file_order(std::span<const RawTensor> tensors) {
 
 RawWriteResult write_safetensors_file(const std::string& path, std::span<const RawTensor> tensors,
                                       const MetadataFn& metadata, const WriteOptions& options,
-                                      std::vector<size_t> order) {
+                                      std::vector<size_t> order, const HeaderPatchFn& patch) {
   if (options.chunk_bytes < 64 || options.chunk_bytes % 64 != 0) {
     throw FormatError(path + ": WriteOptions::chunk_bytes " + std::to_string(options.chunk_bytes) +
                       " must be a positive multiple of 64");
@@ -208,7 +208,10 @@ RawWriteResult write_safetensors_file(const std::string& path, std::span<const R
     entries[k] = HeaderEntry{t.name, t.dtype, t.shape, data_bytes, *end};
     data_bytes = *end;
   }
-  const std::string placeholder = serialize_safetensors_header(entries, metadata(result.checksums));
+  std::vector<size_t> value_offsets;
+  std::string placeholder =
+      serialize_safetensors_header(entries, metadata(result.checksums), /*include_metadata=*/true,
+                                   kHeaderAlignment, patch ? &value_offsets : nullptr);
   const uint64_t data_start = placeholder.size();
   for (size_t k = 0; k < result.order.size(); ++k) {
     result.data_offset[result.order[k]] = data_start + entries[k].begin;
@@ -281,13 +284,20 @@ RawWriteResult write_safetensors_file(const std::string& path, std::span<const R
     writer.finish();
   }
 
-  const std::string header = serialize_safetensors_header(entries, metadata(result.checksums));
+  std::string header;
+  if (patch) {
+    header = std::move(placeholder);
+    patch(header, value_offsets, result.checksums);
+  } else {
+    header = serialize_safetensors_header(entries, metadata(result.checksums));
+  }
   if (header.size() != data_start) {
     throw FormatError(path + ": internal error: header size changed from " +
                       std::to_string(data_start) + " to " + std::to_string(header.size()) +
                       " bytes once checksums were filled in");
   }
   detail::pwrite_all(fd.get(), header.data(), header.size(), 0, guard.path);
+  result.header_checksum = checksum_of(header.data(), header.size());
   if (options.fsync) detail::fsync_fd(fd.get(), guard.path);
   fd.close_or_throw(guard.path);
   detail::rename_replace(guard.path, path);

@@ -32,6 +32,7 @@ struct RawWriteResult {
   std::vector<size_t> order;          // file order: order[k] = input index of the k-th tensor
   std::vector<uint64_t> checksums;    // XXH3-64 per input index
   std::vector<uint64_t> data_offset;  // absolute file offset per input index
+  uint64_t header_checksum = 0;       // XXH3-64 of the file's first 8 + header-length bytes
 };
 
 // Builds the "__metadata__" entries once the tensors' checksums are known (they are called twice:
@@ -40,6 +41,12 @@ struct RawWriteResult {
 using MetadataFn = std::function<std::vector<std::pair<std::string, std::string>>(
     std::span<const uint64_t> checksums_by_input_index)>;
 
+// For metadata whose only checksum-dependent bytes are fixed-width digits: once the data is
+// written, patches those digits into `header` (serialized with the zero checksums; see
+// serialize_safetensors_header for `value_offsets`) in place of a second serialization.
+using HeaderPatchFn = std::function<void(std::string& header, std::span<const size_t> value_offsets,
+                                         std::span<const uint64_t> checksums_by_input_index)>;
+
 // The file order of the tensors: descending element size, then name. Every data offset is then a
 // multiple of its element size with no padding (the data section starts 64-aligned).
 std::vector<size_t> file_order(std::span<const RawTensor> tensors);
@@ -47,9 +54,11 @@ std::vector<size_t> file_order(std::span<const RawTensor> tensors);
 // Writes `path` through "<dir>/.<name>.tmp-<pid>-<random>": data, then the header, fsync, rename
 // over `path`, directory fsync. On any error (including one thrown by a FillFn) the temporary is
 // removed and the error rethrown; `path` is then untouched.
-// `order`, when given, is file_order(tensors) already computed by the caller.
+// `order`, when given, is file_order(tensors) already computed by the caller; with `patch`,
+// `metadata` is called once (zero checksums) and the header serialized once.
 RawWriteResult write_safetensors_file(const std::string& path, std::span<const RawTensor> tensors,
                                       const MetadataFn& metadata, const WriteOptions& options,
-                                      std::vector<size_t> order = {});
+                                      std::vector<size_t> order = {},
+                                      const HeaderPatchFn& patch = {});
 
 }  // namespace fsdp_ema::format

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <list>
 #include <memory>
@@ -15,6 +16,7 @@
 #include "format/file_util.h"
 #include "format/json_strict.h"
 #include "format/name_index.h"
+#include "format/parallel.h"
 
 namespace fsdp_ema::format {
 namespace {
@@ -49,13 +51,17 @@ void for_each_tensor_entry(const std::map<std::string, std::string>& metadata,
     }
     r.begin_object(/*caller_checks_keys=*/true);
     std::string name;
+    size_t next = 0;  // writers list the entries in file order: try that slot before hashing
     while (r.next_key(name)) {
-      const auto found = by_name.find(name);
+      const auto found = next < tensors.size() && tensors[next].name == name
+                             ? std::optional<size_t>(next)
+                             : by_name.find(name);
       if (!found) {
         throw FormatError(what + ": names tensor " + json_quote(name) + " that is not in the file");
       }
       if (seen[*found]) r.duplicate_key(name);
       seen[*found] = 1;
+      next = *found + 1;
       on_entry(tensors[*found], r);
     }
     r.expect_end();
@@ -119,93 +125,124 @@ ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& fil
     }
   }
 
+  // The three per-tensor metadata documents are parsed independently (in parallel when large):
+  // each pass writes its own field of every TensorInfo, and the global shapes are checked
+  // against the offsets once both are in. Errors are reported in the sequential order.
+  const size_t n = h.tensors.size();
+  std::vector<Shape> globals;
+  std::vector<std::function<void()>> passes;
+  size_t text_bytes = 0;
   if (has(kMetaDcpShardingInfo)) {
-    for_each_tensor_entry(md, kMetaDcpShardingInfo, h.tensors, by_name, file,
-                          [&](TensorInfo& t, JsonReader& r) {
-      auto ctx = [&] {
-        return file + ": tensor " + json_quote(t.name) + ": DCP_SHARDING_INFO";
-      };
-      std::optional<Shape> offsets;
-      bool present = false;
-      if (r.peek() == JsonReader::Kind::kObject) {
-        r.begin_object();
-        std::string k;
-        while (r.next_key(k)) {
-          if (k == "saved_offsets") {
-            present = true;
-            offsets = r.read_shape();
-          } else {
-            r.skip_value();
+    text_bytes += md.at(std::string(kMetaDcpShardingInfo)).size();
+    passes.emplace_back([&] {
+      for_each_tensor_entry(md, kMetaDcpShardingInfo, h.tensors, by_name, file,
+                            [&](TensorInfo& t, JsonReader& r) {
+        auto ctx = [&] {
+          return file + ": tensor " + json_quote(t.name) + ": DCP_SHARDING_INFO";
+        };
+        std::optional<Shape> offsets;
+        bool present = false;
+        if (r.peek() == JsonReader::Kind::kObject) {
+          r.begin_object();
+          std::string k;
+          while (r.next_key(k)) {
+            if (k == "saved_offsets") {
+              present = true;
+              offsets = r.read_shape();
+            } else {
+              r.skip_value();
+            }
           }
         }
-      }
-      if (!present) throw FormatError(ctx() + " entry must be an object with \"saved_offsets\"");
-      if (!offsets || offsets->size() != t.shape.size()) {
-        throw FormatError(ctx() + " saved_offsets must be " + std::to_string(t.shape.size()) +
-                          " non-negative integers (one per dimension of shape " +
-                          shape_to_string(t.shape) + ")");
-      }
-      for (size_t d = 0; d < offsets->size(); ++d) {
-        if ((*offsets)[d] > std::numeric_limits<int64_t>::max() - t.shape[d]) {
-          throw FormatError(ctx() + " saved_offsets " + shape_to_string(*offsets) +
-                            " + shape overflow");
+        if (!present) throw FormatError(ctx() + " entry must be an object with \"saved_offsets\"");
+        if (!offsets || offsets->size() != t.shape.size()) {
+          throw FormatError(ctx() + " saved_offsets must be " + std::to_string(t.shape.size()) +
+                            " non-negative integers (one per dimension of shape " +
+                            shape_to_string(t.shape) + ")");
         }
-      }
-      t.offsets = std::move(*offsets);
+        for (size_t d = 0; d < offsets->size(); ++d) {
+          if ((*offsets)[d] > std::numeric_limits<int64_t>::max() - t.shape[d]) {
+            throw FormatError(ctx() + " saved_offsets " + shape_to_string(*offsets) +
+                              " + shape overflow");
+          }
+        }
+        t.offsets = std::move(*offsets);
+      });
     });
   }
-
-  for (TensorInfo& t : h.tensors) {
-    t.global_shape.resize(t.shape.size());
-    for (size_t d = 0; d < t.shape.size(); ++d) t.global_shape[d] = t.offsets[d] + t.shape[d];
-  }
-
   if (has(kMetaGlobalShapes)) {
-    for_each_tensor_entry(md, kMetaGlobalShapes, h.tensors, by_name, file,
-                          [&](TensorInfo& t, JsonReader& r) {
-      auto ctx = [&] {
-        return file + ": tensor " + json_quote(t.name) + ": " + std::string(kMetaGlobalShapes);
-      };
-      auto g = r.read_shape();
-      if (!g || g->size() != t.shape.size()) {
-        throw FormatError(ctx() + " entry must be " + std::to_string(t.shape.size()) +
-                          " non-negative integers (one per dimension of shape " +
-                          shape_to_string(t.shape) + ")");
-      }
-      for (size_t d = 0; d < g->size(); ++d) {
-        if (t.offsets[d] + t.shape[d] > (*g)[d]) {
-          throw FormatError(ctx() + ": offsets " + shape_to_string(t.offsets) + " + shape " +
-                            shape_to_string(t.shape) + " exceed global shape " +
-                            shape_to_string(*g) + " in dimension " + std::to_string(d));
+    text_bytes += md.at(std::string(kMetaGlobalShapes)).size();
+    globals.resize(n);
+    passes.emplace_back([&] {
+      for_each_tensor_entry(md, kMetaGlobalShapes, h.tensors, by_name, file,
+                            [&](TensorInfo& t, JsonReader& r) {
+        auto g = r.read_shape();
+        if (!g || g->size() != t.shape.size()) {
+          throw FormatError(file + ": tensor " + json_quote(t.name) + ": " +
+                            std::string(kMetaGlobalShapes) + " entry must be " +
+                            std::to_string(t.shape.size()) +
+                            " non-negative integers (one per dimension of shape " +
+                            shape_to_string(t.shape) + ")");
         }
-      }
-      if (!numel(*g)) {
-        throw FormatError(ctx() + ": global shape " + shape_to_string(*g) + " overflows");
-      }
-      t.global_shape = std::move(*g);
+        globals[static_cast<size_t>(&t - h.tensors.data())] = std::move(*g);
+      });
     });
   }
-
   if (has(kMetaChecksums)) {
-    for_each_tensor_entry(md, kMetaChecksums, h.tensors, by_name, file,
-                          [&](TensorInfo& t, JsonReader& r) {
-      std::optional<uint64_t> c;
-      std::string text;
-      if (r.peek() == JsonReader::Kind::kString) {
-        text = r.read_string();
-        c = parse_checksum(text);
-        if (!c) text = json_quote(text);
-      } else {
-        text = std::string(r.skip_value());
-      }
-      if (!c) {
-        throw FormatError(file + ": tensor " + json_quote(t.name) + ": checksum " + text +
-                          " is not \"xxh3-64:<16 lowercase hex digits>\"");
-      }
-      t.checksum = *c;
+    text_bytes += md.at(std::string(kMetaChecksums)).size();
+    passes.emplace_back([&] {
+      for_each_tensor_entry(md, kMetaChecksums, h.tensors, by_name, file,
+                            [&](TensorInfo& t, JsonReader& r) {
+        std::optional<uint64_t> c;
+        std::string text;
+        if (r.peek() == JsonReader::Kind::kString) {
+          text = r.read_string();
+          c = parse_checksum(text);
+          if (!c) text = json_quote(text);
+        } else {
+          text = std::string(r.skip_value());
+        }
+        if (!c) {
+          throw FormatError(file + ": tensor " + json_quote(t.name) + ": checksum " + text +
+                            " is not \"xxh3-64:<16 lowercase hex digits>\"");
+        }
+        t.checksum = *c;
+      });
     });
   }
-
+  const auto errors = detail::run_jobs(
+      passes.size(), [&](size_t i) { passes[i](); },
+      text_bytes >= detail::kParallelParseBytes ? 0 : 1);
+  // Sharding info, then global shapes (parse, then the check against the offsets), then checksums.
+  const bool has_globals = has(kMetaGlobalShapes);
+  const size_t globals_pass = has(kMetaDcpShardingInfo) ? 1 : 0;
+  for (size_t i = 0; i <= globals_pass && i < errors.size(); ++i) {
+    if (errors[i]) std::rethrow_exception(errors[i]);
+  }
+  for (TensorInfo& t : h.tensors) {
+    if (!has_globals) {
+      t.global_shape.resize(t.shape.size());
+      for (size_t d = 0; d < t.shape.size(); ++d) t.global_shape[d] = t.offsets[d] + t.shape[d];
+      continue;
+    }
+    Shape& g = globals[static_cast<size_t>(&t - h.tensors.data())];
+    for (size_t d = 0; d < g.size(); ++d) {
+      if (t.offsets[d] + t.shape[d] > g[d]) {
+        throw FormatError(file + ": tensor " + json_quote(t.name) + ": " +
+                          std::string(kMetaGlobalShapes) + ": offsets " +
+                          shape_to_string(t.offsets) + " + shape " + shape_to_string(t.shape) +
+                          " exceed global shape " + shape_to_string(g) + " in dimension " +
+                          std::to_string(d));
+      }
+    }
+    if (!numel(g)) {
+      throw FormatError(file + ": tensor " + json_quote(t.name) + ": " +
+                        std::string(kMetaGlobalShapes) + ": global shape " + shape_to_string(g) +
+                        " overflows");
+    }
+    t.global_shape = std::move(g);
+  }
+  detail::rethrow_first(errors);
   if (has(kMetaWorldSize)) {
     const std::string& v = md.at(std::string(kMetaWorldSize));
     auto w = parse_decimal(v);

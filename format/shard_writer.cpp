@@ -11,6 +11,7 @@
 #include "format/error.h"
 #include "format/file_util.h"
 #include "format/json_strict.h"
+#include "format/recent_shards.h"
 #include "format/safetensors_writer.h"
 #include "format/shard_file.h"
 
@@ -114,6 +115,7 @@ uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> te
   }
   std::vector<RawTensor> raw(tensors.size());
   std::unordered_set<std::string_view> names;
+  names.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorToWrite& t = tensors[i];
     raw[i].nbytes = validate(path, i, t);
@@ -152,34 +154,54 @@ uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> te
   sharding += '}';
   global_shapes += '}';
 
-  auto metadata = [&](std::span<const uint64_t> checksums) {
-    std::string sums = "{";
-    sums.reserve(names_bytes + 30 * order.size());
-    for (size_t k = 0; k < order.size(); ++k) {
-      if (k > 0) sums += ',';
-      detail::append_json_quoted(sums, tensors[order[k]].name);
-      sums += ":\"";
-      sums += format_checksum(checksums[order[k]]);
-      sums += '"';
+  // The checksums document, written once with zero digits: `digits[k]` is where the k-th
+  // tensor's 16 digits land once the document is quoted into the header (each '"' or '\\' before
+  // them gains a backslash there), so they are patched in after the data without serializing
+  // the header again.
+  std::string sums = "{";
+  sums.reserve(names_bytes + 30 * order.size());
+  std::vector<size_t> digits(order.size());
+  size_t quoted = 1, scanned = 1;  // quoted size of sums[0, scanned)
+  const std::string zero_digits(16, '0');
+  for (size_t k = 0; k < order.size(); ++k) {
+    if (k > 0) sums += ',';
+    detail::append_json_quoted(sums, tensors[order[k]].name);
+    sums += ":\"";
+    sums += kChecksumPrefix;
+    for (; scanned < sums.size(); ++scanned) {
+      quoted += sums[scanned] == '"' || sums[scanned] == '\\' ? 2 : 1;
     }
-    sums += '}';
-    std::vector<std::pair<std::string, std::string>> md = {
-        {std::string(kMetaFormat), "pt"},
-        {std::string(kMetaDcpVersion), "1.0"},
-        {std::string(kMetaDcpShardingInfo), sharding},
-        {std::string(kMetaFormatVersion), std::to_string(kShardFormatVersion)},
-        {std::string(kMetaRank), std::to_string(options.rank)},
-        {std::string(kMetaWorldSize), std::to_string(options.world_size)},
-        {std::string(kMetaGlobalShapes), global_shapes},
-        {std::string(kMetaChecksums), std::move(sums)},
-    };
-    for (const auto& [k, v] : options.metadata) md.emplace_back(k, v);
-    return md;
+    digits[k] = quoted;
+    sums += zero_digits;
+    sums += '"';
+  }
+  sums += '}';
+  std::vector<std::pair<std::string, std::string>> md = {
+      {std::string(kMetaFormat), "pt"},
+      {std::string(kMetaDcpVersion), "1.0"},
+      {std::string(kMetaDcpShardingInfo), std::move(sharding)},
+      {std::string(kMetaFormatVersion), std::to_string(kShardFormatVersion)},
+      {std::string(kMetaRank), std::to_string(options.rank)},
+      {std::string(kMetaWorldSize), std::to_string(options.world_size)},
+      {std::string(kMetaGlobalShapes), std::move(global_shapes)},
+      {std::string(kMetaChecksums), std::move(sums)},
+  };
+  constexpr size_t kChecksumsEntry = 7;
+  for (const auto& [k, v] : options.metadata) md.emplace_back(k, v);
+  auto metadata = [&](std::span<const uint64_t>) { return std::move(md); };
+  auto patch = [&](std::string& header, std::span<const size_t> value_offsets,
+                   std::span<const uint64_t> checksums) {
+    const size_t base = value_offsets[kChecksumsEntry];
+    for (size_t k = 0; k < order.size(); ++k) {
+      write_checksum_digits(header.data() + base + digits[k], checksums[order[k]]);
+    }
   };
 
-  const RawWriteResult r = write_safetensors_file(path, raw, metadata, options, order);
+  const RawWriteResult r = write_safetensors_file(path, raw, metadata, options, order, patch);
 
-  if (written != nullptr) {
+  {
+    // What the header says, for the caller and for a commit in this process
+    // (format/recent_shards.h), which then need not parse the file back.
     ShardDescription d;
     d.file = detail::base_name(path);
     d.rank = options.rank;
@@ -199,7 +221,8 @@ uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> te
       info.nbytes = raw[idx].nbytes;
       d.tensors.push_back(std::move(info));
     }
-    *written = std::move(d);
+    if (written != nullptr) *written = d;
+    detail::remember_written_shard(path, std::move(d), r.header_checksum);
   }
   return r.file_bytes;
 }
