@@ -5,6 +5,7 @@
 #include "kernels/update_cpu.h"
 #include "ops/checkpoint.h"
 #include "ops/gather.h"
+#include "ops/load_into.h"
 #include "ops/update.h"
 
 // Why `Tensor(a! -> *)[]` rather than the usual `Tensor(a!)[]`: TorchScript's alias analysis
@@ -57,6 +58,11 @@ TORCH_LIBRARY(fsdp_ema, m) {
       "Device? device=None, bool mmap=False) -> Tensor[]");
   // JSON description of a checkpoint directory: layout, world size, tensors (dtype, shape).
   m.def("checkpoint_info(str directory) -> str");
+  // The same tensors as load_tensors, read into existing tensors (a model's, an optimizer's): no
+  // allocation, no copy. Every destination and checksum is checked before any is written.
+  m.def(
+      "load_into_(str directory, str[] names, Tensor(a! -> *)[] out, int rank=0, "
+      "int world_size=1, bool verify=True) -> ()");
 
   // Dim-0 shards (torch.chunk rows, possibly empty) of N tensors -> the N full tensors on every
   // rank of the c10d process group named group_name, with one all-gather.
@@ -74,6 +80,7 @@ TORCH_LIBRARY_IMPL(fsdp_ema, CompositeExplicitAutograd, m) {
   m.impl("load_shard", &fsdp_ema::ops::load_shard);
   m.impl("load_tensors", &fsdp_ema::ops::load_tensors);
   m.impl("checkpoint_info", &fsdp_ema::ops::checkpoint_info);
+  m.impl("load_into_", &fsdp_ema::ops::load_into_);
   m.impl("gather_shards", &fsdp_ema::ops::gather_shards);
   m.impl("cpu_capability", [] { return std::string(fsdp_ema::kernels::update_cpu_capability()); });
   // update_ with a float decay and empty lists has no tensor to dispatch on (nor do tensors on a

@@ -33,7 +33,8 @@ import torch
 
 Shard = Union[torch.Tensor, Tuple[torch.Tensor, Sequence[int], Sequence[int]]]
 
-__all__ = ["save_shard", "commit", "save", "load_shard", "load", "info", "shard_file_name"]
+__all__ = ["save_shard", "commit", "save", "load_shard", "load", "load_into", "info",
+           "shard_file_name"]
 
 
 def shard_file_name(rank: int, world_size: int) -> str:
@@ -147,3 +148,25 @@ def load(directory: str | os.PathLike, names: Sequence[str] | None = None, *, ra
         tensors = torch.ops.fsdp_ema.load_tensors(os.fspath(directory), list(names), rank,
                                                   world_size, verify, device, mmap)
         return dict(zip(names, tensors))
+
+
+def load_into(directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor], *, rank: int = 0,
+              world_size: int = 1, verify: bool = True) -> None:
+    """Reads a committed checkpoint into existing tensors, as ``torch.distributed.checkpoint.load``
+    does: ``tensors`` maps each name to a destination (CPU or CUDA, any strides) of the stored
+    dtype and of the shape :func:`load` would return for ``rank`` of ``world_size``.
+
+    Nothing is allocated and nothing is copied twice, so resuming into a model's parameters costs
+    one read. Every destination is checked, and (``verify``) every stored piece read is hashed,
+    before the first destination is written: a bad request or a corrupted file leaves all of
+    them as they were. (A file modified while the call runs raises, and may leave them partly
+    written.)
+
+    Example::
+
+        model = MyModel()
+        fsdp_ema.checkpoint.load_into("ckpt", dict(model.state_dict()))
+    """
+    with torch.no_grad(), _gc_paused():
+        torch.ops.fsdp_ema.load_into_(os.fspath(directory), list(tensors), list(tensors.values()),
+                                      rank, world_size, verify)

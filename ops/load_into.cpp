@@ -1,0 +1,118 @@
+// load_into_: a committed checkpoint read straight into tensors the caller already has (a model's
+// parameters, an optimizer's state), as torch.distributed.checkpoint.load does: no allocation,
+// no first-touch page faults, no second copy. Every argument and every stored piece's checksum is
+// checked before the first destination byte is written.
+#include "ops/load_into.h"
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/MemoryOverlap.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+
+#include <algorithm>
+#include <memory>
+
+#include "format/error.h"
+#include "ops/checkpoint.h"
+
+namespace fsdp_ema::ops {
+namespace {
+
+constexpr const char* kOp = "fsdp_ema::load_into_: ";
+
+struct Extent {
+  uintptr_t lo = 0, hi = 0;
+  size_t index = 0;
+};
+
+}  // namespace
+
+void load_into_(c10::string_view directory, const std::vector<std::string>& names,
+                at::TensorList out, int64_t rank, int64_t world_size, bool verify) {
+  TORCH_CHECK(world_size >= 1, kOp, "world_size must be >= 1, got ", world_size);
+  TORCH_CHECK(rank >= 0 && rank < world_size, kOp, "rank must be in [0, world_size), got rank ",
+              rank, " with world_size ", world_size);
+  TORCH_CHECK(names.size() == out.size(), kOp, "names has ", names.size(),
+              " entries but out has ", out.size());
+  std::shared_ptr<const format::CheckpointDir> dir;
+  try {
+    dir = std::make_shared<const format::CheckpointDir>(
+        format::CheckpointDir::open(std::string(directory)));
+  } catch (const format::FormatError& e) {
+    TORCH_CHECK(false, kOp, e.what());
+  }
+
+  // Every destination against what is stored, before anything is read.
+  std::vector<std::pair<const format::IndexTensor*, format::RowRange>> plan;
+  plan.reserve(names.size());
+  std::vector<Extent> extents;
+  for (const auto i : c10::irange(names.size())) {
+    const format::IndexTensor* info = dir->find(names[i]);
+    TORCH_CHECK(info != nullptr, kOp, "names[", i, "] '", names[i], "' is not in checkpoint '",
+                directory, "'");
+    const format::RowRange rows = rank_rows(*info, rank, world_size);
+    std::vector<int64_t> shape(info->shape.begin(), info->shape.end());
+    if (!shape.empty()) shape[0] = rows.size();
+    const at::Tensor& t = out[i];
+    TORCH_CHECK(t.defined(), kOp, "out[", i, "] ('", names[i], "') is an undefined tensor");
+    TORCH_CHECK(t.scalar_type() == to_scalar_type(info->dtype), kOp, "out[", i, "] ('", names[i],
+                "') has dtype ", t.scalar_type(), " but the checkpoint stores ",
+                to_scalar_type(info->dtype));
+    TORCH_CHECK(t.sizes() == at::IntArrayRef(shape), kOp, "out[", i, "] ('", names[i],
+                "') has shape ", t.sizes(), " but rank ", rank, " of ", world_size, " holds ",
+                at::IntArrayRef(shape), " of it");
+    TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), kOp, "out[", i, "] ('", names[i],
+                "') is on ", t.device(), "; destinations must be CPU or CUDA tensors");
+    TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, kOp, "out[", i, "] ('",
+                names[i], "') has elements that share memory (an expanded tensor?)");
+    if (t.numel() > 0) {
+      const auto lo = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+      int64_t span = 1;
+      for (const auto d : c10::irange(t.dim())) span += (t.size(d) - 1) * t.stride(d);
+      extents.push_back({lo, lo + static_cast<uintptr_t>(span) * t.element_size(), i});
+    }
+    plan.emplace_back(info, rows);
+  }
+  // No two destinations may share memory (one would overwrite the other): sorted extents.
+  std::sort(extents.begin(), extents.end(),
+            [](const Extent& a, const Extent& b) { return a.lo < b.lo; });
+  for (size_t k = 1; k < extents.size(); ++k) {
+    const Extent& a = extents[k - 1];
+    const Extent& b = extents[k];
+    TORCH_CHECK(b.lo >= a.hi || out[a.index].device() != out[b.index].device(), kOp, "out[",
+                a.index, "] ('", names[a.index], "') and out[", b.index, "] ('", names[b.index],
+                "') share memory");
+  }
+
+  try {
+    // Every stored piece these reads touch is hashed first (once each, on the machine's cores),
+    // so that a corrupted file is refused with every destination still untouched.
+    if (verify) verify_pieces(*dir, plan);
+    at::parallel_for(0, static_cast<int64_t>(plan.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const at::Tensor& t = out[i];
+        if (t.numel() == 0) continue;
+        const format::IndexTensor& info = *plan[i].first;
+        const bool direct = t.device().is_cpu() && t.is_contiguous();
+        // Non-contiguous or device destinations go through a host buffer of their own.
+        at::Tensor host = t;
+        if (!direct) {
+          host = at::detail::empty_cpu(t.sizes(), t.scalar_type(),
+                                       /*pin_memory=*/t.device().is_cuda(), std::nullopt);
+        }
+        const auto rows = plan[i].second;
+        if (info.shape.empty() || (rows.begin == 0 && rows.end == info.shape[0])) {
+          dir->read_full(info.name, host.data_ptr(), host.nbytes(), verify);
+        } else {
+          dir->read_rows(info.name, rows.begin, rows.end, host.data_ptr(), host.nbytes(), verify);
+        }
+        if (!direct) out[i].copy_(host);
+      }
+    });
+  } catch (const format::FormatError& e) {
+    TORCH_CHECK(false, kOp, e.what());
+  }
+}
+
+}  // namespace fsdp_ema::ops

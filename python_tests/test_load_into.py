@@ -1,0 +1,128 @@
+"""checkpoint.load_into / fsdp_ema::load_into_: a checkpoint read into existing tensors.
+
+The reference is the owned load (checkpoint.load) of the same checkpoint, itself checked against
+the saved tensors; every refusal must leave every destination as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_ema import checkpoint as ckpt
+
+
+def reference():
+    g = torch.Generator().manual_seed(11)
+    return {
+        "w": torch.randn(301, 70, generator=g),
+        "b": torch.randn(70, generator=g).to(torch.bfloat16),
+        "m": torch.rand(50, generator=g) > 0.5,
+        "step": torch.tensor(12, dtype=torch.int64),
+        "empty": torch.zeros(0, 3),
+    }
+
+
+def sentinels(like: dict) -> dict:
+    """Destinations filled with a value no saved tensor holds, to see what a call wrote."""
+    out = {}
+    for k, v in like.items():
+        t = torch.empty_like(v)
+        t.fill_(True if v.dtype == torch.bool else 7)
+        out[k] = t
+    return out
+
+
+def test_load_into_equals_the_owned_load(tmp_path):
+    ref = reference()
+    ckpt.save(tmp_path, ref)
+    dst = sentinels(ref)
+    ptrs = {k: v.data_ptr() for k, v in dst.items()}
+    ckpt.load_into(tmp_path, dst)
+    owned = ckpt.load(tmp_path)
+    for k, t in ref.items():
+        assert torch.equal(dst[k], t), k
+        assert torch.equal(owned[k], t), k
+        assert dst[k].data_ptr() == ptrs[k], f"{k}: the destination itself must be written"
+
+
+def test_load_into_reshards_rows_for_any_world_size(tmp_path):
+    ref = reference()
+    # Written by 2 ranks (torch.chunk rows of w), read by 3.
+    for rank in range(2):
+        rows = torch.chunk(ref["w"], 2)[rank]
+        ckpt.save_shard(tmp_path, {"w": (rows, [rank * 151, 0], [301, 70])}, rank=rank,
+                        world_size=2)
+    ckpt.commit(tmp_path, 2)
+    for rank in range(3):
+        want = torch.chunk(ref["w"], 3)[rank]
+        dst = {"w": torch.full_like(want, 7.0)}
+        ckpt.load_into(tmp_path, dst, rank=rank, world_size=3)
+        assert torch.equal(dst["w"], want)
+        assert torch.equal(dst["w"], ckpt.load(tmp_path, ["w"], rank=rank, world_size=3)["w"])
+
+
+def test_load_into_non_contiguous_destination(tmp_path):
+    ref = reference()
+    ckpt.save(tmp_path, {"w": ref["w"]})
+    base = torch.full((70, 301), 7.0)
+    dst = base.t()  # a transposed view: the reader goes through a buffer of its own
+    ckpt.load_into(tmp_path, {"w": dst})
+    assert torch.equal(dst, ref["w"])
+    assert torch.equal(base, ref["w"].t())
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda d: d.update(w=torch.zeros(301, 71)), r"out\[0\] \('w'\) has shape"),
+    (lambda d: d.update(b=torch.zeros(70)), r"out\[1\] \('b'\) has dtype Float"),
+    (lambda d: d.update(nope=torch.zeros(1)), r"names\[5\] 'nope' is not in checkpoint"),
+    (lambda d: d.update(b=torch.zeros(1, dtype=torch.bfloat16).expand(70)),
+     r"out\[1\] \('b'\) has elements that share memory"),
+    (lambda d: d.update(w=torch.zeros(301, 70, device="meta")), r"out\[0\] \('w'\) is on meta"),
+])
+def test_load_into_refuses_bad_destinations_and_writes_nothing(tmp_path, bad, match):
+    ref = reference()
+    ckpt.save(tmp_path, ref)
+    dst = sentinels(ref)
+    bad(dst)
+    before = {k: v.clone() for k, v in dst.items() if v.device.type != "meta"}
+    with pytest.raises(RuntimeError, match=match):
+        ckpt.load_into(tmp_path, dst)
+    for k, v in before.items():
+        assert torch.equal(dst[k], v), f"{k} was written by a refused call"
+
+
+def test_load_into_refuses_destinations_that_share_memory(tmp_path):
+    ref = reference()
+    ckpt.save(tmp_path, {"a": ref["w"][:10], "c": ref["w"][10:20]})
+    storage = torch.full((15, 70), 7.0)
+    with pytest.raises(RuntimeError, match=r"\('a'\) and out\[1\] \('c'\) share memory"):
+        ckpt.load_into(tmp_path, {"a": storage[:10], "c": storage[5:15]})
+    assert torch.equal(storage, torch.full((15, 70), 7.0))
+
+
+def test_load_into_refuses_a_corrupted_file_before_writing_any_destination(tmp_path):
+    ref = reference()
+    ckpt.save(tmp_path, ref)
+    path = Path(tmp_path) / ckpt.shard_file_name(0, 1)
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0x10  # inside the bfloat16 "b" (the file ends with "b" then the 50 bools "m")
+    path.write_bytes(bytes(raw))
+    dst = sentinels(ref)
+    before = {k: v.clone() for k, v in dst.items()}
+    with pytest.raises(RuntimeError, match="checksum mismatch"):
+        ckpt.load_into(tmp_path, dst)
+    for k, v in before.items():
+        assert torch.equal(dst[k], v), f"{k} was written before the corruption was found"
+
+
+def test_load_into_from_the_raw_op(tmp_path):
+    ref = reference()
+    ckpt.save(tmp_path, ref)
+    dst = sentinels(ref)
+    torch.ops.fsdp_ema.load_into_(os.fspath(tmp_path), list(dst), list(dst.values()))
+    for k, t in ref.items():
+        assert torch.equal(dst[k], t), k
