@@ -76,8 +76,8 @@ def _fresh_venv(path: Path) -> Path:
     _check(_run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", path],
                 cwd=path.parent))
     python = path / "bin" / "python"
-    purelib = _check(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          cwd=path)).stdout.strip()
+    probe = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    purelib = _check(_run([python, "-c", probe], cwd=path)).stdout.strip()
     Path(purelib, "_fsdp_ema_test_base_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return python
 
@@ -121,7 +121,8 @@ def test_wheel_name_metadata_and_contents_name_the_torch_it_needs(wheel):
     assert record["torch_version"] == str(torch.__version__)
     assert record["torch_cuda"] == torch.version.cuda
     for name in ("fsdp_ema/__init__.py", "fsdp_ema/_library.py", "fsdp_ema/lib/libfsdp_ema.so",
-                 "fsdp_ema/include/fsdp_ema/ops.h", "fsdp_ema/lib/cmake/fsdp_ema/fsdp_emaConfig.cmake",
+                 "fsdp_ema/include/fsdp_ema/ops.h",
+                 "fsdp_ema/lib/cmake/fsdp_ema/fsdp_emaConfig.cmake",
                  f"fsdp_ema-{version}.data/scripts/fsdp-ema"):
         assert name in names, f"{name} missing from {wheel.name}"
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]

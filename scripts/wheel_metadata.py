@@ -1,4 +1,4 @@
-"""scikit-build-core metadata provider: a version and a torch pin that say which torch a wheel needs.
+"""scikit-build-core metadata provider: a version and a torch pin saying which torch a wheel needs.
 
 A compiled torch extension runs only with the torch it was built against, so the wheel says so:
 its version carries a local part naming that torch and its CUDA (``0.1.0+torch2.14.1.cu130``) and
