@@ -213,8 +213,9 @@ def test_editable_install_runs_the_checkout_python_with_the_built_library(wheel,
                                    cwd=tmp_path)).stdout
 
 
+# ids without "cuda": the GPU run selects tests with -k cuda (scripts/gpu_check.sh).
 @pytest.mark.parametrize("field,value", [("torch_version", "2.13.0+cu128"),
-                                         ("torch_cuda", "12.8")])
+                                         ("torch_cuda", "12.8")], ids=["release", "accelerator"])
 def test_import_refuses_a_torch_other_than_the_build_one(installed, tmp_path, field, value):
     copy = tmp_path / "pkg" / "fsdp_ema"
     shutil.copytree(_site_packages(installed) / "fsdp_ema", copy)
