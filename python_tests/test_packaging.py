@@ -213,6 +213,23 @@ def test_editable_install_runs_the_checkout_python_with_the_built_library(wheel,
                                    cwd=tmp_path)).stdout
 
 
+def test_cxx_project_builds_against_the_cmake_package_in_the_wheel(installed, tmp_path):
+    # tests/consumer (find_package(fsdp_ema) and one op call) against site-packages/fsdp_ema, a
+    # package built elsewhere (build-wheel/, a temporary wheel root) and installed by pip.
+    torch_prefix = _check(_run([sys.executable, "-c",
+                                "import torch.utils; print(torch.utils.cmake_prefix_path)"],
+                               cwd=tmp_path)).stdout.strip()
+    package = _site_packages(installed) / "fsdp_ema"
+    build = tmp_path / "build"
+    _check(_run(["cmake", "-S", ROOT / "tests" / "consumer", "-B", build, "-G", "Ninja",
+                 "-DCMAKE_BUILD_TYPE=Release", f"-DCMAKE_PREFIX_PATH={package};{torch_prefix}"],
+                cwd=tmp_path, env=_build_env()))
+    _check(_run(["cmake", "--build", build], cwd=tmp_path, env=_build_env()))
+    cache = (build / "CMakeCache.txt").read_text()
+    assert f"fsdp_ema_DIR:PATH={package}/lib/cmake/fsdp_ema" in cache
+    assert "sum after update = 1.0000" in _check(_run([build / "consumer"], cwd=tmp_path)).stdout
+
+
 # ids without "cuda": the GPU run selects tests with -k cuda (scripts/gpu_check.sh).
 @pytest.mark.parametrize("field,value", [("torch_version", "2.13.0+cu128"),
                                          ("torch_cuda", "12.8")], ids=["release", "accelerator"])
