@@ -263,6 +263,11 @@ def test_check_torch_accepts_the_build_torch_and_names_a_bad_record(tmp_path):
     record.write_text(json.dumps({"torch_version": "2.0.0", "torch_cuda": torch.version.cuda}))
     with pytest.raises(_library.TorchMismatchError, match=r"built against torch 2\.0\.0 "):
         _library.check_torch(str(lib))
+    # Same release, another accelerator (a +cpu build against a +cu130 one, say).
+    other = "11.8" if torch.version.cuda else "13.0"
+    record.write_text(json.dumps({"torch_version": str(torch.__version__), "torch_cuda": other}))
+    with pytest.raises(_library.TorchMismatchError, match=rf"\(CUDA {re.escape(other)}\), but"):
+        _library.check_torch(str(lib))
     record.write_text("{not json")
     with pytest.raises(ImportError, match=re.escape(str(record))):
         _library.check_torch(str(lib))
