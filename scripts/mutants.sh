@@ -47,6 +47,12 @@ def ctest(regex):
 # name: (file, old text, new text, tests that must fail). Keep the sites in code that rarely
 # moves, and the old text short but unique in its file.
 MUTANTS = {
+    # --- packaging ------------------------------------------------------------------------------
+    "torch-check-ignores-cuda": (
+        "python/fsdp_ema/_library.py",
+        "if (built_version, built_cuda) == (running_version, running_cuda):",
+        "if built_version == running_version:",
+        [pytest("python_tests/test_packaging.py", "-k", "check_torch")]),
     # --- kernels --------------------------------------------------------------------------------
     "cpu-thread-partition": (
         "kernels/update_cpu.cpp",

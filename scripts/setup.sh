@@ -8,10 +8,11 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
-# --- Debian packages (clang + its runtimes: the sanitizer and libFuzzer build of format/) --------
+# --- Debian packages (clang + its runtimes: the sanitizer and libFuzzer build of format/;
+# clang-format: scripts/lint.sh) -------------------------------------------------------------------
 PACKAGES=(build-essential cmake ninja-build ccache pkg-config git
           libgtest-dev libgmock-dev nlohmann-json3-dev libxxhash-dev libcli11-dev
-          clang libclang-rt-dev
+          clang libclang-rt-dev clang-format
           python3 python3-venv python3-dev)
 missing=()
 for p in "${PACKAGES[@]}"; do

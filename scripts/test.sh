@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# The whole test suite: installs what is missing, builds, runs the C++ tests (ctest) and the
-# Python tests (pytest). GPU tests run where a GPU is present and skip cleanly elsewhere.
+# The whole test suite: installs what is missing, lints (scripts/lint.sh), builds, runs the C++
+# tests (ctest) and the Python tests (pytest). GPU tests run where a GPU is present and skip
+# cleanly elsewhere.
 set -euo pipefail
 here="$(dirname "${BASH_SOURCE[0]}")"
 bash "$here/setup.sh"
 source "$here/env.sh"
+# Lint first (seconds), but run the tests whatever it says: the exit status reports both.
+echo "== lint (scripts/lint.sh: ruff, clang-format)"
+lint_status=0
+bash "$here/lint.sh" || lint_status=$?
 bash "$here/build.sh"
 
 echo "== C++ tests (ctest)"
@@ -16,7 +21,8 @@ echo "== format/ under AddressSanitizer + UBSan (clang), with a short libFuzzer 
 SAN_BUILD="$FSDP_EMA_ROOT/build-format-san"
 if [ ! -f "$SAN_BUILD/build.ninja" ]; then
   cmake -S "$FSDP_EMA_ROOT/format" -B "$SAN_BUILD" -G Ninja -DCMAKE_CXX_COMPILER=clang++ \
-    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFSDP_EMA_FORMAT_SANITIZE=ON >/dev/null
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFSDP_EMA_FORMAT_SANITIZE=ON \
+    -DFSDP_EMA_FORMAT_PYTHON="$FSDP_EMA_PYTHON" >/dev/null
 fi
 cmake --build "$SAN_BUILD" --parallel "$(nproc)"
 # The libFuzzer smoke run is part of every test run: a clang without libFuzzer must fail here,
@@ -31,3 +37,7 @@ fi
 echo "== Python tests (pytest)"
 cd "$FSDP_EMA_ROOT"
 "$FSDP_EMA_PYTHON" -m pytest -q python_tests
+if [ "$lint_status" -ne 0 ]; then
+  echo "scripts/test.sh: the tests passed but lint failed (bash scripts/lint.sh --fix)" >&2
+  exit "$lint_status"
+fi
