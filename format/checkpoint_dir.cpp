@@ -1,4 +1,4 @@
-#include "format/checkpoint_dir.h"
+#include "fsdp_ema/format/checkpoint_dir.h"
 
 #include <dirent.h>
 
@@ -11,10 +11,10 @@
 #include <set>
 #include <unordered_map>
 
-#include "format/checksum.h"
-#include "format/error.h"
-#include "format/file_util.h"
-#include "format/json_strict.h"
+#include "fsdp_ema/format/checksum.h"
+#include "fsdp_ema/format/error.h"
+#include "fsdp_ema/format/file_util.h"
+#include "fsdp_ema/format/json_strict.h"
 
 namespace fsdp_ema::format {
 namespace {

@@ -1,12 +1,12 @@
-#include "format/commit.h"
+#include "fsdp_ema/format/commit.h"
 
 #include <algorithm>
 #include <string_view>
 #include <vector>
 
-#include "format/error.h"
-#include "format/file_util.h"
-#include "format/shard_writer.h"
+#include "fsdp_ema/format/error.h"
+#include "fsdp_ema/format/file_util.h"
+#include "fsdp_ema/format/shard_writer.h"
 
 namespace fsdp_ema::format {
 namespace {

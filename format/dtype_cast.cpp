@@ -1,11 +1,11 @@
-#include "format/dtype_cast.h"
+#include "fsdp_ema/format/dtype_cast.h"
 
 #include <bit>
 #include <cmath>
 #include <cstring>
 #include <string>
 
-#include "format/error.h"
+#include "fsdp_ema/format/error.h"
 
 namespace fsdp_ema::format {
 namespace {

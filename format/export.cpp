@@ -1,4 +1,4 @@
-#include "format/export.h"
+#include "fsdp_ema/format/export.h"
 
 #include <signal.h>
 #include <sys/stat.h>
@@ -11,12 +11,12 @@
 #include <memory>
 #include <string_view>
 
-#include "format/checkpoint_dir.h"
-#include "format/dtype_cast.h"
-#include "format/error.h"
-#include "format/file_util.h"
-#include "format/json_strict.h"
-#include "format/safetensors_writer.h"
+#include "fsdp_ema/format/checkpoint_dir.h"
+#include "fsdp_ema/format/dtype_cast.h"
+#include "fsdp_ema/format/error.h"
+#include "fsdp_ema/format/file_util.h"
+#include "fsdp_ema/format/json_strict.h"
+#include "fsdp_ema/format/safetensors_writer.h"
 
 namespace fsdp_ema::format {
 namespace {

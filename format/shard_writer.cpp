@@ -1,4 +1,4 @@
-#include "format/shard_writer.h"
+#include "fsdp_ema/format/shard_writer.h"
 
 #include <cstdio>
 #include <limits>
@@ -7,12 +7,12 @@
 #include <unordered_set>
 #include <utility>
 
-#include "format/checksum.h"
-#include "format/error.h"
-#include "format/file_util.h"
-#include "format/json_strict.h"
-#include "format/safetensors_writer.h"
-#include "format/shard_file.h"
+#include "fsdp_ema/format/checksum.h"
+#include "fsdp_ema/format/error.h"
+#include "fsdp_ema/format/file_util.h"
+#include "fsdp_ema/format/json_strict.h"
+#include "fsdp_ema/format/safetensors_writer.h"
+#include "fsdp_ema/format/shard_file.h"
 
 namespace fsdp_ema::format {
 namespace {

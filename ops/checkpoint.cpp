@@ -21,12 +21,12 @@
 #include <nlohmann/json.hpp>
 #include <unordered_set>
 
-#include "format/checkpoint_dir.h"
-#include "format/commit.h"
-#include "format/error.h"
-#include "format/index.h"
-#include "format/shard_file.h"
-#include "format/shard_writer.h"
+#include "fsdp_ema/format/checkpoint_dir.h"
+#include "fsdp_ema/format/commit.h"
+#include "fsdp_ema/format/error.h"
+#include "fsdp_ema/format/index.h"
+#include "fsdp_ema/format/shard_file.h"
+#include "fsdp_ema/format/shard_writer.h"
 
 namespace fsdp_ema::ops {
 namespace {

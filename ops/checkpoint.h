@@ -14,8 +14,8 @@
 #include <utility>
 #include <vector>
 
-#include "format/checkpoint_dir.h"
-#include "format/dtype.h"
+#include "fsdp_ema/format/checkpoint_dir.h"
+#include "fsdp_ema/format/dtype.h"
 
 namespace fsdp_ema::ops {
 

@@ -8,8 +8,8 @@
 #include <map>
 #include <sstream>
 
-#include "format/checkpoint_dir.h"
-#include "format/error.h"
+#include "fsdp_ema/format/checkpoint_dir.h"
+#include "fsdp_ema/format/error.h"
 #include "ops/checkpoint.h"
 
 namespace fsdp_ema {

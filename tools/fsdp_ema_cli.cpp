@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "format/checkpoint_dir.h"
-#include "format/error.h"
-#include "format/export.h"
-#include "format/index.h"
+#include "fsdp_ema/format/checkpoint_dir.h"
+#include "fsdp_ema/format/error.h"
+#include "fsdp_ema/format/export.h"
+#include "fsdp_ema/format/index.h"
 #include "tools/progress.h"
 #include "tools/terminal_text.h"
 

@@ -1,4 +1,4 @@
-#include "format/dtype_cast.h"
+#include "fsdp_ema/format/dtype_cast.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

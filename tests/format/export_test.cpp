@@ -1,5 +1,5 @@
 // export_consolidated: Hugging Face layout, splitting, casting, atomic replacement.
-#include "format/export.h"
+#include "fsdp_ema/format/export.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -12,9 +12,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "format/checkpoint_dir.h"
-#include "format/dtype_cast.h"
-#include "format/shard_file.h"
+#include "fsdp_ema/format/checkpoint_dir.h"
+#include "fsdp_ema/format/dtype_cast.h"
+#include "fsdp_ema/format/shard_file.h"
 #include "tests/format/fixture_model.h"
 #include "tests/format/test_util.h"
 

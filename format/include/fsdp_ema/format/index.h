@@ -10,9 +10,9 @@
 #include <string_view>
 #include <vector>
 
-#include "format/dtype.h"
-#include "format/shape.h"
-#include "format/tensor_info.h"
+#include "fsdp_ema/format/dtype.h"
+#include "fsdp_ema/format/shape.h"
+#include "fsdp_ema/format/tensor_info.h"
 
 namespace fsdp_ema::format {
 

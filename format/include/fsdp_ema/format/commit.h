@@ -18,7 +18,7 @@
 #include <string_view>
 #include <unordered_set>
 
-#include "format/index.h"
+#include "fsdp_ema/format/index.h"
 
 namespace fsdp_ema::format {
 

@@ -6,10 +6,10 @@
 #include <string>
 #include <vector>
 
-#include "format/dtype.h"
-#include "format/shape.h"
-#include "format/tensor_info.h"
-#include "format/write_options.h"
+#include "fsdp_ema/format/dtype.h"
+#include "fsdp_ema/format/shape.h"
+#include "fsdp_ema/format/tensor_info.h"
+#include "fsdp_ema/format/write_options.h"
 
 namespace fsdp_ema::format {
 

@@ -10,8 +10,8 @@
 #include <string_view>
 #include <vector>
 
-#include "format/index.h"
-#include "format/shard_file.h"
+#include "fsdp_ema/format/index.h"
+#include "fsdp_ema/format/shard_file.h"
 
 namespace fsdp_ema::format {
 
