@@ -83,19 +83,6 @@ TensorToWrite TensorToWrite::full(std::string name, DType dtype, Shape shape, co
   return t;
 }
 
-std::string shard_file_name(int64_t rank, int64_t world_size) {
-  char buf[96];
-  std::snprintf(buf, sizeof(buf), "shard-%05lld-of-%05lld.safetensors",
-                static_cast<long long>(rank), static_cast<long long>(world_size));
-  return buf;
-}
-
-std::string alternate_shard_file_name(int64_t rank, int64_t world_size) {
-  std::string name = shard_file_name(rank, world_size);
-  name.insert(name.size() - std::string_view(".safetensors").size(), ".b");
-  return name;
-}
-
 uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> tensors,
                           const WriteOptions& options, ShardDescription* written) {
   if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {

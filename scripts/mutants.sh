@@ -81,7 +81,7 @@ MUTANTS = {
          pytest("python_tests/test_bad_inputs.py", "-k", "overlap")]),
     # --- format ---------------------------------------------------------------------------------
     "chunk-rows-cpp-remainder-one": (
-        "format/checkpoint_dir.cpp",
+        "format/rows.cpp",
         "const int64_t cs = rows / world + (rows % world != 0 ? 1 : 0);",
         "const int64_t cs = rows / world + (rows % world > 1 ? 1 : 0);",
         [pytest("python_tests/test_checkpoint.py", "-k", "resharding"),

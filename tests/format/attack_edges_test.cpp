@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "fsdp_ema/format/checkpoint_dir.h"
-#include "fsdp_ema/format/commit.h"
+#include "fsdp_ema/format/layout.h"
 #include "fsdp_ema/format/export.h"
 #include "fsdp_ema/format/shard_file.h"
 #include "tests/format/fixture_model.h"
