@@ -142,7 +142,7 @@ MUTANTS = {
         [ctest("^format_fuzz_replay$")]),
     # --- Python ---------------------------------------------------------------------------------
     "chunk-rows-python-remainder-one": (
-        "python/fsdp_ema/_dist.py",
+        "python/fsdp_ema/_layouts.py",
         "size = -(-rows // world_size)",
         "size = rows // world_size + (rows % world_size > 1)",
         [pytest("python_tests/test_sharded_ema.py", "-k", "read_at_1 and plain")]),
@@ -162,10 +162,10 @@ MUTANTS = {
         "return self.warmup(step, self.decay) if self.warmup else self.decay",
         [pytest("python_tests/test_sharded_ema_local.py", "-k", "written_out")]),
     "commit-before-the-barrier": (
-        "python/fsdp_ema/sharded_ema.py",
-        "        self._agree(error, what)  # also the barrier: every rank's file is durable past "
-        "here\n        error = None\n        if rank == 0:",
-        "        if rank == 0 and error is None:",
+        "python/fsdp_ema/_collective.py",
+        "    agree(error)  # also the barrier: every rank's file is durable past here\n"
+        "    error = None\n    if rank == 0:",
+        "    if rank == 0 and error is None:",
         [pytest("python_tests/test_sharded_ema.py", "-k", "slow_rank")]),
     "strict-false-load-state-dict-loads-nothing": (
         "python/fsdp_ema/sharded_ema.py",
