@@ -110,6 +110,8 @@ TORCH_LIBRARY_IMPL(fsdp_ema, Meta, m) {
 // No tensor arguments: one kernel for every backend, given with the schema. Those that change
 // files are CONSERVATIVE, so TorchScript never dead-code-eliminates them.
 TORCH_LIBRARY_FRAGMENT(fsdp_ema, m) {
+  // The index's file name, the commit marker (fsdp_ema/format/names.h).
+  m.def("index_file_name() -> str", [] { return std::string(fsdp_ema::format::kIndexFileName); });
   // The name rank `rank` of `world_size` writes its shard file under (fsdp_ema/format/names.h).
   m.def("shard_file_name(int rank, int world_size) -> str",
         [](int64_t rank, int64_t world_size) {

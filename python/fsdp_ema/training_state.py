@@ -43,7 +43,7 @@ __all__ = ["save_training_state", "load_training_state", "latest_checkpoint",
 META_TENSOR = "meta.training_state"
 #: Human-readable copy of that JSON, written beside the shard files before the commit.
 SIDECAR_NAME = "training_state.json"
-INDEX_NAME = "fsdp_ema.index.json"
+INDEX_NAME = torch.ops.fsdp_ema.index_file_name()  # format/'s name (fsdp_ema/format/names.h)
 FORMAT_NAME = "fsdp_ema.training_state"
 FORMAT_VERSION = 1
 
