@@ -303,9 +303,9 @@ ExportResult export_consolidated(const std::string& dir, const std::string& out_
       write_safetensors_file(stage.file(name), raw, metadata, wopts);
       result.files.push_back(name);
     }
-    stage.finish(existing, result, groups, [&](size_t i) -> std::string_view {
-      return tensors[i].name;
-    }, options.fsync);
+    stage.finish(
+        existing, result, groups, [&](size_t i) -> std::string_view { return tensors[i].name; },
+        options.fsync);
   }
   progress.tensor = {};
   report();
@@ -422,8 +422,7 @@ ExportWriter::ExportWriter(const std::string& out_dir, std::vector<ExportEntry> 
 
 ExportWriter::~ExportWriter() { abort(); }
 
-void ExportWriter::write(std::string_view name, uint64_t first, uint64_t count,
-                         const void* data) {
+void ExportWriter::write(std::string_view name, uint64_t first, uint64_t count, const void* data) {
   Impl& m = *impl_;
   if (m.done || !m.stage) throw FormatError(m.out_dir + ": export: the writer is finished");
   const size_t i = m.find(name);
@@ -457,18 +456,18 @@ ExportResult ExportWriter::finish() {
   if (m.done || !m.stage) throw FormatError(m.out_dir + ": export: the writer is finished");
   for (size_t i = 0; i < m.entries.size(); ++i) {
     if (m.written[i] != m.numel[i]) {
-      throw FormatError(m.out_dir + ": export: tensor " + json_quote(m.entries[i].name) +
-                        " has " + std::to_string(m.written[i]) + " of its " +
-                        std::to_string(m.numel[i]) + " elements written");
+      throw FormatError(m.out_dir + ": export: tensor " + json_quote(m.entries[i].name) + " has " +
+                        std::to_string(m.written[i]) + " of its " + std::to_string(m.numel[i]) +
+                        " elements written");
     }
   }
   for (size_t g = 0; g < m.fds.size(); ++g) {
     if (m.options.fsync) detail::fsync_fd(m.fds[g].get(), m.paths[g]);
     m.fds[g].close_or_throw(m.paths[g]);
   }
-  m.stage->finish(m.existing, m.result, m.groups,
-                  [&](size_t i) -> std::string_view { return m.entries[i].name; },
-                  m.options.fsync);
+  m.stage->finish(
+      m.existing, m.result, m.groups,
+      [&](size_t i) -> std::string_view { return m.entries[i].name; }, m.options.fsync);
   m.done = true;
   return m.result;
 }

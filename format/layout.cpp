@@ -67,7 +67,8 @@ void remove_contents(int fd, const std::string& path) {
     }
     if (S_ISDIR(st.st_mode)) {
       const int child = ::openat(fd, n.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-      if (child < 0) throw FormatError(errno_message("cannot open", detail::join_path(path, n), errno));
+      if (child < 0)
+        throw FormatError(errno_message("cannot open", detail::join_path(path, n), errno));
       remove_contents(child, detail::join_path(path, n));
       if (::unlinkat(fd, n.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT) {
         throw FormatError(errno_message("cannot remove", detail::join_path(path, n), errno));
@@ -179,8 +180,8 @@ void remove_checkpoint(const std::string& dir) {
   detail::UniqueFd parent_fd(::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (parent_fd.get() < 0) throw FormatError(errno_message("cannot open", parent, errno));
   // O_NOFOLLOW: a link (to a checkpoint elsewhere, say) is refused, never followed.
-  const int fd = ::openat(parent_fd.get(), name.c_str(),
-                          O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  const int fd =
+      ::openat(parent_fd.get(), name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) throw FormatError(errno_message("cannot open the checkpoint directory", dir, errno));
   {
     // The lock is on the inode just opened, so it guards exactly what is removed.
@@ -191,8 +192,8 @@ void remove_checkpoint(const std::string& dir) {
     if (::unlinkat(fd, index.c_str(), 0) != 0 && errno != ENOENT) {
       const int err = errno;
       ::close(fd);
-      throw FormatError(errno_message("cannot remove the index", detail::join_path(dir, index),
-                                      err));
+      throw FormatError(
+          errno_message("cannot remove the index", detail::join_path(dir, index), err));
     }
     ::fsync(fd);  // the index is gone for good before the data: never committed-but-partial
     remove_contents(fd, dir);

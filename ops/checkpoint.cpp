@@ -119,9 +119,8 @@ at::Tensor save_shard(c10::string_view directory, int64_t rank, int64_t world_si
     options.free_buffer = [](void*) {};  // the tensors in `staging` own the memory
   }
   const auto bytes = translate_errors(kOp, [&] {
-    return static_cast<int64_t>(format::save_shard_to_dir(std::string(directory),
-                                                          std::move(req.tensors), options,
-                                                          overwrite));
+    return static_cast<int64_t>(format::save_shard_to_dir(
+        std::string(directory), std::move(req.tensors), options, overwrite));
   });
   return at::scalar_tensor(bytes, at::TensorOptions().dtype(at::kLong));
 }

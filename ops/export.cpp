@@ -17,9 +17,8 @@ constexpr int64_t kDeviceChunkBytes = int64_t{64} << 20;
 }  // namespace
 
 ExportWriter::ExportWriter(const std::string& out_dir, const std::vector<std::string>& names,
-                           const std::vector<at::Tensor>& like,
-                           std::optional<at::ScalarType> dtype, int64_t max_file_bytes,
-                           bool overwrite, bool fsync) {
+                           const std::vector<at::Tensor>& like, std::optional<at::ScalarType> dtype,
+                           int64_t max_file_bytes, bool overwrite, bool fsync) {
   TORCH_CHECK(names.size() == like.size(), kWhere, "names has ", names.size(),
               " entries but like has ", like.size());
   TORCH_CHECK(max_file_bytes >= 0, kWhere, "max_file_bytes must be >= 0, got ", max_file_bytes);
@@ -58,9 +57,8 @@ void ExportWriter::write(const std::string& name, const at::Tensor& tensor) {
   const at::Tensor flat = tensor.detach().contiguous().reshape({-1});
   const int64_t n = flat.numel();
   if (flat.device().is_cpu()) {
-    translate_errors(kWhere, [&] {
-      writer_->write(name, 0, static_cast<uint64_t>(n), flat.const_data_ptr());
-    });
+    translate_errors(
+        kWhere, [&] { writer_->write(name, 0, static_cast<uint64_t>(n), flat.const_data_ptr()); });
     return;
   }
   const int64_t step = std::max<int64_t>(1, kDeviceChunkBytes / flat.element_size());

@@ -216,8 +216,8 @@ TEST_F(Export, StopsOnCorruptedData) {
 namespace fsdp_ema::format {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::error_of;
+using ::testing::HasSubstr;
 using testing::TempDir;
 
 std::vector<ExportEntry> entries_of(const std::vector<testing::RefTensor>& model) {
@@ -262,8 +262,8 @@ TEST_F(ExportWriterTest, WritesTheSameBytesAsTheCheckpointExport) {
     ExportOptions o;
     o.max_file_bytes = limit;
     o.dtype = dtype;
-    const std::string a = root_.file("a" + std::to_string(limit)), b = root_.file("b" +
-                                                                               std::to_string(limit));
+    const std::string a = root_.file("a" + std::to_string(limit)),
+                      b = root_.file("b" + std::to_string(limit));
     o.overwrite = true;
     const ExportResult from_dir = export_consolidated(ckpt_, a, o);
     const ExportResult streamed = stream(b, o);

@@ -19,8 +19,8 @@ namespace fsdp_ema::format {
 namespace {
 
 using ::testing::ElementsAre;
-using ::testing::HasSubstr;
 using testing::error_of;
+using ::testing::HasSubstr;
 using testing::TempDir;
 
 TEST(Layout, ExclusiveLockWaitsForSharedHoldersAndSharedOnesShare) {

@@ -72,9 +72,9 @@ std::unordered_set<std::string> committed_files(const std::string& dir);
 // alternate_shard_file_name when the committed index references the former.
 std::string shard_file_name_to_write(const std::string& dir, int64_t rank, int64_t world_size);
 
-// One rank's save into an existing `dir`: under the shared directory lock, refuses a committed `dir` unless `overwrite`,
-// removes this rank's stale temporaries, and writes its file (write_shard_file) under
-// shard_file_name_to_write. Returns the file's size in bytes.
+// One rank's save into an existing `dir`: under the shared directory lock, refuses a committed
+// `dir` unless `overwrite`, removes this rank's stale temporaries, and writes its file
+// (write_shard_file) under shard_file_name_to_write. Returns the file's size in bytes.
 uint64_t save_shard_to_dir(const std::string& dir, std::vector<TensorToWrite> tensors,
                            const WriteOptions& options, bool overwrite);
 
