@@ -163,9 +163,8 @@ MUTANTS = {
         [pytest("python_tests/test_sharded_ema_local.py", "-k", "written_out")]),
     "commit-before-the-barrier": (
         "python/fsdp_ema/_collective.py",
-        "    agree(error)  # also the barrier: every rank's file is durable past here\n"
-        "    error = None\n    if rank == 0:",
-        "    if rank == 0 and error is None:",
+        "    nbytes = run(write)  # also the barrier: every rank's file is durable past here\n",
+        "    nbytes = write()\n",
         [pytest("python_tests/test_sharded_ema.py", "-k", "slow_rank")]),
     "strict-false-load-state-dict-loads-nothing": (
         "python/fsdp_ema/sharded_ema.py",

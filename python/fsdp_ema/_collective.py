@@ -1,4 +1,5 @@
-"""The one collective save sequence of a sharded checkpoint directory.
+"""The one collective save sequence of a sharded checkpoint directory, and the failure agreement
+every save and load step goes through (``agreed``).
 
 ``ShardedEMA.save``, ``save_shard_weights`` and ``save_training_state`` all save through
 ``save_collective``: every rank checks the directory, all agree, every rank writes its file, all
@@ -10,15 +11,18 @@ the ops (``fsdp_ema/format/layout.h``). Reads go through ``_layouts.read_request
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from . import checkpoint as _ckpt
 from ._dist import raise_if_any_rank_failed
+
+T = TypeVar("T")
 
 
 def rank_world(group) -> tuple[int, int]:
@@ -35,6 +39,21 @@ def check_fresh(directory: str, overwrite: bool) -> None:
                               f"overwrite=True to replace it")
 
 
+def agreed(fn: Callable[[], T], *, group, device: torch.device, what: str) -> T:
+    """Collective: ``fn()`` on every rank, then the failure agreement: if it raised on any rank,
+    every rank raises (naming the ranks that failed; a single process re-raises the error
+    itself). Every step of every save and load goes through it, so that one rank's failure can
+    never leave the others waiting in a later collective, and nothing is written before every
+    rank has read and checked what it will write."""
+    value, error = None, None
+    try:
+        value = fn()
+    except Exception as e:  # noqa: BLE001 (re-raised on every rank below)
+        error = e
+    raise_if_any_rank_failed(error, group, what, device)
+    return value
+
+
 def save_collective(directory: str | os.PathLike, pieces: Callable[[], Mapping[str, Any]], *,
                     group, device: torch.device, what: str, overwrite: bool,
                     collective_pieces: bool = True) -> int:
@@ -47,34 +66,24 @@ def save_collective(directory: str | os.PathLike, pieces: Callable[[], Mapping[s
     is written."""
     directory = os.fspath(directory)
     rank, world = rank_world(group)
+    run = functools.partial(agreed, group=group, device=device, what=what)
 
-    def agree(error):
-        raise_if_any_rank_failed(error, group, what, device)
-
-    error, shards = None, None
-    try:
+    def check() -> Mapping[str, Any] | None:
         check_fresh(directory, overwrite)
-        if not collective_pieces:
-            shards = pieces()
-    except Exception as e:  # noqa: BLE001 (re-raised on every rank below)
-        error = e
-    agree(error)
-    # An overwrite keeps the old checkpoint whole until the new index lands (the new files go
-    # under names the old index does not reference; the commit removes the old ones afterwards).
-    nbytes, error = 0, None
-    try:
-        if shards is None:
-            shards = pieces()
-        nbytes = _ckpt.save_shard(directory, shards, rank=rank, world_size=world,
-                                  overwrite=overwrite)
-    except Exception as e:  # noqa: BLE001
-        error = e
-    agree(error)  # also the barrier: every rank's file is durable past here
-    error = None
-    if rank == 0:
-        try:
+        return None if collective_pieces else pieces()
+
+    def write() -> int:
+        # An overwrite keeps the old checkpoint whole until the new index lands (the new files go
+        # under names the old index does not reference; the commit removes the old ones after).
+        shards = ready if ready is not None else pieces()
+        return _ckpt.save_shard(directory, shards, rank=rank, world_size=world,
+                                overwrite=overwrite)
+
+    def commit() -> None:
+        if rank == 0:
             _ckpt.commit(directory, world, overwrite=overwrite)
-        except Exception as e:  # noqa: BLE001
-            error = e
-    agree(error)
+
+    ready = run(check)
+    nbytes = run(write)  # also the barrier: every rank's file is durable past here
+    run(commit)
     return nbytes

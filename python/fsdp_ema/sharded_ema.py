@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint as _ckpt
-from ._collective import save_collective
+from ._collective import agreed, save_collective
 from ._dist import check_dtype_kind, comm_device, raise_if_any_rank_failed
 from ._full_state import (DEFAULT_BUCKET_BYTES, DEFAULT_MAX_FILE_BYTES, Part, full_buckets)
 from ._full_state import export as _export
@@ -491,8 +491,7 @@ class ShardedEMA:
         # Everything that can fail (reading the index, names, shapes, dtypes, data, checksums)
         # happens on every rank before the agreement; the EMA is written only after it, so one
         # rank's failure raises everywhere and leaves every rank's EMA as it was.
-        values, error = [], None
-        try:
+        def read() -> list[dict[str, torch.Tensor]]:
             info = _ckpt.info(directory)
             available = {k: torch.Size(v["shape"]) for k, v in info["tensors"].items()}
             self._check_names(available, strict, "load")
@@ -504,11 +503,10 @@ class ShardedEMA:
                 for fqn, _ in slot.names():
                     if fqn in loaded:
                         check_dtype_kind(fqn, loaded[fqn].dtype, ema.dtype)
-            values = [{fqn: slot.from_file(fqn, loaded[fqn])
-                       for fqn, _ in slot.names() if fqn in loaded} for slot in self._slots]
-        except Exception as e:  # noqa: BLE001
-            error = e
-        self._agree(error, what)
+            return [{fqn: slot.from_file(fqn, loaded[fqn])
+                     for fqn, _ in slot.names() if fqn in loaded} for slot in self._slots]
+
+        values = agreed(read, group=self._group, device=self._device, what=what)
         for slot, ema, v in zip(self._slots, self._ema, values):
             slot.assign(ema, v)
 

@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from . import checkpoint as _ckpt
 from ._collective import rank_world as _rank_world
-from ._collective import save_collective
-from ._dist import check_dtype_kind, raise_if_any_rank_failed
+from ._collective import agreed, save_collective
+from ._dist import check_dtype_kind
 from ._layouts import (ReadRequest, dtensor_read, is_dtensor, is_sharded_tensor, pieces_of,
                        read_requests, sharded_tensor_read, torch_dtype)
 
@@ -315,10 +315,6 @@ def _default_group():
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
-def _agree(error, group, what) -> None:
-    raise_if_any_rank_failed(error, group, what, torch.device("cpu"))
-
-
 def _state_options():
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -516,11 +512,11 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     # JSON document, extra, its RNG states, every tensor's data and dtype) and all ranks agree:
     # a failure anywhere raises on every rank and leaves model, optimizer, EMA and RNGs as they
     # were.
-    doc, available, extra, rng_state, error = None, None, None, None, None
-    try:
+    def read_doc():
         info = _ckpt.info(directory)
         doc = read_training_state_json(directory, verify=verify, info=info)
         available = info["tensors"]
+        rng_state = None
         for part, given in (("model", model), ("optimizer", optimizer), ("ema", ema)):
             if given is not None and doc.get(part) is None:
                 raise ValueError(f"the checkpoint holds no {part} state")
@@ -537,17 +533,17 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
             rng_state = _checked_rng_state(
                 _tensor_json(_ckpt.load(directory, [name], verify=verify)[name]),
                 f"{directory}: {name}")
-    except Exception as e:  # noqa: BLE001
-        error = e
-    _agree(error, group, what)
+        return info, doc, extra, rng_state
+
+    info, doc, extra, rng_state = agreed(read_doc, group=group, device=torch.device("cpu"),
+                                         what=what)
 
     # Templates (collective for FSDP1; the optimizer's state is initialized if it is empty).
     optim_sd = _optim_state(model, optimizer) if optimizer is not None else None
     model_sd = _model_state(model) if model is not None else None
     ema_sd = ema.state_dict() if ema is not None else None
 
-    error, reads = None, []
-    try:
+    def read_tensors(model_sd):
         targets: list[_Target] = []
         if model_sd is not None:
             saved = set(doc["model"]["tensors"])
@@ -595,9 +591,10 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
             if doc["ema"]["step"] is not None:
                 ema_sd[step_key] = torch.tensor(doc["ema"]["step"], dtype=torch.int64)
         reads = _read_all(directory, targets, info, verify)
-    except Exception as e:  # noqa: BLE001
-        error = e
-    _agree(error, group, what)
+        return model_sd, reads
+
+    model_sd, reads = agreed(lambda: read_tensors(model_sd), group=group,
+                             device=torch.device("cpu"), what=what)
 
     with torch.no_grad():
         for target, value in reads:
