@@ -410,10 +410,12 @@ class ShardedEMA:
         process group writes each bucket's tensors into place as it arrives, so no rank holds
         more than a bucket. Returns the bytes of tensor data written.
 
-        ``dtype`` (float32/float64/bfloat16/float16) casts the floating tensors; others are
-        written as they are. Files are written under hidden temporary names, fsync'd and
-        renamed into place, the index last; weight files of an earlier export in ``path`` are
-        replaced only with ``overwrite=True``. A failure raises on every rank.
+        ``dtype`` (float32/float64/bfloat16/float16) casts the F64/F32/F16/BF16 tensors;
+        others are written as they are. The writer is ``torch.classes.fsdp_ema.ExportWriter``
+        (format/'s, the one ``fsdp-ema export`` uses: the same tensors give the same bytes):
+        files staged in a hidden directory in ``path``, fsync'd and renamed into place, the
+        index last; weight files of an earlier export in ``path`` are replaced only with
+        ``overwrite=True``. A failure raises on every rank.
         """
         path = os.fspath(path)
         what = f"ShardedEMA.export({path!r})"
