@@ -1,4 +1,4 @@
-#include "format/checkpoint_dir.h"
+#include "fsdp_ema/format/checkpoint_dir.h"
 
 #include <dirent.h>
 #include <sys/stat.h>
@@ -12,11 +12,11 @@
 #include <set>
 #include <unordered_map>
 
-#include "format/checksum.h"
-#include "format/error.h"
-#include "format/file_util.h"
-#include "format/json_strict.h"
-#include "format/parallel.h"
+#include "fsdp_ema/format/checksum.h"
+#include "fsdp_ema/format/error.h"
+#include "fsdp_ema/format/file_util.h"
+#include "fsdp_ema/format/json_strict.h"
+#include "fsdp_ema/format/parallel.h"
 
 namespace fsdp_ema::format {
 namespace {
@@ -149,20 +149,6 @@ void check_dcp_file_set(const std::string& dir, const std::vector<std::string>& 
 
 std::string_view layout_name(CheckpointLayout layout) {
   return layout == CheckpointLayout::kFsdpEma ? "fsdp_ema" : "dcp-huggingface";
-}
-
-RowRange chunk_rows(int64_t rows, int64_t rank, int64_t world) {
-  if (rows < 0 || world < 1 || rank < 0 || rank >= world) {
-    throw FormatError("chunk_rows: need rows >= 0 and 0 <= rank < world, got rows " +
-                      std::to_string(rows) + ", rank " + std::to_string(rank) + ", world " +
-                      std::to_string(world));
-  }
-  const int64_t cs = rows / world + (rows % world != 0 ? 1 : 0);
-  // rank * cs can exceed int64_t only when it is past the end anyway.
-  const __int128 begin128 = static_cast<__int128>(rank) * cs;
-  const int64_t begin = begin128 >= rows ? rows : static_cast<int64_t>(begin128);
-  const int64_t end = cs > rows - begin ? rows : begin + cs;
-  return {begin, end};
 }
 
 struct CheckpointDir::Impl {

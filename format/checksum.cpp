@@ -1,8 +1,8 @@
-#include "format/checksum.h"
+#include "fsdp_ema/format/checksum.h"
 
 #include <utility>
 
-#include "format/xxh3_ops.h"
+#include "fsdp_ema/format/xxh3_ops.h"
 
 namespace fsdp_ema::format {
 namespace {

@@ -1,4 +1,4 @@
-#include "format/dtype.h"
+#include "fsdp_ema/format/dtype.h"
 
 #include <array>
 

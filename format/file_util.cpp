@@ -1,4 +1,4 @@
-#include "format/file_util.h"
+#include "fsdp_ema/format/file_util.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -13,7 +13,7 @@
 #include <random>
 #include <utility>
 
-#include "format/error.h"
+#include "fsdp_ema/format/error.h"
 
 namespace fsdp_ema::format::detail {
 

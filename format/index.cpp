@@ -1,4 +1,4 @@
-#include "format/index.h"
+#include "fsdp_ema/format/index.h"
 
 #include <limits.h>
 #include <stdlib.h>
@@ -11,15 +11,15 @@
 #include <set>
 #include <unordered_map>
 
-#include "format/checksum.h"
-#include "format/error.h"
-#include "format/file_util.h"
-#include "format/json_strict.h"
-#include "format/name_index.h"
-#include "format/parallel.h"
-#include "format/recent_shards.h"
-#include "format/shard_file.h"
-#include "format/shard_writer.h"
+#include "fsdp_ema/format/checksum.h"
+#include "fsdp_ema/format/error.h"
+#include "fsdp_ema/format/file_util.h"
+#include "fsdp_ema/format/json_strict.h"
+#include "fsdp_ema/format/name_index.h"
+#include "fsdp_ema/format/parallel.h"
+#include "fsdp_ema/format/recent_shards.h"
+#include "fsdp_ema/format/shard_file.h"
+#include "fsdp_ema/format/shard_writer.h"
 
 namespace fsdp_ema::format {
 namespace {

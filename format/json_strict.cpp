@@ -1,11 +1,11 @@
-#include "format/json_strict.h"
+#include "fsdp_ema/format/json_strict.h"
 
 #include <charconv>
 #include <cstring>
 #include <limits>
 #include <memory>
 
-#include "format/error.h"
+#include "fsdp_ema/format/error.h"
 
 namespace fsdp_ema::format::detail {
 namespace {

@@ -1,4 +1,4 @@
-#include "format/parallel.h"
+#include "fsdp_ema/format/parallel.h"
 
 #include <algorithm>
 #include <atomic>

@@ -1,13 +1,13 @@
-#include "format/recent_shards.h"
+#include "fsdp_ema/format/recent_shards.h"
 
 #include <deque>
 #include <mutex>
 #include <utility>
 
-#include "format/checksum.h"
-#include "format/error.h"
-#include "format/file_util.h"
-#include "format/safetensors_header.h"
+#include "fsdp_ema/format/checksum.h"
+#include "fsdp_ema/format/error.h"
+#include "fsdp_ema/format/file_util.h"
+#include "fsdp_ema/format/safetensors_header.h"
 
 namespace fsdp_ema::format::detail {
 namespace {

@@ -1,11 +1,11 @@
-#include "format/safetensors_header.h"
+#include "fsdp_ema/format/safetensors_header.h"
 
 #include <algorithm>
 #include <charconv>
 #include <cstring>
 
-#include "format/error.h"
-#include "format/json_strict.h"
+#include "fsdp_ema/format/error.h"
+#include "fsdp_ema/format/json_strict.h"
 
 namespace fsdp_ema::format {
 namespace {

@@ -1,4 +1,4 @@
-#include "format/safetensors_writer.h"
+#include "fsdp_ema/format/safetensors_writer.h"
 
 #include <algorithm>
 #include <condition_variable>
@@ -10,10 +10,10 @@
 #include <numeric>
 #include <thread>
 
-#include "format/checksum.h"
-#include "format/error.h"
-#include "format/file_util.h"
-#include "format/safetensors_header.h"
+#include "fsdp_ema/format/checksum.h"
+#include "fsdp_ema/format/error.h"
+#include "fsdp_ema/format/file_util.h"
+#include "fsdp_ema/format/safetensors_header.h"
 
 namespace fsdp_ema::format {
 namespace {

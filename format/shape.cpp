@@ -1,4 +1,4 @@
-#include "format/shape.h"
+#include "fsdp_ema/format/shape.h"
 
 #include <charconv>
 

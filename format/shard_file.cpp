@@ -1,4 +1,4 @@
-#include "format/shard_file.h"
+#include "fsdp_ema/format/shard_file.h"
 
 #include <algorithm>
 #include <charconv>
@@ -11,12 +11,12 @@
 #include <unordered_map>
 #include <utility>
 
-#include "format/checksum.h"
-#include "format/error.h"
-#include "format/file_util.h"
-#include "format/json_strict.h"
-#include "format/name_index.h"
-#include "format/parallel.h"
+#include "fsdp_ema/format/checksum.h"
+#include "fsdp_ema/format/error.h"
+#include "fsdp_ema/format/file_util.h"
+#include "fsdp_ema/format/json_strict.h"
+#include "fsdp_ema/format/name_index.h"
+#include "fsdp_ema/format/parallel.h"
 
 namespace fsdp_ema::format {
 namespace {

@@ -1,4 +1,4 @@
-#include "format/shard_writer.h"
+#include "fsdp_ema/format/shard_writer.h"
 
 #include <cstdio>
 #include <limits>
@@ -7,13 +7,13 @@
 #include <unordered_set>
 #include <utility>
 
-#include "format/checksum.h"
-#include "format/error.h"
-#include "format/file_util.h"
-#include "format/json_strict.h"
-#include "format/recent_shards.h"
-#include "format/safetensors_writer.h"
-#include "format/shard_file.h"
+#include "fsdp_ema/format/checksum.h"
+#include "fsdp_ema/format/error.h"
+#include "fsdp_ema/format/file_util.h"
+#include "fsdp_ema/format/json_strict.h"
+#include "fsdp_ema/format/recent_shards.h"
+#include "fsdp_ema/format/safetensors_writer.h"
+#include "fsdp_ema/format/shard_file.h"
 
 namespace fsdp_ema::format {
 namespace {
@@ -82,19 +82,6 @@ TensorToWrite TensorToWrite::full(std::string name, DType dtype, Shape shape, co
   t.shape = std::move(shape);
   t.host_data = data;
   return t;
-}
-
-std::string shard_file_name(int64_t rank, int64_t world_size) {
-  char buf[96];
-  std::snprintf(buf, sizeof(buf), "shard-%05lld-of-%05lld.safetensors",
-                static_cast<long long>(rank), static_cast<long long>(world_size));
-  return buf;
-}
-
-std::string alternate_shard_file_name(int64_t rank, int64_t world_size) {
-  std::string name = shard_file_name(rank, world_size);
-  name.insert(name.size() - std::string_view(".safetensors").size(), ".b");
-  return name;
 }
 
 uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> tensors,

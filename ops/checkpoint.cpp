@@ -9,97 +9,20 @@
 #include <c10/util/accumulate.h>
 #include <c10/util/irange.h>
 
-#include <fcntl.h>
-#include <sys/file.h>
-#include <signal.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <cstring>
-#include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <unordered_set>
 
-#include "format/checkpoint_dir.h"
-#include "format/commit.h"
-#include "format/error.h"
-#include "format/index.h"
-#include "format/shard_file.h"
-#include "format/shard_writer.h"
+#include "fsdp_ema/format/checkpoint_dir.h"
+#include "fsdp_ema/format/index.h"
+#include "fsdp_ema/format/layout.h"
+#include "fsdp_ema/format/shard_file.h"
+#include "fsdp_ema/format/shard_writer.h"
 
 namespace fsdp_ema::ops {
 namespace {
 
-// Format errors surface as c10::Error (RuntimeError in Python) with the op's name in front.
-template <typename F>
-auto translate_errors(const char* op, F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const format::FormatError& e) {
-    TORCH_CHECK(false, op, e.what());
-  }
-}
-
-std::string join(c10::string_view directory, const std::string& file) {
-  std::string dir(directory);
-  if (!dir.empty() && dir.back() != '/') dir += '/';
-  return dir + file;
-}
-
 format::Shape to_shape(at::IntArrayRef s) { return format::Shape(s.begin(), s.end()); }
-
-// An advisory lock on a checkpoint directory (flock on the directory itself, so no file is
-// created). Writers of shard files hold it shared, so ranks on one node still write in parallel;
-// the commit holds it exclusively. So a commit never runs while a shard file is being renamed in,
-// and once committed, no later shard file can replace one that the index describes. flock is
-// coherent within a node; across nodes on a shared file system, ranks are ordered by the
-// collectives of the Python front (every rank's file is written before rank 0 commits).
-class DirectoryLock {
- public:
-  DirectoryLock(const char* op, const std::string& dir, bool exclusive) {
-    fd_ = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    TORCH_CHECK(fd_ >= 0, op, "directory '", dir, "' cannot be opened: ", std::strerror(errno));
-    while (::flock(fd_, exclusive ? LOCK_EX : LOCK_SH) != 0) {
-      if (errno == EINTR) continue;
-      const int err = errno;
-      ::close(fd_);
-      TORCH_CHECK(false, op, "directory '", dir, "' cannot be locked: ", std::strerror(err));
-    }
-  }
-  ~DirectoryLock() {
-    ::flock(fd_, LOCK_UN);
-    ::close(fd_);
-  }
-  DirectoryLock(const DirectoryLock&) = delete;
-  DirectoryLock& operator=(const DirectoryLock&) = delete;
-
- private:
-  int fd_ = -1;
-};
-
-// Removes the temporaries of `file` (".<file>.tmp-<pid>-<random>", see format/file_util.cpp) whose
-// writing process no longer exists: what a crash during an earlier save left behind. Temporaries
-// of live writers are kept. Only this rank's file name is looked at, so other ranks writing the
-// same directory at the same time are never touched.
-void remove_stale_temporaries(const std::string& dir, const std::string& file) {
-  const std::string prefix = "." + file + ".tmp-";
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind(prefix, 0) != 0) continue;
-    const long pid = std::strtol(name.c_str() + prefix.size(), nullptr, 10);
-    if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
-      std::filesystem::remove(entry.path(), ec);
-    }
-  }
-}
-
-bool is_committed(const std::string& dir) {
-  struct stat st {};
-  return ::stat((dir + "/" + std::string(format::kIndexFileName)).c_str(), &st) == 0;
-}
 
 // The validated request of one save_shard call.
 struct SaveRequest {
@@ -160,48 +83,6 @@ SaveRequest validate_save(const char* op, int64_t rank, int64_t world_size,
 
 }  // namespace
 
-std::optional<format::DType> format_dtype_of(at::ScalarType t) {
-  switch (t) {
-    case at::kDouble: return format::DType::kF64;
-    case at::kFloat: return format::DType::kF32;
-    case at::kHalf: return format::DType::kF16;
-    case at::kBFloat16: return format::DType::kBF16;
-    case at::kLong: return format::DType::kI64;
-    case at::kInt: return format::DType::kI32;
-    case at::kShort: return format::DType::kI16;
-    case at::kChar: return format::DType::kI8;
-    case at::kByte: return format::DType::kU8;
-    case at::kBool: return format::DType::kBool;
-    case at::kFloat8_e4m3fn: return format::DType::kF8E4M3;
-    case at::kFloat8_e5m2: return format::DType::kF8E5M2;
-    default: return std::nullopt;
-  }
-}
-
-format::DType to_format_dtype(at::ScalarType t, const std::string& what) {
-  const auto d = format_dtype_of(t);
-  TORCH_CHECK(d, what, " has dtype ", t, ", which safetensors cannot store");
-  return *d;
-}
-
-at::ScalarType to_scalar_type(format::DType d) {
-  switch (d) {
-    case format::DType::kF64: return at::kDouble;
-    case format::DType::kF32: return at::kFloat;
-    case format::DType::kF16: return at::kHalf;
-    case format::DType::kBF16: return at::kBFloat16;
-    case format::DType::kI64: return at::kLong;
-    case format::DType::kI32: return at::kInt;
-    case format::DType::kI16: return at::kShort;
-    case format::DType::kI8: return at::kChar;
-    case format::DType::kU8: return at::kByte;
-    case format::DType::kBool: return at::kBool;
-    case format::DType::kF8E4M3: return at::kFloat8_e4m3fn;
-    case format::DType::kF8E5M2: return at::kFloat8_e5m2;
-  }
-  TORCH_CHECK(false, "fsdp_ema: unknown format dtype");
-}
-
 at::Tensor save_shard(c10::string_view directory, int64_t rank, int64_t world_size,
                       const std::vector<std::string>& names, at::TensorList shards,
                       at::IntArrayRef offsets, at::IntArrayRef global_shapes, bool fsync,
@@ -239,18 +120,9 @@ at::Tensor save_shard(c10::string_view directory, int64_t rank, int64_t world_si
     };
     options.free_buffer = [](void*) {};  // the tensors in `staging` own the memory
   }
-  const std::string dir(directory);
-  const DirectoryLock lock(kOp, dir, /*exclusive=*/false);
-  TORCH_CHECK(overwrite || !is_committed(dir), kOp, "directory '", directory,
-              "' is already committed (", format::kIndexFileName,
-              " exists); save into a fresh directory, or pass overwrite=True to replace it");
   const auto bytes = translate_errors(kOp, [&] {
-    // An overwrite writes under a name the committed index does not reference (format/commit.h):
-    // the old checkpoint stays whole until the commit replaces its index.
-    const std::string file = format::shard_file_name_to_write(dir, rank, world_size);
-    remove_stale_temporaries(dir, file);
-    return static_cast<int64_t>(
-        format::write_shard_file(join(directory, file), std::move(req.tensors), options));
+    return static_cast<int64_t>(format::save_shard_to_dir(
+        std::string(directory), std::move(req.tensors), options, overwrite));
   });
   return at::scalar_tensor(bytes, at::TensorOptions().dtype(at::kLong));
 }
@@ -259,11 +131,10 @@ int64_t commit_checkpoint(c10::string_view directory, int64_t world_size, bool o
                           bool fsync) {
   constexpr const char* kOp = "fsdp_ema::commit_checkpoint: ";
   TORCH_CHECK(world_size >= 1, kOp, "world_size must be >= 1, got ", world_size);
-  const std::string dir(directory);
-  const DirectoryLock lock(kOp, dir, /*exclusive=*/true);
   return translate_errors(kOp, [&] {
     return static_cast<int64_t>(
-        format::commit_directory(dir, world_size, overwrite, fsync).tensors.size());
+        format::commit_directory(std::string(directory), world_size, overwrite, fsync)
+            .tensors.size());
   });
 }
 
@@ -405,11 +276,40 @@ std::string checkpoint_info(c10::string_view directory) {
     j["tensors"] = nlohmann::json::object();
     for (const auto& t : dir.tensors()) {
       j["tensors"][t.name] = {{"dtype", std::string(format::dtype_name(t.dtype))},
+                              {"torch_dtype", torch_dtype_name(t.dtype)},
                               {"shape", t.shape}};
     }
     j["metadata"] = dir.index().metadata;
     return j.dump();
   });
+}
+
+}  // namespace fsdp_ema::ops
+
+namespace fsdp_ema::ops {
+
+bool prepare_checkpoint(c10::string_view directory) {
+  return translate_errors("fsdp_ema::prepare_checkpoint: ",
+                          [&] { return format::prepare_checkpoint_dir(std::string(directory)); });
+}
+
+void write_sidecar(c10::string_view directory, c10::string_view name, c10::string_view content,
+                   bool fsync) {
+  translate_errors("fsdp_ema::write_sidecar: ", [&] {
+    format::write_sidecar(std::string(directory), std::string_view(name.data(), name.size()),
+                          std::string_view(content.data(), content.size()), fsync);
+  });
+}
+
+std::vector<std::string> committed_checkpoints(c10::string_view root, bool follow_links) {
+  return translate_errors("fsdp_ema::committed_checkpoints: ", [&] {
+    return format::committed_checkpoints(std::string(root), follow_links);
+  });
+}
+
+void remove_checkpoint(c10::string_view directory) {
+  translate_errors("fsdp_ema::remove_checkpoint: ",
+                   [&] { format::remove_checkpoint(std::string(directory)); });
 }
 
 }  // namespace fsdp_ema::ops

@@ -1,6 +1,8 @@
 // Host side of the checkpoint ops: save_shard, commit_checkpoint, load_shard, load_tensors,
-// checkpoint_info. The file format itself lives in format/ (torch-free); this file adapts torch
-// tensors to it and back.
+// checkpoint_info, and the directory ops the Python front needs (prepare_checkpoint,
+// write_sidecar, committed_checkpoints, remove_checkpoint). The file format and every rule of the
+// directory layout live in format/ (torch-free; layout.h); this file adapts torch tensors to it and
+// back. dtype maps and error translation: ops/format_bridge.h.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -14,19 +16,15 @@
 #include <utility>
 #include <vector>
 
-#include "format/checkpoint_dir.h"
-#include "format/dtype.h"
+#include "fsdp_ema/format/checkpoint_dir.h"
+#include "fsdp_ema/format/dtype.h"
+#include "ops/format_bridge.h"
 
 namespace fsdp_ema::ops {
 
-// The safetensors dtype of a torch dtype; nullopt for one safetensors cannot store.
-std::optional<format::DType> format_dtype_of(at::ScalarType t);
-format::DType to_format_dtype(at::ScalarType t, const std::string& what);
-at::ScalarType to_scalar_type(format::DType d);
-
 // Writes one rank's local shards to <directory>/shard-<rank>-of-<world_size>.safetensors (with
 // overwrite, into a committed directory: under a name its index does not reference, see
-// format/commit.h; without, a committed directory is refused).
+// fsdp_ema/format/layout.h; without, a committed directory is refused).
 //   names:         [N]    fully qualified names
 //   shards:        [N]    local shards (any device; CUDA staged through pinned memory)
 //   offsets:       [sum of shards[i].dim()]  global offset of each shard, concatenated
@@ -75,7 +73,19 @@ at::Tensor read_rows(const std::shared_ptr<const format::CheckpointDir>& dir,
 void verify_pieces(const format::CheckpointDir& dir,
                    const std::vector<std::pair<const format::IndexTensor*, format::RowRange>>& plan);
 
-// JSON: {"layout", "world_size", "tensors": {name: {"dtype", "shape"}}, "metadata"}.
+// JSON: {"layout", "world_size", "tensors": {name: {"dtype", "torch_dtype", "shape"}},
+// "metadata"}; "torch_dtype" is the torch attribute name ("float32").
 std::string checkpoint_info(c10::string_view directory);
+
+// Creates `directory` (and parents) if missing; true when it holds a committed checkpoint already
+// (format::prepare_checkpoint_dir).
+bool prepare_checkpoint(c10::string_view directory);
+// A small file beside the shard files, written atomically (format::write_sidecar).
+void write_sidecar(c10::string_view directory, c10::string_view name, c10::string_view content,
+                   bool fsync);
+// Names of the committed checkpoint directories in `root`, in name order.
+std::vector<std::string> committed_checkpoints(c10::string_view root, bool follow_links);
+// Removes a checkpoint directory, index first (format::remove_checkpoint).
+void remove_checkpoint(c10::string_view directory);
 
 }  // namespace fsdp_ema::ops

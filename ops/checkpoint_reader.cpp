@@ -8,8 +8,7 @@
 #include <map>
 #include <sstream>
 
-#include "format/checkpoint_dir.h"
-#include "format/error.h"
+#include "fsdp_ema/format/checkpoint_dir.h"
 #include "ops/checkpoint.h"
 
 namespace fsdp_ema {
@@ -19,11 +18,7 @@ constexpr const char* kWhere = "fsdp_ema::CheckpointReader: ";
 
 template <typename F>
 auto translate(F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const format::FormatError& e) {
-    TORCH_CHECK(false, kWhere, e.what());
-  }
+  return ops::translate_errors(kWhere, std::forward<F>(f));
 }
 
 std::string join_names(const std::vector<std::string>& names, size_t limit = 20) {

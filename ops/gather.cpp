@@ -9,7 +9,7 @@
 
 #include <algorithm>
 
-#include "format/checkpoint_dir.h"
+#include "fsdp_ema/format/rows.h"
 #include "kernels/batched_copy.h"
 
 namespace fsdp_ema::ops {

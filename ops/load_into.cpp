@@ -13,8 +13,8 @@
 #include <algorithm>
 #include <memory>
 
-#include "format/error.h"
 #include "ops/checkpoint.h"
+#include "ops/format_bridge.h"
 
 namespace fsdp_ema::ops {
 namespace {
@@ -35,13 +35,10 @@ void load_into_(c10::string_view directory, const std::vector<std::string>& name
               rank, " with world_size ", world_size);
   TORCH_CHECK(names.size() == out.size(), kOp, "names has ", names.size(),
               " entries but out has ", out.size());
-  std::shared_ptr<const format::CheckpointDir> dir;
-  try {
-    dir = std::make_shared<const format::CheckpointDir>(
+  const auto dir = translate_errors(kOp, [&] {
+    return std::make_shared<const format::CheckpointDir>(
         format::CheckpointDir::open(std::string(directory)));
-  } catch (const format::FormatError& e) {
-    TORCH_CHECK(false, kOp, e.what());
-  }
+  });
 
   // Every destination against what is stored, before anything is read.
   std::vector<std::pair<const format::IndexTensor*, format::RowRange>> plan;
@@ -85,7 +82,7 @@ void load_into_(c10::string_view directory, const std::vector<std::string>& name
                 "') share memory");
   }
 
-  try {
+  translate_errors(kOp, [&] {
     // Every stored piece these reads touch is hashed first (once each, on the machine's cores),
     // so that a corrupted file is refused with every destination still untouched.
     if (verify) verify_pieces(*dir, plan);
@@ -110,9 +107,7 @@ void load_into_(c10::string_view directory, const std::vector<std::string>& name
         if (!direct) out[i].copy_(host);
       }
     });
-  } catch (const format::FormatError& e) {
-    TORCH_CHECK(false, kOp, e.what());
-  }
+  });
 }
 
 }  // namespace fsdp_ema::ops

@@ -89,7 +89,8 @@ def test_round_trip_many_tensors_and_info(tmp_path):
     assert nbytes == os.path.getsize(tmp_path / "shard-00000-of-00001.safetensors")
     meta = ckpt.info(tmp_path)
     assert meta["layout"] == "fsdp_ema" and meta["world_size"] == 1
-    assert meta["tensors"]["layers.5.w"] == {"dtype": "F32", "shape": [6, 3]}
+    assert meta["tensors"]["layers.5.w"] == {"dtype": "F32", "torch_dtype": "float32",
+                                           "shape": [6, 3]}
     loaded = ckpt.load(tmp_path)
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ KINDS = ["fsdp2", "fsdp1_orig", "fsdp1_flat", "plain"]
 # the op's workspace): over the bucket, so it must come alone; the biases share buckets.
 BUCKET = 500
 ALIGN = 16  # gather_shards' packed piece alignment
+CLI = Path(__file__).resolve().parents[1] / "build" / "bin" / "fsdp-ema"
 
 
 def _chunk_rows(rows, rank, world):
@@ -104,6 +107,7 @@ def run_full_and_export(rank, world, kind, directory):
     except RuntimeError as e:
         refused = str(e)
     ema.export(os.path.join(directory, "one"), overwrite=True, max_file_bytes=100)
+    ema.save(os.path.join(directory, "ckpt"))  # the same EMA, for the CLI's export
     return {"states": states, "entries": entries, "default": default, "on_device": on_device,
             "small": small, "events": rec.events, "shares_default": shares(default),
             "shares_on_device": shares(on_device), "totals": totals, "refused": refused}
@@ -210,3 +214,56 @@ def test_full_state_dict_and_export_equal_the_unsharded_ema(pools, tmp_path, wor
     for res in results:
         assert res["refused"] is not None and "failed on rank(s) [0]" in res["refused"]
     assert "pass overwrite=True" in results[0]["refused"]
+
+
+def _files(directory) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(Path(directory).iterdir())}
+
+
+def _cli_export(src, out, *args):
+    res = subprocess.run([str(CLI), "export", str(src), str(out), "-q", *map(str, args)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.skipif(not CLI.exists(), reason="fsdp-ema not built")
+@pytest.mark.parametrize("kind", ["fsdp2", "fsdp1_flat"])
+def test_python_export_and_cli_export_of_the_same_ema_are_byte_identical(pools, tmp_path, kind):
+    # ShardedEMA.export (gathered from 2 ranks while training runs) and `fsdp-ema export` of the
+    # same EMA saved as a checkpoint go through one writer (format::ExportWriter and
+    # export_consolidated share the plan, headers, index and cast): the same bytes, file by file.
+    pools.get(2).run(run_full_and_export, kind, str(tmp_path))
+    ckpt = tmp_path / "ckpt"
+    _cli_export(ckpt, tmp_path / "cli_many", "--max-file-size", "100B")
+    _cli_export(ckpt, tmp_path / "cli_bf16", "--dtype", "bf16")
+    for python, cli in (("many", "cli_many"), ("one", "cli_many"), ("bf16", "cli_bf16")):
+        got, want = _files(tmp_path / python), _files(tmp_path / cli)
+        assert list(got) == list(want), (python, list(got), list(want))
+        assert len(got) > (1 if python != "bf16" else 0)
+        for name in want:
+            assert got[name] == want[name], f"{python}/{name} differs from {cli}/{name}"
+
+
+def test_single_process_export_matches_the_cli_byte_for_byte(tmp_path):
+    # Mixed dtypes (an int64 buffer, a float16 EMA cast to bfloat16), one file and split.
+    if not CLI.exists():
+        pytest.skip("fsdp-ema not built")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7),
+                                torch.nn.Linear(7, 3))
+    ema = fsdp_ema.ShardedEMA(model, 0.5, dtype=torch.float16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    model(torch.randn(4, 5)).sum().backward()
+    ema.update()
+    ema.save(tmp_path / "ckpt")
+    cases = ((["--dtype", "bf16"], {"dtype": torch.bfloat16}),
+             (["--max-file-size", "64B"], {"max_file_bytes": 64}),
+             ([], {}))
+    for k, (args, kwargs) in enumerate(cases):
+        out_py, out_cli = tmp_path / f"py{k}", tmp_path / f"cli{k}"
+        ema.export(out_py, **kwargs)
+        _cli_export(tmp_path / "ckpt", out_cli, *args)
+        assert _files(out_py) == _files(out_cli), args
+    assert len(_files(tmp_path / "py1")) > 2  # the split case really split

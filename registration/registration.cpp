@@ -2,8 +2,10 @@
 // in registration_cuda.cpp so that a CPU-only build has no CUDA dependency.
 #include <torch/library.h>
 
+#include "fsdp_ema/format/names.h"
 #include "kernels/update_cpu.h"
 #include "ops/checkpoint.h"
+#include "ops/export.h"
 #include "ops/gather.h"
 #include "ops/load_into.h"
 #include "ops/update.h"
@@ -108,4 +110,45 @@ TORCH_LIBRARY_IMPL(fsdp_ema, Meta, m) {
     m.impl(name, &fsdp_ema::ops::update_meta);
     m.impl((std::string(name) + ".Tensor").c_str(), &fsdp_ema::ops::update_tensor_meta);
   }
+}
+
+// Checkpoint directory layout (#13): what the Python front needs so that it does no file-system
+// work on checkpoint directories itself; every rule is in format/ (fsdp_ema/format/layout.h).
+// No tensor arguments: one kernel for every backend, given with the schema. Those that change
+// files are CONSERVATIVE, so TorchScript never dead-code-eliminates them.
+TORCH_LIBRARY_FRAGMENT(fsdp_ema, m) {
+  // The index's file name, the commit marker (fsdp_ema/format/names.h).
+  m.def("index_file_name() -> str", [] { return std::string(fsdp_ema::format::kIndexFileName); });
+  // The name rank `rank` of `world_size` writes its shard file under (fsdp_ema/format/names.h).
+  m.def("shard_file_name(int rank, int world_size) -> str", [](int64_t rank, int64_t world_size) {
+    TORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size,
+                "fsdp_ema::shard_file_name: need 0 <= rank < world_size, got rank ", rank,
+                " and world_size ", world_size);
+    return fsdp_ema::format::shard_file_name(rank, world_size);
+  });
+  // Creates the directory (and parents) if missing; true when it holds a committed checkpoint.
+  m.def(torch::schema("prepare_checkpoint(str directory) -> bool",
+                      c10::AliasAnalysisKind::CONSERVATIVE),
+        &fsdp_ema::ops::prepare_checkpoint);
+  // A small file beside the shard files (not a layout name), written atomically.
+  m.def(torch::schema("write_sidecar(str directory, str name, str content, bool fsync=True) -> ()",
+                      c10::AliasAnalysisKind::CONSERVATIVE),
+        &fsdp_ema::ops::write_sidecar);
+  // The committed checkpoint directories directly inside root, in name order.
+  m.def("committed_checkpoints(str root, bool follow_links=True) -> str[]",
+        &fsdp_ema::ops::committed_checkpoints);
+  // Removes a checkpoint directory: the index first, then everything else, never through a link.
+  m.def(
+      torch::schema("remove_checkpoint(str directory) -> ()", c10::AliasAnalysisKind::CONSERVATIVE),
+      &fsdp_ema::ops::remove_checkpoint);
+  // The streaming Hugging Face export writer (format::ExportWriter): ShardedEMA.export writes
+  // what `fsdp-ema export` writes, byte for byte.
+  m.class_<fsdp_ema::ops::ExportWriter>("ExportWriter")
+      .def(torch::init<const std::string&, const std::vector<std::string>&,
+                       const std::vector<at::Tensor>&, std::optional<at::ScalarType>, int64_t, bool,
+                       bool>())
+      .def("write", &fsdp_ema::ops::ExportWriter::write)
+      .def("finish", &fsdp_ema::ops::ExportWriter::finish)
+      .def("abort", &fsdp_ema::ops::ExportWriter::abort)
+      .def("total_size", &fsdp_ema::ops::ExportWriter::total_size);
 }

@@ -87,7 +87,7 @@ MUTANTS = {
          pytest("python_tests/test_bad_inputs.py", "-k", "overlap")]),
     # --- format ---------------------------------------------------------------------------------
     "chunk-rows-cpp-remainder-one": (
-        "format/checkpoint_dir.cpp",
+        "format/rows.cpp",
         "const int64_t cs = rows / world + (rows % world != 0 ? 1 : 0);",
         "const int64_t cs = rows / world + (rows % world > 1 ? 1 : 0);",
         [pytest("python_tests/test_checkpoint.py", "-k", "resharding"),
@@ -148,7 +148,7 @@ MUTANTS = {
         [ctest("^format_fuzz_replay$")]),
     # --- Python ---------------------------------------------------------------------------------
     "chunk-rows-python-remainder-one": (
-        "python/fsdp_ema/_dist.py",
+        "python/fsdp_ema/_layouts.py",
         "size = -(-rows // world_size)",
         "size = rows // world_size + (rows % world_size > 1)",
         [pytest("python_tests/test_sharded_ema.py", "-k", "read_at_1 and plain")]),
@@ -168,10 +168,9 @@ MUTANTS = {
         "return self.warmup(step, self.decay) if self.warmup else self.decay",
         [pytest("python_tests/test_sharded_ema_local.py", "-k", "written_out")]),
     "commit-before-the-barrier": (
-        "python/fsdp_ema/sharded_ema.py",
-        "        self._agree(error, what)  # also the barrier: every rank's file is durable past "
-        "here\n        error = None\n        if rank == 0:",
-        "        if rank == 0 and error is None:",
+        "python/fsdp_ema/_collective.py",
+        "    nbytes = run(write)  # also the barrier: every rank's file is durable past here\n",
+        "    nbytes = write()\n",
         [pytest("python_tests/test_sharded_ema.py", "-k", "slow_rank")]),
     "strict-false-load-state-dict-loads-nothing": (
         "python/fsdp_ema/sharded_ema.py",

@@ -1,4 +1,5 @@
 // fsdp-ema: inspect, verify and export fsdp_ema (and DCP HuggingFace) checkpoint directories.
+// Reads a checkpoint under its shared directory lock, as every writer of the format takes it.
 // Exit status: 0 success, 1 failed check or unreadable checkpoint, 2 bad command line.
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -9,10 +10,11 @@
 #include <string>
 #include <vector>
 
-#include "format/checkpoint_dir.h"
-#include "format/error.h"
-#include "format/export.h"
-#include "format/index.h"
+#include "fsdp_ema/format/checkpoint_dir.h"
+#include "fsdp_ema/format/error.h"
+#include "fsdp_ema/format/export.h"
+#include "fsdp_ema/format/index.h"
+#include "fsdp_ema/format/layout.h"
 #include "tools/progress.h"
 #include "tools/terminal_text.h"
 
@@ -221,6 +223,10 @@ int main(int argc, char** argv) {
   }
 
   try {
+    // Every command reads the checkpoint under its shared directory lock (fsdp_ema/format/
+    // layout.h): a commit or a removal (exclusive) never runs while it reads, and it waits for
+    // one that is running; ranks saving shard files (shared) do not block it.
+    const fmt::DirectoryLock lock(dir, fmt::DirectoryLock::Mode::kShared);
     if (*inspect) return cmd_inspect(dir);
     if (*verify) return cmd_verify(dir, max_failures);
     if (*exp) {

@@ -1,20 +1,10 @@
-"""Small helpers shared by ShardedEMA, its FSDP1 layout code and the training-state code."""
+"""Small collective and dtype helpers shared by ShardedEMA, its FSDP1 layout code and the
+training-state code (the row rule ``chunk_rows`` is in ``_layouts``)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-
-def chunk_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
-    """Rows ``[begin, end)`` of ``torch.chunk(t, world_size)[rank]`` (empty past the last chunk).
-
-    This is FSDP2's ``Shard(0)`` layout, FSDP1's sharded state dict layout and the layout
-    ``fsdp_ema.checkpoint.load`` returns.
-    """
-    size = -(-rows // world_size)
-    begin = min(rank * size, rows)
-    return begin, min(begin + size, rows)
 
 
 def check_dtype_kind(name: str, saved: torch.dtype, here: torch.dtype) -> None:

@@ -18,7 +18,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ._dist import chunk_rows, comm_device
+from ._dist import comm_device
+from ._layouts import chunk_rows
 
 
 class Member(NamedTuple):

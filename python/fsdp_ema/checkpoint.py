@@ -38,8 +38,9 @@ __all__ = ["save_shard", "commit", "save", "load_shard", "load", "load_into", "i
 
 
 def shard_file_name(rank: int, world_size: int) -> str:
-    width = max(5, len(str(world_size)))
-    return f"shard-{rank:0{width}d}-of-{world_size:0{width}d}.safetensors"
+    """The file rank ``rank`` of ``world_size`` writes (format/'s rule: ``fsdp_ema/format/
+    names.h``)."""
+    return torch.ops.fsdp_ema.shard_file_name(rank, world_size)
 
 
 @contextlib.contextmanager
@@ -87,7 +88,7 @@ def save_shard(directory: str | os.PathLike, shards: Mapping[str, Shard], *, ran
     ``overwrite``: then the file goes under a name the committed index does not reference, and
     the old checkpoint stays loadable until ``commit(..., overwrite=True)`` replaces its index.
     """
-    os.makedirs(directory, exist_ok=True)
+    torch.ops.fsdp_ema.prepare_checkpoint(os.fspath(directory))  # creates it if missing
     with _gc_paused():
         names, tensors, offsets, global_shapes = _flatten(shards)
         return int(torch.ops.fsdp_ema.save_shard(os.fspath(directory), rank, world_size, names,

@@ -21,10 +21,7 @@ import math
 import numbers
 import os
 import random
-import shutil
-import stat
 import warnings
-from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,7 +30,11 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as _ckpt
-from ._dist import check_dtype_kind, chunk_rows, raise_if_any_rank_failed
+from ._collective import rank_world as _rank_world
+from ._collective import agreed, save_collective
+from ._dist import check_dtype_kind
+from ._layouts import (ReadRequest, dtensor_read, is_dtensor, is_sharded_tensor, pieces_of,
+                       read_requests, sharded_tensor_read, torch_dtype)
 
 __all__ = ["save_training_state", "load_training_state", "latest_checkpoint",
            "read_training_state_json", "META_TENSOR", "INDEX_NAME", "SIDECAR_NAME"]
@@ -42,7 +43,7 @@ __all__ = ["save_training_state", "load_training_state", "latest_checkpoint",
 META_TENSOR = "meta.training_state"
 #: Human-readable copy of that JSON, written beside the shard files before the commit.
 SIDECAR_NAME = "training_state.json"
-INDEX_NAME = "fsdp_ema.index.json"
+INDEX_NAME = torch.ops.fsdp_ema.index_file_name()  # format/'s name (fsdp_ema/format/names.h)
 FORMAT_NAME = "fsdp_ema.training_state"
 FORMAT_VERSION = 1
 
@@ -239,123 +240,44 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
 
 # --- tensors: what this rank writes, and where it reads from --------------------------------------
 
-def _is_dtensor(v) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(v, DTensor)
-
-
-def _is_sharded_tensor(v) -> bool:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    return isinstance(v, ShardedTensor)
-
-
-def _pieces(name: str, value, rank: int) -> dict[str, Any]:
-    """What this rank writes of ``value`` (docs/FORMAT.md §1.3): its non-empty box of a
-    sharded tensor (one replica only), a replicated, 0-dim or empty tensor from rank 0 only."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if _is_dtensor(value):
-        mesh, placements = value.device_mesh, tuple(value.placements)
-        coordinate = mesh.get_coordinate()
-        if coordinate is None:
-            return {}
-        if not all(type(p) in (Shard, Replicate) for p in placements):
-            raise ValueError(f"{name!r}: DTensor placements {placements} are not supported "
-                             f"(Shard and Replicate only)")
-        gshape = list(value.shape)
-        if value.dim() == 0 or value.numel() == 0:
-            if any(coordinate):
-                return {}
-            return {name: value._local_tensor if value.dim() == 0 else torch.empty(
-                gshape, dtype=value.dtype)}
-        if any(c for c, p in zip(coordinate, placements) if not isinstance(p, Shard)):
-            return {}  # another replica writes it
-        local = value._local_tensor
-        if local.numel() == 0:
-            return {}
-        shape, offsets = compute_local_shape_and_global_offset(value.shape, mesh, placements)
-        if tuple(shape) != tuple(local.shape):
-            raise RuntimeError(f"{name!r}: local shard {list(local.shape)} where the placements "
-                               f"{placements} imply {list(shape)}")
-        return {name: (local, list(offsets), gshape)}
-    if _is_sharded_tensor(value):
-        gshape = list(value.size())
-        if math.prod(gshape) == 0:
-            return {name: torch.empty(gshape, dtype=value.dtype)} if rank == 0 else {}
-        shards = [s for s in value.local_shards() if s.tensor.numel() > 0]
-        if len(shards) > 1:
-            raise ValueError(f"{name!r}: a ShardedTensor with {len(shards)} local shards on one "
-                             f"rank is not supported")
-        if not shards:
-            return {}
-        return {name: (shards[0].tensor, list(shards[0].metadata.shard_offsets), gshape)}
-    if isinstance(value, torch.Tensor):
-        return {name: value} if rank == 0 else {}
-    raise TypeError(f"{name!r}: not a tensor ({type(value).__name__})")
-
-
 class _Target:
     """One tensor of a template state dict to fill in place from the checkpoint: the local
-    tensor to write into, the (rank, world) request for ``fsdp_ema.checkpoint.load`` and, for
-    a whole-tensor request that is not this rank's layout, the box to cut out of it."""
+    tensor to write into (None when this rank holds none of it) and its read request
+    (``_layouts.ReadRequest``: what to ask ``fsdp_ema.checkpoint.load`` for, and the box to cut
+    out of a whole-tensor read)."""
 
     def __init__(self, name: str, value):
-        from torch.distributed.tensor import Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        self.name, self.box = name, None
-        if _is_dtensor(value):
+        self.name, self.read = name, ReadRequest((0, 1))
+        if is_dtensor(value):
             self.local = value._local_tensor
             self.shape = torch.Size(value.shape)
-            mesh, placements = value.device_mesh, tuple(value.placements)
-            self.request = (0, 1)
+            mesh = value.device_mesh
             if mesh.get_coordinate() is None:
                 self.local = None
                 return
-            if (value.dim() > 0 and mesh.ndim == 1 and len(placements) == 1
-                    and type(placements[0]) is Shard and placements[0].dim == 0):
-                k, n = mesh.get_local_rank(), mesh.size()
-                begin, end = chunk_rows(self.shape[0], k, n)
-                if list(self.local.shape) == [end - begin, *self.shape[1:]]:
-                    self.request = (k, n)
-                    return
-            if value.dim() > 0:
-                shape, offsets = compute_local_shape_and_global_offset(value.shape, mesh,
-                                                                       placements)
-                self.box = ([min(o, s) for o, s in zip(offsets, self.shape)], list(shape))
-        elif _is_sharded_tensor(value):
+            self.read = dtensor_read(mesh, tuple(value.placements), self.shape, self.local.shape)
+        elif is_sharded_tensor(value):
             self.shape = torch.Size(value.size())
             shards = value.local_shards()
-            self.request = (0, 1)
-            self.local = shards[0].tensor if shards else None
             if len(shards) > 1:
                 raise ValueError(f"{name!r}: a ShardedTensor with several local shards")
+            self.local = shards[0].tensor if shards else None
             if self.local is None or self.local.numel() == 0:
                 self.local = None
                 return
-            offsets = list(shards[0].metadata.shard_offsets)
             pg = value._process_group
-            world, rank = dist.get_world_size(pg), dist.get_rank(pg)
-            begin, end = chunk_rows(self.shape[0], rank, world)
-            if (offsets[0] == begin and not any(offsets[1:])
-                    and list(self.local.shape) == [end - begin, *self.shape[1:]]):
-                self.request = (rank, world)
-            else:
-                self.box = (offsets, list(self.local.shape))
+            self.read = sharded_tensor_read(self.shape, list(shards[0].metadata.shard_offsets),
+                                            self.local.shape, dist.get_rank(pg),
+                                            dist.get_world_size(pg))
         elif isinstance(value, torch.Tensor):
-            self.local, self.shape, self.request = value, torch.Size(value.shape), (0, 1)
+            self.local, self.shape = value, torch.Size(value.shape)
         else:
             raise TypeError(f"{name!r}: not a tensor ({type(value).__name__})")
 
     def prepare(self, loaded: torch.Tensor) -> torch.Tensor:
         """The part of ``loaded`` this rank's tensor takes, checked (shape, dtype kind) so that
         ``fill`` cannot fail."""
-        if self.box is not None:
-            for dim, (begin, size) in enumerate(zip(*self.box)):
-                loaded = loaded.narrow(dim, begin, size)
+        loaded = self.read.take(loaded)
         if loaded.shape != self.local.shape:
             raise ValueError(f"{self.name!r}: {list(loaded.shape)} read for a local tensor of "
                              f"{list(self.local.shape)}")
@@ -366,10 +288,11 @@ class _Target:
         self.local.copy_(prepared)
 
 
-def _read_all(directory: str, targets: list[_Target], available: Mapping[str, Any],
+def _read_all(directory: str, targets: list[_Target], info: Mapping[str, Any],
               verify: bool) -> list[tuple[_Target, torch.Tensor]]:
     """Reads (and checks) every target's data without writing any: one
     ``fsdp_ema.checkpoint.load`` call per (rank, world) request."""
+    available = info["tensors"]
     for t in targets:
         if t.name not in available:
             raise KeyError(f"{t.name!r} is not in the checkpoint")
@@ -378,42 +301,18 @@ def _read_all(directory: str, targets: list[_Target], available: Mapping[str, An
             raise ValueError(f"{t.name!r} is {list(saved)} in the checkpoint but "
                              f"{list(t.shape)} here")
         if t.local is not None:
-            check_dtype_kind(t.name, getattr(torch, _DTYPE_NAMES[available[t.name]["dtype"]]),
-                        t.local.dtype)
-    requests: dict[tuple[int, int], list[_Target]] = defaultdict(list)
-    for t in targets:
-        if t.local is not None:
-            requests[t.request].append(t)
-    out = []
+            check_dtype_kind(t.name, torch_dtype(info, t.name), t.local.dtype)
+    reading = [t for t in targets if t.local is not None]
     with torch.no_grad():
-        for (rank, world), group in requests.items():
-            loaded = _ckpt.load(directory, [t.name for t in group], rank=rank, world_size=world,
-                                verify=verify)
-            out += [(t, t.prepare(loaded[t.name])) for t in group]
-    return out
-
-
-# checkpoint_info's dtype names -> torch attribute names.
-_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-                "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-                "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-                "U16": "uint16", "U32": "uint32", "U64": "uint64"}
+        loaded = read_requests(directory, [(t.name, t.read.request) for t in reading],
+                               verify=verify)
+        return [(t, t.prepare(loaded[t.name])) for t in reading]
 
 
 # --- collecting state -----------------------------------------------------------------------------
 
-def _rank_world(group) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 def _default_group():
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-
-
-def _agree(error, group, what) -> None:
-    raise_if_any_rank_failed(error, group, what, torch.device("cpu"))
 
 
 def _state_options():
@@ -477,17 +376,12 @@ def save_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     optim_sd = _optim_state(model, optimizer) if optimizer is not None else None
     ema_sd = ema.state_dict() if ema is not None else {}
 
-    index = os.path.join(directory, INDEX_NAME)
-    shards: dict[str, Any] = {}
-    error = None
-    try:
-        if os.path.exists(index) and not overwrite:
-            raise FileExistsError(f"{directory!r} already holds a committed checkpoint; pass "
-                                  f"overwrite=True to replace it")
+    def pieces() -> dict[str, Any]:  # local: runs with the directory check, before any write
+        shards: dict[str, Any] = {}
         doc: dict[str, Any] = {"format": FORMAT_NAME, "version": FORMAT_VERSION,
                                "world_size": world}
         for fqn, v in model_sd.items():
-            shards.update(_pieces(MODEL_PREFIX + fqn, v, rank))
+            shards.update(pieces_of(MODEL_PREFIX + fqn, v, rank))
         doc["model"] = {"tensors": sorted(model_sd)} if model is not None else None
         if optim_sd is not None:
             state: dict[str, Any] = {}
@@ -496,7 +390,7 @@ def save_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
                 for key, v in entries.items():
                     if isinstance(v, torch.Tensor):
                         name = _optim_key(fqn, key)
-                        shards.update(_pieces(name, v, rank))
+                        shards.update(pieces_of(name, v, rank))
                         state[fqn][key] = {"tensor": name}
                     else:
                         state[fqn][key] = {"value": _encode(v, f"optimizer state {fqn}.{key}")}
@@ -510,7 +404,7 @@ def save_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
             step_key = type(ema).STEP_KEY
             names = [k for k in ema_sd if k != step_key]
             for fqn in names:
-                shards.update(_pieces(EMA_PREFIX + fqn, ema_sd[fqn], rank))
+                shards.update(pieces_of(EMA_PREFIX + fqn, ema_sd[fqn], rank))
             doc["ema"] = {"step": int(ema_sd[step_key]) if step_key in ema_sd else None,
                           "decay": ema.decay, "tensors": sorted(names)}
         else:
@@ -521,29 +415,12 @@ def save_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
         doc["extra"] = _encode(dict(extra or {}))
         if rank == 0:
             shards[META_TENSOR] = _json_tensor(doc)
-            os.makedirs(directory, exist_ok=True)
-            _write_atomically(os.path.join(directory, SIDECAR_NAME),
-                              json.dumps(doc, indent=1, sort_keys=True).encode("utf-8"))
-    except Exception as e:  # noqa: BLE001 (re-raised on every rank below)
-        error = e
-    _agree(error, group, what)
+            torch.ops.fsdp_ema.write_sidecar(directory, SIDECAR_NAME,
+                                             json.dumps(doc, indent=1, sort_keys=True), True)
+        return shards
 
-    # An overwrite keeps the old checkpoint whole until the new index lands (the new files go
-    # under names the old index does not reference; the commit removes the old ones afterwards).
-    nbytes, error = 0, None
-    try:
-        nbytes = _ckpt.save_shard(directory, shards, rank=rank, world_size=world,
-                                  overwrite=overwrite)
-    except Exception as e:  # noqa: BLE001
-        error = e
-    _agree(error, group, what)  # also the barrier: every rank's file is durable past here
-    error = None
-    if rank == 0:
-        try:
-            _ckpt.commit(directory, world, overwrite=overwrite)
-        except Exception as e:  # noqa: BLE001
-            error = e
-    _agree(error, group, what)
+    nbytes = save_collective(directory, pieces, group=group, device=torch.device("cpu"),
+                             what=what, overwrite=overwrite, collective_pieces=False)
     if rank == 0 and keep_last is not None:
         # The save is committed: a rotation that fails is a warning, never this save's error.
         try:
@@ -554,76 +431,41 @@ def save_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     return nbytes
 
 
-def _write_atomically(path: str, data: bytes) -> None:
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+# --- rotation and lookup (the directory work is format/'s: committed_checkpoints,
+# remove_checkpoint) ---------------------------------------------------------------------------
 
-
-# --- rotation and lookup --------------------------------------------------------------------------
-
-def _is_committed_training_state(path: Path) -> bool:
-    if not (path / INDEX_NAME).is_file():
-        return False
+def _is_training_state(path: str) -> bool:
     try:
         return META_TENSOR in _ckpt.info(path)["tensors"]
     except Exception:  # noqa: BLE001 (unreadable: not a checkpoint we may count or remove)
         return False
 
 
-def _committed(root: Path) -> list[Path]:
-    if not root.is_dir():
-        return []
-    return [p for p in sorted(root.iterdir(), key=lambda p: p.name)
-            if p.is_dir() and not p.name.startswith(".") and _is_committed_training_state(p)]
+def _committed(root: str, follow_links: bool) -> list[str]:
+    return [name for name in torch.ops.fsdp_ema.committed_checkpoints(root, follow_links)
+            if _is_training_state(os.path.join(root, name))]
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     """The last (in name order) committed training-state checkpoint directory in ``root``, or
     None. Directories without an index (a save that did not finish) are skipped."""
-    committed = _committed(Path(root))
-    return committed[-1] if committed else None
+    committed = _committed(os.fspath(root), follow_links=True)
+    return Path(root) / committed[-1] if committed else None
 
 
 def _rotate(new: str, keep_last: int) -> None:
     """Removes committed checkpoints beside ``new`` beyond the last ``keep_last`` (name order),
     never ``new`` itself. Only real directories directly in the root count and are removed: a
-    symbolic link (to a checkpoint elsewhere, say) is neither followed nor touched, and every
-    removal goes through file descriptors opened without following links, so nothing outside the
-    root is ever changed. Each goes index first, so an interrupted removal leaves an incomplete
+    symbolic link (to a checkpoint elsewhere, say) is neither followed nor touched
+    (``remove_checkpoint`` opens everything without following links, so nothing outside the root
+    is ever changed). Each goes index first, so an interrupted removal leaves an incomplete
     directory, never a committed one with missing files. Raises on the first failure (the caller
     warns: the new checkpoint is committed by then)."""
     new = os.path.abspath(new)
     root, new_name = os.path.dirname(new), os.path.basename(new)
-    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        committed = []
-        for name in sorted(os.listdir(root_fd)):
-            if name.startswith("."):
-                continue
-            try:
-                if not (stat.S_ISDIR(os.lstat(name, dir_fd=root_fd).st_mode) and stat.S_ISREG(
-                        os.lstat(os.path.join(name, INDEX_NAME), dir_fd=root_fd).st_mode)):
-                    continue
-            except FileNotFoundError:
-                continue
-            if _is_committed_training_state(Path(root) / name):
-                committed.append(name)
-        for name in committed[:-keep_last]:
-            if name == new_name:
-                continue
-            # O_NOFOLLOW: if the entry became a link since it was looked at, this fails.
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
-            try:
-                os.unlink(INDEX_NAME, dir_fd=fd)
-            finally:
-                os.close(fd)
-            shutil.rmtree(name, dir_fd=root_fd)
-    finally:
-        os.close(root_fd)
+    for name in _committed(root, follow_links=False)[:-keep_last]:
+        if name != new_name:
+            torch.ops.fsdp_ema.remove_checkpoint(os.path.join(root, name))
 
 
 # --- loading --------------------------------------------------------------------------------------
@@ -670,11 +512,11 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     # JSON document, extra, its RNG states, every tensor's data and dtype) and all ranks agree:
     # a failure anywhere raises on every rank and leaves model, optimizer, EMA and RNGs as they
     # were.
-    doc, available, extra, rng_state, error = None, None, None, None, None
-    try:
+    def read_doc():
         info = _ckpt.info(directory)
         doc = read_training_state_json(directory, verify=verify, info=info)
         available = info["tensors"]
+        rng_state = None
         for part, given in (("model", model), ("optimizer", optimizer), ("ema", ema)):
             if given is not None and doc.get(part) is None:
                 raise ValueError(f"the checkpoint holds no {part} state")
@@ -691,17 +533,17 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
             rng_state = _checked_rng_state(
                 _tensor_json(_ckpt.load(directory, [name], verify=verify)[name]),
                 f"{directory}: {name}")
-    except Exception as e:  # noqa: BLE001
-        error = e
-    _agree(error, group, what)
+        return info, doc, extra, rng_state
+
+    info, doc, extra, rng_state = agreed(read_doc, group=group, device=torch.device("cpu"),
+                                         what=what)
 
     # Templates (collective for FSDP1; the optimizer's state is initialized if it is empty).
     optim_sd = _optim_state(model, optimizer) if optimizer is not None else None
     model_sd = _model_state(model) if model is not None else None
     ema_sd = ema.state_dict() if ema is not None else None
 
-    error, reads = None, []
-    try:
+    def read_tensors(model_sd):
         targets: list[_Target] = []
         if model_sd is not None:
             saved = set(doc["model"]["tensors"])
@@ -748,10 +590,11 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
             targets += [_Target(EMA_PREFIX + k, ema_sd[k]) for k in mine if k in saved]
             if doc["ema"]["step"] is not None:
                 ema_sd[step_key] = torch.tensor(doc["ema"]["step"], dtype=torch.int64)
-        reads = _read_all(directory, targets, available, verify)
-    except Exception as e:  # noqa: BLE001
-        error = e
-    _agree(error, group, what)
+        reads = _read_all(directory, targets, info, verify)
+        return model_sd, reads
+
+    model_sd, reads = agreed(lambda: read_tensors(model_sd), group=group,
+                             device=torch.device("cpu"), what=what)
 
     with torch.no_grad():
         for target, value in reads:

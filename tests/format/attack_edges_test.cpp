@@ -8,10 +8,10 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
-#include "format/checkpoint_dir.h"
-#include "format/commit.h"
-#include "format/export.h"
-#include "format/shard_file.h"
+#include "fsdp_ema/format/checkpoint_dir.h"
+#include "fsdp_ema/format/layout.h"
+#include "fsdp_ema/format/export.h"
+#include "fsdp_ema/format/shard_file.h"
 #include "tests/format/fixture_model.h"
 #include "tests/format/test_util.h"
 

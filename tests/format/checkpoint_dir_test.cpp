@@ -1,6 +1,6 @@
 // CheckpointDir: resharding reads (any writer world size -> any reader world size), N-d boxes,
 // checksum verification, and the directory-level corruption matrix.
-#include "format/checkpoint_dir.h"
+#include "fsdp_ema/format/checkpoint_dir.h"
 
 #include <fcntl.h>
 #include <gmock/gmock.h>
@@ -11,8 +11,8 @@
 #include <random>
 #include <thread>
 
-#include "format/checksum.h"
-#include "format/shard_writer.h"
+#include "fsdp_ema/format/checksum.h"
+#include "fsdp_ema/format/shard_writer.h"
 #include "tests/format/fixture_model.h"
 #include "tests/format/test_util.h"
 

@@ -1,10 +1,10 @@
-#include "format/checksum.h"
+#include "fsdp_ema/format/checksum.h"
 
 #include <gtest/gtest.h>
 
 #include <vector>
 
-#include "format/xxh3_ops.h"
+#include "fsdp_ema/format/xxh3_ops.h"
 #include "tests/format/fixture_model.h"
 
 namespace fsdp_ema::format {

@@ -100,6 +100,44 @@ expect 0 'DCP HuggingFace' 'world size: +4' 'layer\.weight +F32 +\[7, 5\] +140 +
   -- "$CLI" inspect "$DATA/dcp_hf_sharded"
 expect 0 '^OK: 8 tensors, 22 pieces' 'DCP files carry no checksums' -- "$CLI" verify "$DATA/dcp_hf_sharded"
 
+# Every command reads under the checkpoint's shared directory lock (fsdp_ema/format/layout.h):
+# while another process holds it exclusively (what a commit or a removal does), the CLI waits,
+# and reads once it is released; a shared holder (a rank writing its shard file) does not block it.
+if command -v flock >/dev/null; then
+  rm -f "$WORK/lock_holder"
+  flock -o -x "$WORK/ckpt" bash -c 'echo $$ > "$0"; exec sleep 60' "$WORK/lock_holder" &
+  locker=$!
+  for _ in $(seq 100); do [[ -s "$WORK/lock_holder" ]] && break; sleep 0.1; done
+  "$CLI" verify "$WORK/ckpt" > "$WORK/locked_verify.out" 2>&1 &
+  reader=$!
+  sleep 1.5
+  if ! kill -0 "$reader" 2>/dev/null; then
+    echo "FAILED: verify finished while the directory was locked exclusively"
+    failures=$((failures + 1))
+  else
+    echo "ok: verify waits for an exclusive holder of the directory lock"
+  fi
+  kill "$locker" "$(cat "$WORK/lock_holder")" 2>/dev/null
+  wait "$locker" 2>/dev/null
+  if wait "$reader" && grep -q '^OK: 12 tensors' "$WORK/locked_verify.out"; then
+    echo "ok: verify reads once the exclusive lock is released"
+  else
+    echo "FAILED: verify after the lock was released"; sed 's/^/    /' "$WORK/locked_verify.out"
+    failures=$((failures + 1))
+  fi
+  rm -f "$WORK/lock_holder"
+  flock -o -s "$WORK/ckpt" bash -c 'echo $$ > "$0"; exec sleep 60' "$WORK/lock_holder" &
+  locker=$!
+  for _ in $(seq 100); do [[ -s "$WORK/lock_holder" ]] && break; sleep 0.1; done
+  expect 0 '^OK: 12 tensors' -- timeout 30 "$CLI" verify "$WORK/ckpt"
+  expect 0 'total: 12 tensors' -- timeout 30 "$CLI" inspect "$WORK/ckpt"
+  kill "$locker" "$(cat "$WORK/lock_holder")" 2>/dev/null
+  wait "$locker" 2>/dev/null
+else
+  echo "FAILED: flock(1) (util-linux) is needed for the directory-lock checks"
+  failures=$((failures + 1))
+fi
+
 if [[ $failures -ne 0 ]]; then
   echo "$failures CLI check(s) failed"; exit 1
 fi

@@ -1,4 +1,4 @@
-#include "format/dtype_cast.h"
+#include "fsdp_ema/format/dtype_cast.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <vector>
 
 #include "tests/format/test_util.h"
 
@@ -109,6 +110,23 @@ TEST(DTypeCast, F32ToBf16MatchesTheGenericRounding) {
     if (std::isnan(f)) continue;
     EXPECT_EQ(f32_to_bf16_bits(f), f64_to_bf16_bits(static_cast<double>(f))) << std::hexfloat << f;
   }
+}
+
+TEST(DTypeCast, CastElementsF32ToBf16IsTheScalarRuleOnEveryElement) {
+  std::mt19937 rng(11);
+  std::vector<uint32_t> bits(100'003);
+  for (auto& b : bits) b = static_cast<uint32_t>(rng());
+  bits[0] = 0x7fc00001;  // a quiet NaN with a payload
+  bits[1] = 0xff800001;  // a signalling negative NaN
+  bits[2] = 0x7f7fffff;  // the largest float: rounds to infinity
+  std::vector<uint16_t> out(bits.size());
+  cast_elements(DType::kF32, bits.data(), DType::kBF16, out.data(), bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) {
+    ASSERT_EQ(out[i], f32_to_bf16_bits(std::bit_cast<float>(bits[i]))) << std::hex << bits[i];
+  }
+  EXPECT_EQ(out[0], 0x7fc0);
+  EXPECT_EQ(out[1], 0xffc0);
+  EXPECT_EQ(out[2], 0x7f80);
 }
 
 TEST(DTypeCast, CastElementsConvertsArraysAndRejectsIntegers) {

@@ -1,8 +1,8 @@
-#include "format/dtype.h"
+#include "fsdp_ema/format/dtype.h"
 
 #include <gtest/gtest.h>
 
-#include "format/shape.h"
+#include "fsdp_ema/format/shape.h"
 
 namespace fsdp_ema::format {
 namespace {

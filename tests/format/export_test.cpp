@@ -1,5 +1,5 @@
 // export_consolidated: Hugging Face layout, splitting, casting, atomic replacement.
-#include "format/export.h"
+#include "fsdp_ema/format/export.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -9,12 +9,16 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <optional>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
-#include "format/checkpoint_dir.h"
-#include "format/dtype_cast.h"
-#include "format/shard_file.h"
+#include "fsdp_ema/format/checkpoint_dir.h"
+#include "fsdp_ema/format/dtype_cast.h"
+#include "fsdp_ema/format/shard_file.h"
 #include "tests/format/fixture_model.h"
 #include "tests/format/test_util.h"
 
@@ -204,6 +208,96 @@ TEST_F(Export, StopsOnCorruptedData) {
               AllOf(HasSubstr("tensor \"ids\""), HasSubstr("checksum mismatch")));
   // Nothing half-written is left under the final name.
   EXPECT_TRUE(testing::list_names(root_.file("out")).empty());
+}
+
+}  // namespace
+}  // namespace fsdp_ema::format
+
+namespace fsdp_ema::format {
+namespace {
+
+using testing::error_of;
+using ::testing::HasSubstr;
+using testing::TempDir;
+
+std::vector<ExportEntry> entries_of(const std::vector<testing::RefTensor>& model) {
+  std::vector<ExportEntry> out;
+  for (const auto& t : model) out.push_back({t.name, t.dtype, t.shape});
+  return out;
+}
+
+// Every file of a directory, by name.
+std::map<std::string, std::vector<std::byte>> files_of(const std::string& dir) {
+  std::map<std::string, std::vector<std::byte>> out;
+  for (const std::string& n : testing::list_names(dir)) out[n] = testing::read_bytes(dir + "/" + n);
+  return out;
+}
+
+class ExportWriterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = testing::reference_model();
+    ckpt_ = root_.subdir("ckpt");
+    testing::write_checkpoint(ckpt_, model_, 3);
+  }
+  // Writes the reference model through an ExportWriter, tensors in reverse order, each in two
+  // writes (so that order and chunking cannot matter).
+  ExportResult stream(const std::string& out, const ExportOptions& o) {
+    ExportWriter w(out, entries_of(model_), o);
+    for (auto it = model_.rbegin(); it != model_.rend(); ++it) {
+      const uint64_t n = *numel(it->shape), half = n / 2, esz = dtype_size(it->dtype);
+      w.write(it->name, 0, half, it->data.data());
+      w.write(it->name, half, n - half, it->data.data() + half * esz);
+    }
+    return w.finish();
+  }
+  TempDir root_;
+  std::string ckpt_;
+  std::vector<testing::RefTensor> model_;
+};
+
+TEST_F(ExportWriterTest, WritesTheSameBytesAsTheCheckpointExport) {
+  for (const auto& [limit, dtype] : std::vector<std::pair<uint64_t, std::optional<DType>>>{
+           {0, std::nullopt}, {150, std::nullopt}, {0, DType::kBF16}, {100, DType::kF16}}) {
+    ExportOptions o;
+    o.max_file_bytes = limit;
+    o.dtype = dtype;
+    const std::string a = root_.file("a" + std::to_string(limit)),
+                      b = root_.file("b" + std::to_string(limit));
+    o.overwrite = true;
+    const ExportResult from_dir = export_consolidated(ckpt_, a, o);
+    const ExportResult streamed = stream(b, o);
+    EXPECT_EQ(streamed.files, from_dir.files);
+    EXPECT_EQ(streamed.total_size, from_dir.total_size);
+    EXPECT_EQ(files_of(a), files_of(b)) << "max_file_bytes " << limit;
+  }
+}
+
+TEST_F(ExportWriterTest, RefusesIncompleteOrRepeatedWritesAndLeavesTheEarlierExport) {
+  const std::string out = root_.file("out");
+  stream(out, {});
+  const auto before = files_of(out);
+  {
+    ExportOptions o;
+    o.overwrite = true;
+    ExportWriter w(out, entries_of(model_), o);
+    const auto& t = model_.front();
+    w.write(t.name, 0, 1, t.data.data());
+    EXPECT_THAT(error_of([&] { w.write(t.name, 0, 1, t.data.data()); }),
+                HasSubstr("writes go in order, each element once"));
+    EXPECT_THAT(error_of([&] { w.write("nope", 0, 1, t.data.data()); }),
+                HasSubstr("not one the export was planned with"));
+    EXPECT_THAT(error_of([&] { w.finish(); }), HasSubstr("elements written"));
+  }  // destroyed unfinished: the staged files go
+  EXPECT_EQ(files_of(out), before);
+  EXPECT_THAT(error_of([&] { ExportWriter(out, entries_of(model_), {}); }),
+              HasSubstr("already holds model.safetensors"));
+  std::vector<ExportEntry> twice = entries_of(model_);
+  twice.push_back(twice.front());
+  ExportOptions o;
+  o.overwrite = true;
+  EXPECT_THAT(error_of([&] { ExportWriter(out, twice, o); }), HasSubstr("appears twice"));
+  EXPECT_EQ(files_of(out), before);
 }
 
 }  // namespace

@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "format/checkpoint_dir.h"
-#include "format/index.h"
-#include "format/shard_writer.h"
+#include "fsdp_ema/format/checkpoint_dir.h"
+#include "fsdp_ema/format/index.h"
+#include "fsdp_ema/format/shard_writer.h"
 
 namespace fsdp_ema::format::testing {
 

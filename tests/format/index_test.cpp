@@ -1,12 +1,12 @@
 // fsdp_ema.index.json: building, writing (commit), reading, coverage and path validation.
-#include "format/index.h"
+#include "fsdp_ema/format/index.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include "format/checksum.h"
-#include "format/shard_writer.h"
+#include "fsdp_ema/format/checksum.h"
+#include "fsdp_ema/format/shard_writer.h"
 #include "tests/format/fixture_model.h"
 #include "tests/format/test_util.h"
 

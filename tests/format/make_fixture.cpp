@@ -9,8 +9,8 @@
 #include <exception>
 #include <string>
 
-#include "format/error.h"
-#include "format/shard_writer.h"
+#include "fsdp_ema/format/error.h"
+#include "fsdp_ema/format/shard_writer.h"
 #include "tests/format/fixture_model.h"
 
 int main(int argc, char** argv) {

@@ -11,12 +11,13 @@
 #include <string>
 #include <vector>
 
-#include "format/checksum.h"
-#include "format/file_util.h"
-#include "format/index.h"
-#include "format/recent_shards.h"
-#include "format/shard_file.h"
-#include "format/shard_writer.h"
+#include "fsdp_ema/format/checksum.h"
+#include "fsdp_ema/format/file_util.h"
+#include "fsdp_ema/format/index.h"
+#include "fsdp_ema/format/names.h"
+#include "fsdp_ema/format/recent_shards.h"
+#include "fsdp_ema/format/shard_file.h"
+#include "fsdp_ema/format/shard_writer.h"
 #include "tests/format/fixture_model.h"
 #include "tests/format/test_util.h"
 

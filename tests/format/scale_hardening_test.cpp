@@ -13,12 +13,12 @@
 #include <string>
 #include <vector>
 
-#include "format/checkpoint_dir.h"
-#include "format/checksum.h"
-#include "format/index.h"
-#include "format/safetensors_header.h"
-#include "format/shard_file.h"
-#include "format/shard_writer.h"
+#include "fsdp_ema/format/checkpoint_dir.h"
+#include "fsdp_ema/format/checksum.h"
+#include "fsdp_ema/format/index.h"
+#include "fsdp_ema/format/safetensors_header.h"
+#include "fsdp_ema/format/shard_file.h"
+#include "fsdp_ema/format/shard_writer.h"
 #include "tests/format/test_util.h"
 
 namespace fsdp_ema::format {

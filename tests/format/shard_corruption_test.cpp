@@ -6,10 +6,10 @@
 
 #include <map>
 
-#include "format/checksum.h"
-#include "format/safetensors_header.h"
-#include "format/shard_file.h"
-#include "format/shard_writer.h"
+#include "fsdp_ema/format/checksum.h"
+#include "fsdp_ema/format/safetensors_header.h"
+#include "fsdp_ema/format/shard_file.h"
+#include "fsdp_ema/format/shard_writer.h"
 #include "tests/format/fixture_model.h"
 #include "tests/format/test_util.h"
 

@@ -1,5 +1,5 @@
 // write_shard_file -> ShardFile::open round trips, layout, and input validation.
-#include "format/shard_writer.h"
+#include "fsdp_ema/format/shard_writer.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -8,8 +8,8 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
-#include "format/checksum.h"
-#include "format/shard_file.h"
+#include "fsdp_ema/format/checksum.h"
+#include "fsdp_ema/format/shard_file.h"
 #include "tests/format/fixture_model.h"
 #include "tests/format/test_util.h"
 

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "format/error.h"
+#include "fsdp_ema/format/error.h"
 
 namespace fsdp_ema::format::testing {
 

@@ -8,11 +8,11 @@
 #include <string>
 #include <string_view>
 
-#include "format/checksum.h"
-#include "format/error.h"
-#include "format/index.h"
-#include "format/safetensors_header.h"
-#include "format/shard_file.h"
+#include "fsdp_ema/format/checksum.h"
+#include "fsdp_ema/format/error.h"
+#include "fsdp_ema/format/index.h"
+#include "fsdp_ema/format/safetensors_header.h"
+#include "fsdp_ema/format/shard_file.h"
 
 namespace fmt = fsdp_ema::format;
 

@@ -11,8 +11,8 @@
 #include <utility>
 #include <vector>
 
-#include "format/dtype.h"
-#include "format/shape.h"
+#include "fsdp_ema/format/dtype.h"
+#include "fsdp_ema/format/shape.h"
 
 namespace fsdp_ema::format {
 

@@ -17,8 +17,8 @@
 #include <string_view>
 #include <vector>
 
-#include "format/name_index.h"
-#include "format/shape.h"
+#include "fsdp_ema/format/name_index.h"
+#include "fsdp_ema/format/shape.h"
 
 namespace fsdp_ema::format::detail {
 

@@ -6,10 +6,11 @@
 #include <string>
 #include <vector>
 
-#include "format/dtype.h"
-#include "format/shape.h"
-#include "format/tensor_info.h"
-#include "format/write_options.h"
+#include "fsdp_ema/format/dtype.h"
+#include "fsdp_ema/format/names.h"  // shard_file_name
+#include "fsdp_ema/format/shape.h"
+#include "fsdp_ema/format/tensor_info.h"
+#include "fsdp_ema/format/write_options.h"
 
 namespace fsdp_ema::format {
 
@@ -29,13 +30,6 @@ struct TensorToWrite {
   // A whole (unsharded) tensor from host memory: offsets 0, global shape = shape.
   static TensorToWrite full(std::string name, DType dtype, Shape shape, const void* data);
 };
-
-// "shard-00003-of-00008.safetensors" (5-digit rank and world size, wider if needed).
-std::string shard_file_name(int64_t rank, int64_t world_size);
-// "shard-00003-of-00008.b.safetensors": the name an overwrite writes when the committed index
-// references the plain one (see format/commit.h), so the old checkpoint stays whole until the new
-// index replaces it.
-std::string alternate_shard_file_name(int64_t rank, int64_t world_size);
 
 // Writes one shard file at `path` atomically (temporary in the same directory, fsync, rename,
 // directory fsync; see write_safetensors_file) and returns its size in bytes. Inputs are validated

@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "format/dtype.h"
+#include "fsdp_ema/format/dtype.h"
 
 namespace fsdp_ema::format {
 

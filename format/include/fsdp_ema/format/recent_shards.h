@@ -10,7 +10,7 @@
 #include <optional>
 #include <string>
 
-#include "format/tensor_info.h"
+#include "fsdp_ema/format/tensor_info.h"
 
 namespace fsdp_ema::format::detail {
 

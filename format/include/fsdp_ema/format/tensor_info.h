@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "format/dtype.h"
-#include "format/shape.h"
+#include "fsdp_ema/format/dtype.h"
+#include "fsdp_ema/format/shape.h"
 
 namespace fsdp_ema::format {
 

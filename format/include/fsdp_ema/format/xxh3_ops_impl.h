@@ -6,7 +6,7 @@
 
 #include <new>
 
-#include "format/xxh3_ops.h"
+#include "fsdp_ema/format/xxh3_ops.h"
 
 namespace fsdp_ema::format::detail {
 namespace {

@@ -10,13 +10,13 @@
 #include <string_view>
 #include <vector>
 
-#include "format/dtype.h"
-#include "format/shape.h"
-#include "format/tensor_info.h"
+#include "fsdp_ema/format/dtype.h"
+#include "fsdp_ema/format/names.h"
+#include "fsdp_ema/format/shape.h"
+#include "fsdp_ema/format/tensor_info.h"
 
 namespace fsdp_ema::format {
 
-inline constexpr std::string_view kIndexFileName = "fsdp_ema.index.json";
 inline constexpr std::string_view kIndexFormatName = "fsdp_ema";
 inline constexpr int64_t kIndexFormatVersion = 1;
 // read_index refuses larger index files.

@@ -8,7 +8,7 @@
 #include <string_view>
 #include <vector>
 
-#include "format/dtype.h"
+#include "fsdp_ema/format/dtype.h"
 
 namespace fsdp_ema::format {
 

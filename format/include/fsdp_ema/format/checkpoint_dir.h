@@ -10,8 +10,9 @@
 #include <string_view>
 #include <vector>
 
-#include "format/index.h"
-#include "format/shard_file.h"
+#include "fsdp_ema/format/index.h"
+#include "fsdp_ema/format/rows.h"
+#include "fsdp_ema/format/shard_file.h"
 
 namespace fsdp_ema::format {
 
@@ -26,19 +27,6 @@ enum class CheckpointLayout {
 };
 
 std::string_view layout_name(CheckpointLayout layout);  // "fsdp_ema", "dcp-huggingface"
-
-// Rows [begin, end) of dim 0.
-struct RowRange {
-  int64_t begin = 0;
-  int64_t end = 0;
-  int64_t size() const { return end - begin; }
-  bool operator==(const RowRange&) const = default;
-};
-
-// The rows torch.chunk(tensor, world)[rank] holds (as FSDP2 shards dim 0): chunk size
-// ceil(rows / world); rank r gets [r * cs, min((r + 1) * cs, rows)), empty for ranks past the
-// end (world > rows, or non-divisors such as 5 rows over 4 ranks: 2, 2, 1, 0).
-RowRange chunk_rows(int64_t rows, int64_t rank, int64_t world);
 
 class CheckpointDir {
  public:

@@ -11,9 +11,9 @@
 #include <string_view>
 #include <vector>
 
-#include "format/checksum.h"
-#include "format/safetensors_header.h"
-#include "format/tensor_info.h"
+#include "fsdp_ema/format/checksum.h"
+#include "fsdp_ema/format/safetensors_header.h"
+#include "fsdp_ema/format/tensor_info.h"
 
 namespace fsdp_ema::format {
 

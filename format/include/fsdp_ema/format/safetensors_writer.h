@@ -10,9 +10,9 @@
 #include <utility>
 #include <vector>
 
-#include "format/dtype.h"
-#include "format/shape.h"
-#include "format/write_options.h"
+#include "fsdp_ema/format/dtype.h"
+#include "fsdp_ema/format/shape.h"
+#include "fsdp_ema/format/write_options.h"
 
 namespace fsdp_ema::format {
 

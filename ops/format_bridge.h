@@ -1,0 +1,38 @@
+// The one bridge between torch and the torch-free format/ library: dtype maps both ways and the
+// translation of format::FormatError into c10::Error (RuntimeError in Python) with the caller's
+// name in front. Every op and the C++ reader use these; nothing else maps dtypes or catches
+// FormatError.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "fsdp_ema/format/dtype.h"
+#include "fsdp_ema/format/error.h"
+
+namespace fsdp_ema::ops {
+
+// The safetensors dtype of a torch dtype; nullopt for one safetensors (as format/ writes it)
+// cannot store.
+std::optional<format::DType> format_dtype_of(at::ScalarType t);
+// Same, raising "<what> has dtype X, which safetensors cannot store" for one it cannot.
+format::DType to_format_dtype(at::ScalarType t, const std::string& what);
+at::ScalarType to_scalar_type(format::DType d);
+// The torch dtype's Python name ("float32", "bfloat16", ...), for Python to look up in `torch`.
+const char* torch_dtype_name(format::DType d);
+
+// Runs f, rethrowing a FormatError as c10::Error with `where` ("fsdp_ema::save_shard: ") in front.
+template <typename F>
+auto translate_errors(const char* where, F&& f) -> decltype(f()) {
+  try {
+    return std::forward<F>(f)();
+  } catch (const format::FormatError& e) {
+    TORCH_CHECK(false, where, e.what());
+  }
+}
+
+}  // namespace fsdp_ema::ops

@@ -1,0 +1,391 @@
+"""What a model holds, as ``ShardedEMA`` keeps it: model discovery and slots.
+
+``discover`` walks a (wrapped) model once and returns one slot per tensor the EMA keeps on this
+rank: ``_Replicated`` (a parameter or buffer every rank holds whole: plain, DDP, buffers),
+``_Sharded`` (the local shard of a DTensor: FSDP2) or ``_Flat`` (the local slice of an FSDP1
+FlatParameter, which holds several named tensors). Each slot knows its names, how to write and
+read its tensors (through ``_layouts``), its state-dict values and how its full tensors are
+produced (``_full_state.Part``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._full_state import Part, part_cost
+from ._layouts import (box, check_placements, chunk_rows, dtensor_pieces, dtensor_read,
+                       is_dtensor, replicated_pieces, rows_piece)
+
+# Attributes through which wrappers hold the wrapped module; they are not part of clean names.
+_WRAPPER_ATTRS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _clean(fqn: str) -> str:
+    return ".".join(part for part in fqn.split(".") if part not in _WRAPPER_ATTRS)
+
+
+def _is_ddp(module: nn.Module) -> bool:
+    return isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel))
+
+
+def _modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module once, in ``named_modules`` order, under its clean name: the attributes
+    through which torch.compile, FSDP1, activation checkpointing and DDP hold the wrapped module
+    (``_orig_mod``, ``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``, DDP's ``module``)
+    are left out, as ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` does."""
+    seen, out = set(), []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        out.append((prefix, module))
+        for name, child in module._modules.items():
+            if child is not None:
+                skip = name in _WRAPPER_ATTRS or (name == "module" and _is_ddp(module))
+                visit(prefix if skip else _join(prefix, name), child)
+
+    visit("", root)
+    return out
+
+
+def _global_shape(value) -> torch.Size:
+    return torch.Size(value.size())
+
+
+def _rows(value, fqn: str, shape: torch.Size, rank: int, world_size: int) -> torch.Tensor:
+    """``torch.chunk(value, world_size)[rank]`` of a full tensor, a DTensor or a ShardedTensor
+    (a 0-dim value whole), without gathering when ``value`` is already laid out that way."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(value, DTensor):
+        mesh = value.device_mesh
+        if (len(shape) > 0 and mesh.ndim == 1 and mesh.size() == world_size
+                and mesh.get_local_rank() == rank and len(value.placements) == 1
+                and type(value.placements[0]) is Shard and value.placements[0].dim == 0):
+            return value._local_tensor
+        value = value.full_tensor()
+    if len(shape) == 0:
+        if isinstance(value, ShardedTensor):
+            raise ValueError(f"{fqn!r}: a 0-dim tensor cannot come as a ShardedTensor")
+        return value
+    begin, end = chunk_rows(shape[0], rank, world_size)
+    if isinstance(value, ShardedTensor):
+        shards = value.local_shards()
+        if not shards and begin == end:
+            return torch.empty(0, *shape[1:], dtype=value.dtype)
+        if (len(shards) == 1 and shards[0].metadata.shard_offsets[0] == begin
+                and list(shards[0].tensor.shape) == [end - begin, *shape[1:]]):
+            return shards[0].tensor
+        raise ValueError(
+            f"{fqn!r}: the ShardedTensor is not sharded as torch.chunk rows [{begin}, {end}) "
+            f"on this rank (rank {rank} of {world_size}); pass a full tensor or a DTensor")
+    return value[begin:end]
+
+
+class _Slot:
+    """One tensor the EMA keeps, on this rank.
+
+    ``_Replicated``: a parameter or buffer every rank holds whole (plain, DDP, buffers);
+    ``_Sharded``: the local shard of a DTensor (FSDP2); ``_Flat``: the local slice of an FSDP1
+    FlatParameter, which holds several named tensors (its members).
+    """
+
+    average: bool              # averaged by update_ (else copied)
+    local_shape: torch.Size
+    get: Callable[[], torch.Tensor]  # the live local tensor of the model
+
+    def names(self) -> list[tuple[str, torch.Size]]:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def state_items(self, ema: torch.Tensor) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def pieces(self, t: torch.Tensor, rank: int, world_size: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def local_value(self, fqn: str, value) -> torch.Tensor:
+        """The part of a state dict ``value`` this rank keeps (same form as ``file_request``)."""
+        raise NotImplementedError
+
+    def file_request(self) -> tuple[int, int]:
+        """(rank, world_size) for ``fsdp_ema.checkpoint.load`` to read this slot's tensors."""
+        raise NotImplementedError
+
+    def from_file(self, fqn: str, loaded: torch.Tensor) -> torch.Tensor:
+        return loaded
+
+    def assign(self, ema: torch.Tensor, values: Mapping[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def full_parts(self, ema: torch.Tensor) -> list[Part]:
+        """How ``full_state_dict`` / ``export`` produce this slot's full tensors (``Part``)."""
+        raise NotImplementedError
+
+    def reshard(self) -> None:
+        """Frees an unsharded copy of the model's tensor that a forward would use instead of the
+        shard (FSDP1 keeps the root's); nothing for most slots."""
+
+
+class _Replicated(_Slot):
+    def __init__(self, fqn: str, owner: dict[str, torch.Tensor], name: str, tensor: torch.Tensor,
+                 average: bool):
+        self.fqn, self.average, self.local_shape = fqn, average, tensor.shape
+        self.get = lambda: owner[name]
+
+    def names(self):
+        return [(self.fqn, self.local_shape)]
+
+    def describe(self):
+        return repr(self.fqn)
+
+    def state_items(self, ema):
+        return {self.fqn: ema}
+
+    def pieces(self, t, rank, world_size):
+        # Replicated on every rank: each rank writes its torch.chunk rows, so writing is shared.
+        return replicated_pieces(self.fqn, t, rank, writers=world_size)
+
+    def local_value(self, fqn, value):
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+        if is_dtensor(value):
+            return value.full_tensor()
+        if isinstance(value, ShardedTensor):
+            shards = value.local_shards()
+            if len(shards) == 1 and list(shards[0].tensor.shape) == list(value.size()):
+                return shards[0].tensor
+            raise ValueError(f"{fqn!r} is replicated on every rank here; pass a full tensor or a "
+                             f"DTensor rather than a ShardedTensor")
+        return value
+
+    def file_request(self):
+        return 0, 1
+
+    def assign(self, ema, values):
+        if self.fqn in values:
+            ema.copy_(values[self.fqn])
+
+    def full_parts(self, ema):
+        return [Part(self.fqn, ema.shape, ema.dtype, "full", ema)]
+
+
+class _Sharded(_Slot):
+    def __init__(self, fqn: str, owner: dict[str, torch.Tensor], name: str, param, average: bool):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        self.fqn, self.average = fqn, average
+        self.mesh, self.placements = param.device_mesh, tuple(param.placements)
+        self.global_shape = torch.Size(param.shape)
+        local = param._local_tensor
+        self.local_shape = local.shape
+        try:
+            check_placements(fqn, self.placements)
+        except ValueError as e:
+            raise ValueError(f"ShardedEMA: {e}") from None
+        shape, offsets = compute_local_shape_and_global_offset(self.global_shape, self.mesh,
+                                                               self.placements)
+        if tuple(shape) != tuple(local.shape):
+            raise RuntimeError(
+                f"ShardedEMA: {fqn!r} has a local shard of shape {list(local.shape)} where its "
+                f"placements {self.placements} imply {list(shape)}")
+        # torch.chunk rows of (k, n) where the layout allows, else the whole tensor and the box
+        # (offsets clamped for an empty shard, as the checkpoint index stores them).
+        self.read = dtensor_read(self.mesh, self.placements, self.global_shape, local.shape)
+        self.chunk = self.read.request if self.read.box is None and len(self.global_shape) else None
+        self.offsets = [min(o, s) for o, s in zip(offsets, self.global_shape)]
+        # FSDP2 leaves a module's parameters unsharded after a forward without backward (the
+        # root's, under no_grad); the sharded DTensor it keeps holds the same (sharded) data.
+        self.get = lambda: (owner[name] if is_dtensor(owner[name]) else param)._local_tensor
+
+    def names(self):
+        return [(self.fqn, self.global_shape)]
+
+    def describe(self):
+        return repr(self.fqn)
+
+    def state_items(self, ema):
+        from torch.distributed.tensor import DTensor
+
+        # Explicit shape and stride: from_local would infer a wrong global shape from an uneven
+        # local shard (and on some ranks an empty one).
+        stride = torch.empty(self.global_shape, device="meta").stride()
+        return {self.fqn: DTensor.from_local(ema, self.mesh, self.placements, run_check=False,
+                                             shape=self.global_shape, stride=stride)}
+
+    def pieces(self, t, rank, world_size):
+        return dtensor_pieces(self.fqn, t, self.mesh, self.placements, self.global_shape)
+
+    def local_value(self, fqn, value):
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+        if is_dtensor(value):
+            if value.device_mesh == self.mesh and tuple(value.placements) == self.placements:
+                return value._local_tensor
+            value = value.full_tensor()
+        elif isinstance(value, ShardedTensor):
+            if self.chunk is None:
+                raise ValueError(f"{fqn!r} is a DTensor with placements {self.placements}; pass "
+                                 f"a DTensor or a full tensor rather than a ShardedTensor")
+            return _rows(value, fqn, self.global_shape, *self.chunk)
+        return box(value, self.offsets, self.local_shape)
+
+    def file_request(self):
+        return self.chunk if self.chunk is not None else (0, 1)
+
+    def from_file(self, fqn, loaded):
+        return loaded if self.chunk is not None else box(loaded, self.offsets, self.local_shape)
+
+    def assign(self, ema, values):
+        if self.fqn in values:
+            ema.copy_(values[self.fqn])
+
+    def full_parts(self, ema):
+        from torch.distributed.tensor import Replicate, Shard
+
+        shape = self.global_shape
+        if shape.numel() == 0:
+            return [Part(self.fqn, shape, ema.dtype, "full", ema.new_empty(shape))]
+        if len(shape) == 0 or all(isinstance(p, Replicate) for p in self.placements):
+            return [Part(self.fqn, shape, ema.dtype, "full", ema)]
+        if self.chunk is not None:
+            dim = next(i for i, p in enumerate(self.placements) if isinstance(p, Shard))
+            group = self.mesh.get_group(dim)
+            return [Part(self.fqn, shape, ema.dtype, "rows", ema, group,
+                         part_cost(shape, ema.dtype, self.chunk[1]))]
+        return [Part(self.fqn, shape, ema.dtype, "dtensor", self.state_items(ema)[self.fqn])]
+
+
+class _Flat(_Slot):
+    def __init__(self, prefix: str, module, flat_param, average: bool):
+        from ._fsdp1 import FlatLayout
+
+        self.prefix, self.average = prefix, average
+        handle = self.handle = module._handle
+        self.layout = FlatLayout(flat_param, handle,
+                                 [_join(prefix, _clean(f)) for f in flat_param._fqns])
+        local = getattr(flat_param, "_local_shard", flat_param)
+        if local.numel() != self.layout.shard_numel:
+            raise RuntimeError(f"ShardedEMA: the FSDP1 unit {prefix or '<root>'!r} is unsharded "
+                               f"right now; create the EMA outside forward/summon_full_params")
+        self.local_shape = torch.Size([self.layout.shard_numel])
+        self.get = lambda: getattr(flat_param, "_local_shard", flat_param)
+
+    def names(self):
+        return [(m.fqn, m.shape) for m in self.layout.members]
+
+    def describe(self):
+        return f"the FSDP1 flat parameter of {self.prefix or '<root>'!r}"
+
+    def state_items(self, ema):
+        from ._fsdp1 import sharded_tensor
+
+        layout, out = self.layout, {}
+        for member, chunk in zip(layout.members, layout.to_chunks(ema)):
+            if len(member.shape) == 0 or member.shape.numel() == 0:
+                out[member.fqn] = chunk
+            else:
+                out[member.fqn] = sharded_tensor(chunk, member.shape, layout.rank,
+                                                 layout.world_size, layout.group)
+        return out
+
+    def pieces(self, t, rank, world_size):
+        layout, out = self.layout, {}
+        for member, chunk in zip(layout.members, layout.to_chunks(t)):
+            if len(member.shape) == 0 or member.shape.numel() == 0:
+                if layout.rank == 0:
+                    out[member.fqn] = chunk if len(member.shape) == 0 else t.new_empty(member.shape)
+            else:
+                begin, _ = chunk_rows(member.shape[0], layout.rank, layout.world_size)
+                out.update(rows_piece(member.fqn, chunk, begin, member.shape))
+        return out
+
+    def local_value(self, fqn, value):
+        shape = next(m.shape for m in self.layout.members if m.fqn == fqn)
+        return _rows(value, fqn, shape, self.layout.rank, self.layout.world_size)
+
+    def file_request(self):
+        return self.layout.rank, self.layout.world_size
+
+    def assign(self, ema, values):
+        layout = self.layout
+        if not any(m.fqn in values for m in layout.members):
+            return
+        if all(m.fqn in values for m in layout.members):
+            chunks = [values[m.fqn] for m in layout.members]
+        else:  # non-strict load of part of a unit: keep the other members as they are
+            chunks = [values.get(m.fqn, c) for m, c in zip(layout.members, layout.to_chunks(ema))]
+        layout.from_chunks(chunks, ema)
+
+    def full_parts(self, ema):
+        layout, parts = self.layout, []
+        if not layout.sharded:  # NO_SHARD: the flat "slice" is the whole flat parameter
+            for m in layout.members:
+                value = ema[m.start:m.start + m.shape.numel()].view(m.shape)
+                parts.append(Part(m.fqn, m.shape, ema.dtype, "full", value))
+            return parts
+        layout.require_sharded("full_state_dict/export")
+        for index, m in enumerate(layout.members):
+            if m.shape.numel() == 0:
+                parts.append(Part(m.fqn, m.shape, ema.dtype, "full", ema.new_empty(m.shape)))
+            else:
+                parts.append(Part(m.fqn, m.shape, ema.dtype, "flat", ema, layout.group,
+                                  part_cost(m.shape, ema.dtype, layout.world_size), self, index))
+        return parts
+
+    def reshard(self):
+        if self.layout.sharded and hasattr(self.handle.flat_param, "_full_param_padded"):
+            self.handle.reshard(True)
+
+
+def _discover(model: nn.Module, include_buffers: bool, buffers: str) -> list[_Slot]:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    slots: list[_Slot] = []
+    seen, flat_members = set(), set()
+    modules = _modules(model)
+    for prefix, module in modules:
+        if isinstance(module, FullyShardedDataParallel) and module._handle is not None:
+            flat_param = module._handle.flat_param
+            seen.add(id(flat_param))
+            slot = _Flat(prefix, module, flat_param, average=True)
+            flat_members.update(fqn for fqn, _ in slot.names())
+            slots.append(slot)
+        for name, p in module._parameters.items():
+            fqn = _join(prefix, name)
+            if p is None or id(p) in seen or isinstance(p, FlatParameter) or fqn in flat_members:
+                continue
+            seen.add(id(p))
+            slots.append(_make_slot(fqn, module._parameters, name, p, average=True))
+    if include_buffers:
+        for prefix, module in modules:
+            for name, b in module._buffers.items():
+                if b is None or id(b) in seen or name in module._non_persistent_buffers_set:
+                    continue
+                seen.add(id(b))
+                slots.append(_make_slot(_join(prefix, name), module._buffers, name, b,
+                                        average=buffers == "average"))
+    return slots
+
+
+def _make_slot(fqn: str, owner, name: str, tensor: torch.Tensor, average: bool) -> _Slot:
+    if tensor.is_complex():
+        raise ValueError(f"ShardedEMA: {fqn!r} is complex ({tensor.dtype}); only real floating "
+                         f"tensors can be averaged")
+    average = average and tensor.is_floating_point()
+    if is_dtensor(tensor):
+        return _Sharded(fqn, owner, name, tensor, average)
+    return _Replicated(fqn, owner, name, tensor, average)
+
