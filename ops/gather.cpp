@@ -13,12 +13,6 @@
 #include "kernels/batched_copy.h"
 
 namespace fsdp_ema::ops {
-
-#if defined(FSDP_EMA_WITH_CUDA)
-// ops/gather_cuda.cpp
-void batched_copy_cuda(std::vector<kernels::CopySegment>& segments, const at::Device& device);
-#endif
-
 namespace {
 
 constexpr const char* kOp = "fsdp_ema::gather_shards: ";
@@ -39,18 +33,8 @@ void validate_lists(at::TensorList shards, at::IntArrayRef rows) {
   }
 }
 
-void batched_copy(std::vector<kernels::CopySegment>& segments, const at::Device& device) {
-  if (device.is_cpu()) {
-    kernels::batched_copy_cpu(segments.data(), static_cast<int64_t>(segments.size()));
-    return;
-  }
-#if defined(FSDP_EMA_WITH_CUDA)
-  if (device.is_cuda()) {
-    batched_copy_cuda(segments, device);
-    return;
-  }
-#endif
-  TORCH_CHECK(false, kOp, "tensors on ", device, " are not supported (CPU or CUDA)");
+void copy_on_cpu(std::vector<kernels::CopySegment>& segments, const at::Device& device) {
+  kernels::batched_copy_cpu(segments.data(), static_cast<int64_t>(segments.size()));
 }
 
 // The packed send buffer and the gathered receive buffer. On the CPU they are kept between calls
@@ -75,8 +59,8 @@ std::pair<at::Tensor, at::Tensor> workspace(const at::Device& device, int64_t se
 
 }  // namespace
 
-std::vector<at::Tensor> gather_shards(at::TensorList shards, at::IntArrayRef rows,
-                                      c10::string_view group_name) {
+std::vector<at::Tensor> gather_shards_with(at::TensorList shards, at::IntArrayRef rows,
+                                           c10::string_view group_name, BatchedCopyFn copy) {
   validate_lists(shards, rows);
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   try {
@@ -125,7 +109,7 @@ std::vector<at::Tensor> gather_shards(at::TensorList shards, at::IntArrayRef row
     segments.push_back({inputs[i].const_data_ptr(),
                         static_cast<char*>(packed.data_ptr()) + offset[rank][i], bytes, 0});
   }
-  batched_copy(segments, device);
+  copy(segments, device);
 
   // One collective for all N tensors (gloo on CPU, NCCL on CUDA; the group's timeout applies).
 #pragma GCC diagnostic push
@@ -148,8 +132,17 @@ std::vector<at::Tensor> gather_shards(at::TensorList shards, at::IntArrayRef row
                           (e - b) * row_bytes[i], 0});
     }
   }
-  batched_copy(segments, device);
+  copy(segments, device);
   return outputs;
+}
+
+std::vector<at::Tensor> gather_shards_cpu(at::TensorList shards, at::IntArrayRef rows,
+                                          c10::string_view group_name) {
+  // Also the kernel for empty lists (CompositeExplicitAutograd), which a device with no kernel of
+  // its own would reach too.
+  TORCH_CHECK(shards.empty() || shards[0].is_cpu(), kOp, "shards[0] is on ", shards[0].device(),
+              ", which has no gather_shards kernel (CPU or CUDA)");
+  return gather_shards_with(shards, rows, group_name, &copy_on_cpu);
 }
 
 std::vector<at::Tensor> gather_shards_meta(at::TensorList shards, at::IntArrayRef rows,
