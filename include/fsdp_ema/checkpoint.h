@@ -1,13 +1,15 @@
 // Reading fsdp_ema checkpoints from C++ with no Python: a directory written by save_shard +
 // commit_checkpoint (or by ShardedEMA.save), or one written by torch.distributed.checkpoint's
 // HuggingFace storage writer. Full tensors, the dim-0 slice any rank of any world size needs,
-// checksum verification, and loading into a name->tensor map or a TorchScript module.
+// checksum verification, and loading into a name->tensor map, a torch::nn::Module or a
+// TorchScript module.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -16,6 +18,9 @@
 namespace torch::jit {
 struct Module;
 }  // namespace torch::jit
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
 
 namespace fsdp_ema {
 
@@ -28,8 +33,8 @@ struct CheckpointTensor {
 
 // What load_into does with names that the checkpoint and the module do not share.
 struct LoadOptions {
-  bool strict = true;   // error on names missing from either side (shapes must always match)
-  bool verify = true;   // check every piece read against its checksum
+  bool strict = true;  // error on names missing from either side (shapes must always match)
+  bool verify = true;  // check every piece read against its checksum
 };
 
 class CheckpointReader {
@@ -57,8 +62,7 @@ class CheckpointReader {
   bool contains(const std::string& name) const;
 
   // The full tensor, on `device`.
-  at::Tensor load(const std::string& name, at::Device device = at::kCPU,
-                  bool verify = true) const;
+  at::Tensor load(const std::string& name, at::Device device = at::kCPU, bool verify = true) const;
   // The dim-0 rows rank `rank` of `world_size` holds, as torch.chunk(tensor, world_size)[rank]
   // (FSDP's Shard(0)): any world size, including non-divisors and more ranks than rows (empty
   // slices). A 0-dim tensor is returned whole.
@@ -66,7 +70,7 @@ class CheckpointReader {
                         at::Device device = at::kCPU, bool verify = true) const;
   // Every tensor, whole.
   std::unordered_map<std::string, at::Tensor> load_all(at::Device device = at::kCPU,
-                                                        bool verify = true) const;
+                                                       bool verify = true) const;
   // Checks every piece against its checksum; returns how many pieces carried one.
   size_t verify_all() const;
 
@@ -75,6 +79,11 @@ class CheckpointReader {
   // before the first copy, so a failure leaves the module unchanged. Errors list the missing,
   // unexpected and mis-shaped names.
   void load_into(torch::jit::Module& module, const LoadOptions& options = {}) const;
+  // Same for a C++ frontend module (its named_parameters() and named_buffers(), recursively).
+  void load_into(torch::nn::Module& module, const LoadOptions& options = {}) const;
+  // Same for any set of named destinations (say, an AOTInductor package's constants).
+  void load_into(const std::map<std::string, at::Tensor>& targets,
+                 const LoadOptions& options = {}) const;
 
  private:
   struct Impl;
