@@ -129,12 +129,16 @@ std::string register_process_group(const c10::intrusive_ptr<c10d::ProcessGroup>&
   static std::mutex mutex;
   static std::atomic<int64_t> next{0};
   const std::lock_guard<std::mutex> lock(mutex);
-  const std::string& current = group->getGroupName();
+  std::string current;
+  try {
+    current = group->getGroupName();  // throws for a group never named
+  } catch (const std::exception&) {
+  }
   if (!current.empty()) {
     try {
       if (c10d::resolve_process_group(current).get() == group.get()) return current;
     } catch (const std::exception&) {
-      // Not registered under its name (or another group holds it): give it a fresh one.
+      // Not registered under its name: give it a fresh one.
     }
   }
   const std::string name = "fsdp_ema_group_" + std::to_string(next++);

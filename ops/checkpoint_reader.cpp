@@ -127,6 +127,14 @@ void CheckpointReader::load_into(torch::nn::Module& module, const LoadOptions& o
 
 void CheckpointReader::load_into(const std::map<std::string, at::Tensor>& targets,
                                  const LoadOptions& options) const {
+  // Read (and verify) everything before the first write, so a bad file leaves the module as it was.
+  const auto values = read_for(targets, options);
+  const at::NoGradGuard no_grad;
+  for (const auto& [name, value] : values) targets.at(name).copy_(value);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> CheckpointReader::read_for(
+    const std::map<std::string, at::Tensor>& targets, const LoadOptions& options) const {
   std::vector<std::string> missing, unexpected, misshaped;
   for (const auto& [name, target] : targets) {
     const format::IndexTensor* info = impl_->dir.find(name);
@@ -152,14 +160,12 @@ void CheckpointReader::load_into(const std::map<std::string, at::Tensor>& target
   TORCH_CHECK(problems.str().empty(), kWhere, "cannot load ", directory(),
               " into the module:", problems.str());
 
-  // Read (and verify) everything before the first write, so a bad file leaves the module as it was.
-  std::vector<std::pair<at::Tensor, at::Tensor>> copies;
+  std::vector<std::pair<std::string, at::Tensor>> values;
   for (const auto& [name, target] : targets) {
     if (impl_->dir.find(name) == nullptr) continue;
-    copies.emplace_back(target, load(name, target.device(), options.verify));
+    values.emplace_back(name, load(name, target.device(), options.verify).to(target.dtype()));
   }
-  const at::NoGradGuard no_grad;
-  for (auto& [target, value] : copies) target.copy_(value);
+  return values;
 }
 
 }  // namespace fsdp_ema

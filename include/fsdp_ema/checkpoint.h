@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace torch::jit {
@@ -21,6 +22,9 @@ struct Module;
 namespace torch::nn {
 class Module;
 }  // namespace torch::nn
+namespace torch::inductor {
+class AOTIModelPackageLoader;  // <torch/csrc/inductor/aoti_package/model_package_loader.h>
+}  // namespace torch::inductor
 
 namespace fsdp_ema {
 
@@ -81,11 +85,25 @@ class CheckpointReader {
   void load_into(torch::jit::Module& module, const LoadOptions& options = {}) const;
   // Same for a C++ frontend module (its named_parameters() and named_buffers(), recursively).
   void load_into(torch::nn::Module& module, const LoadOptions& options = {}) const;
-  // Same for any set of named destinations (say, an AOTInductor package's constants).
+  // Same for any set of named destinations, copied into in place.
   void load_into(const std::map<std::string, at::Tensor>& targets,
+                 const LoadOptions& options = {}) const;
+  // Replaces the weights of an AOTInductor package (torch._inductor.aoti_compile_and_package)
+  // through its constant-update API: no recompile per checkpoint. The package must have been
+  // compiled with inductor_configs={"aot_inductor.use_runtime_constant_folding": True}, or its
+  // weights are folded into derived constants at compile time and only some stay replaceable
+  // (strict then names the missing ones). Every name and shape is checked, and every tensor read
+  // and verified, before the constants change; the folded constants are recomputed from the new
+  // ones. Not to be called while another thread runs the package.
+  void load_into(torch::inductor::AOTIModelPackageLoader& package,
                  const LoadOptions& options = {}) const;
 
  private:
+  // The checks and reads of load_into: each shared name's tensor on its target's device and
+  // dtype; throws before reading anything when names (strict) or shapes disagree.
+  std::vector<std::pair<std::string, at::Tensor>> read_for(
+      const std::map<std::string, at::Tensor>& targets, const LoadOptions& options) const;
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
