@@ -6,6 +6,7 @@
 #include <map>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "fsdp_ema/checkpoint.h"
 
@@ -36,6 +37,24 @@ void CheckpointReader::load_into(torch::inductor::AOTIModelPackageLoader& packag
                 "constant '",
                 fqn, "' but holds no tensor for it");
     targets.emplace(fqn, it->second);
+  }
+  if (options.strict) {
+    // Said here rather than as read_for's "unexpected in checkpoint": the usual cause is a package
+    // whose weights were folded into derived constants at compile time.
+    std::vector<std::string> absent;
+    for (const CheckpointTensor& t : tensors()) {
+      if (targets.count(t.name) == 0) absent.push_back(t.name);
+    }
+    if (!absent.empty()) {
+      std::string names;
+      for (size_t i = 0; i < absent.size() && i < 20; ++i) names += (i ? ", " : "") + absent[i];
+      if (absent.size() > 20) names += ", ... (" + std::to_string(absent.size()) + " in all)";
+      TORCH_CHECK(false, "fsdp_ema::CheckpointReader: cannot load ", directory(),
+                  " into the AOTInductor package: it has no constant for ", names,
+                  " (compile it with inductor_configs={\"aot_inductor.use_runtime_constant_"
+                  "folding\": True} so that every weight stays a constant, or load with "
+                  "strict=false)");
+    }
   }
   const auto values = read_for(targets, options);
   std::unordered_map<std::string, at::Tensor> update(values.begin(), values.end());

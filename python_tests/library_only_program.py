@@ -155,8 +155,36 @@ def opcheck_every_op(work: Path) -> None:
     opcheck(ops._load_shard.default, (torch.empty(0), shard, True, False), test_utils=checks)
 
 
+def opcheck_cuda(work: Path) -> None:
+    """The CUDA kernels under opcheck: results on the tensors' (or the requested) device."""
+    from torch.library import opcheck
+
+    ops = torch.ops.fsdp_ema
+    gen = torch.Generator().manual_seed(2)
+    ema = [torch.randn(4, 3, generator=gen).cuda(), torch.randn(7, generator=gen).cuda()]
+    model = [torch.randn(4, 3, generator=gen).cuda().bfloat16(),
+             torch.randn(7, generator=gen).cuda()]
+    opcheck(ops.update_.Tensor, (ema, model, torch.tensor(0.9, device="cuda")))
+    opcheck(ops.update_.default, (ema, model, 0.5))
+    d = str(work)
+    save_args = (d, 0, 1, ["w", "b"], ema, [0, 0, 0], [4, 3, 7])
+    opcheck(ops.save_shard.default, save_args, {"overwrite": True})
+    nbytes = ops.save_shard(*save_args, overwrite=True)
+    assert nbytes.is_cuda
+    opcheck(ops.commit_checkpoint.after, (d, 1, [nbytes]), {"overwrite": True})
+    assert ops.commit_checkpoint(d, 1, [nbytes], overwrite=True).is_cuda
+    cuda = torch.device("cuda")
+    opcheck(ops.load_tensors.default, (d, ["w", "b"], 1, 3), {"device": cuda})
+    opcheck(ops.load_tensors.after, (d, ["w", "b"], [nbytes], 0, 1), {"device": cuda})
+    (w,) = ops.load_tensors(d, ["w"], device=cuda)
+    assert w.is_cuda and torch.equal(w, ema[0])
+    shard = str(next(work.glob("*.safetensors")))
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    opcheck(ops.load_shard.default, (shard,), {"device": cuda}, test_utils=checks)
+
+
 CHECKS = {f.__name__: f for f in (compiled_save_commit_load, torchscript_keeps_unused_save,
-                                  trace_reads_no_tensor_data, opcheck_every_op)}
+                                  trace_reads_no_tensor_data, opcheck_every_op, opcheck_cuda)}
 
 
 def main() -> None:

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import fsdp_ema
+import pytest
+import torch
 
 _PROGRAM = Path(__file__).resolve().parent / "library_only_program.py"
 
@@ -38,3 +40,8 @@ def test_tracing_reads_headers_and_index_but_no_tensor_data(tmp_path):
 
 def test_opcheck_passes_for_every_op_with_the_library_alone(tmp_path):
     run_check("opcheck_every_op", tmp_path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_opcheck_cuda_kernels_with_the_library_alone(tmp_path):
+    run_check("opcheck_cuda", tmp_path)
