@@ -32,7 +32,7 @@ void batched_copy_cuda(std::vector<kernels::CopySegment>& segments, const at::De
 
 std::vector<at::Tensor> gather_shards_cuda(at::TensorList shards, at::IntArrayRef rows,
                                            c10::string_view group_name) {
-  return gather_shards_with(shards, rows, group_name, &batched_copy_cuda);
+  return gather_shards_with(shards, rows, group_name, {&batched_copy_cuda, &fresh_workspace});
 }
 
 }  // namespace fsdp_ema::ops
