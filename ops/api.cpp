@@ -1,14 +1,14 @@
 // include/fsdp_ema/ops.h: typed wrappers that go through the dispatcher.
-#include "fsdp_ema/ops.h"
-
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <atomic>
 #include <mutex>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <tuple>
+
+#include "fsdp_ema/ops.h"
 
 namespace fsdp_ema {
 namespace {
@@ -47,8 +47,8 @@ void ema_shard_update_(TensorList ema, TensorList model, const at::Tensor& decay
 
 int64_t save_shard(const std::string& directory, int64_t rank, int64_t world_size,
                    const std::vector<std::string>& names, TensorList shards,
-                   c10::ArrayRef<int64_t> offsets, c10::ArrayRef<int64_t> global_shapes,
-                   bool fsync, bool overwrite) {
+                   c10::ArrayRef<int64_t> offsets, c10::ArrayRef<int64_t> global_shapes, bool fsync,
+                   bool overwrite) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("fsdp_ema::save_shard", "")
@@ -84,16 +84,15 @@ std::vector<at::Tensor> load_tensors(const std::string& directory,
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("fsdp_ema::load_tensors", "")
-          .typed<std::vector<at::Tensor>(c10::string_view, const std::vector<std::string>&,
-                                         int64_t, int64_t, bool, std::optional<at::Device>,
-                                         bool)>();
+          .typed<std::vector<at::Tensor>(c10::string_view, const std::vector<std::string>&, int64_t,
+                                         int64_t, bool, std::optional<at::Device>, bool)>();
   return op.call(directory, names, rank, world_size, verify, device, mmap);
 }
 
-ShardFileContents load_shard(const std::string& path, bool verify,
-                             std::optional<at::Device> device, bool mmap) {
-  using Result = std::tuple<std::vector<std::string>, std::vector<at::Tensor>,
-                            std::vector<int64_t>, std::vector<int64_t>>;
+ShardFileContents load_shard(const std::string& path, bool verify, std::optional<at::Device> device,
+                             bool mmap) {
+  using Result = std::tuple<std::vector<std::string>, std::vector<at::Tensor>, std::vector<int64_t>,
+                            std::vector<int64_t>>;
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("fsdp_ema::load_shard", "")
@@ -135,10 +134,17 @@ std::string register_process_group(const c10::intrusive_ptr<c10d::ProcessGroup>&
   } catch (const std::exception&) {
   }
   if (!current.empty()) {
+    bool taken = false;
     try {
-      if (c10d::resolve_process_group(current).get() == group.get()) return current;
+      const auto registered = c10d::resolve_process_group(current);
+      if (registered.get() == group.get()) return current;
+      taken = true;  // another group holds the name: this one gets a fresh one
     } catch (const std::exception&) {
-      // Not registered under its name: give it a fresh one.
+      // Named but not registered: register it under its own name.
+    }
+    if (!taken) {
+      c10d::register_process_group(current, group);
+      return current;
     }
   }
   const std::string name = "fsdp_ema_group_" + std::to_string(next++);

@@ -182,6 +182,20 @@ TEST(ProcessGroups, RegisterGivesAResolvableNameOnce) {
   c10d::unregister_process_group(other_name);
 }
 
+TEST(ProcessGroups, ANamedGroupKeepsItsNameUnlessAnotherHoldsIt) {
+  const auto group = make_group();
+  group->setGroupName("frontend_test_group");
+  EXPECT_EQ(fsdp_ema::register_process_group(group), "frontend_test_group");
+  EXPECT_EQ(c10d::resolve_process_group("frontend_test_group").get(), group.get());
+  const auto other = make_group();
+  other->setGroupName("frontend_test_group");  // taken: it gets a fresh name
+  const std::string other_name = fsdp_ema::register_process_group(other);
+  EXPECT_NE(other_name, "frontend_test_group");
+  EXPECT_EQ(c10d::resolve_process_group(other_name).get(), other.get());
+  c10d::unregister_process_group("frontend_test_group");
+  c10d::unregister_process_group(other_name);
+}
+
 TEST(ProcessGroups, GatherShardsNamesAnUnknownGroup) {
   EXPECT_THAT(
       [] {

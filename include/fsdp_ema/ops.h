@@ -99,17 +99,17 @@ std::string checkpoint_info(const std::string& directory);
 //   shards: [N] this rank's rows of each tensor, all on one device
 //   rows:   [N] each tensor's global dim-0 size
 // Returns [rows[i], *shards[i].shape[1:]] for each i. Every rank must make the same call.
-std::vector<at::Tensor> gather_shards(c10::ArrayRef<at::Tensor> shards,
-                                      c10::ArrayRef<int64_t> rows, const std::string& group_name);
+std::vector<at::Tensor> gather_shards(c10::ArrayRef<at::Tensor> shards, c10::ArrayRef<int64_t> rows,
+                                      const std::string& group_name);
 // Same, on a group made in C++ (c10d::ProcessGroupGloo / ProcessGroupNCCL over a TCPStore, say):
 // registers it under a name first (register_process_group), then calls the op by that name.
-std::vector<at::Tensor> gather_shards(c10::ArrayRef<at::Tensor> shards,
-                                      c10::ArrayRef<int64_t> rows,
+std::vector<at::Tensor> gather_shards(c10::ArrayRef<at::Tensor> shards, c10::ArrayRef<int64_t> rows,
                                       const c10::intrusive_ptr<c10d::ProcessGroup>& group);
 
 // The name under which the op (and torch.ops.fsdp_ema.gather_shards, c10d's functional
-// collectives) resolves `group`: its own group name when c10d already resolves that name to it,
-// else a fresh "fsdp_ema_group_<n>" set on the group and registered with c10d.
+// collectives) resolves `group`: its own group name, registered with c10d if it was not yet;
+// else (no name, or one another group holds) a fresh "fsdp_ema_group_<n>" set on the group and
+// registered.
 std::string register_process_group(const c10::intrusive_ptr<c10d::ProcessGroup>& group);
 
 }  // namespace fsdp_ema
