@@ -21,11 +21,16 @@ the EMA last: a step directory is committed once ``ema/fsdp_ema.index.json`` exi
 For the C++ server (examples/serve.cpp) rank 0 writes:
   OUT/model.pt      TorchScript of the unwrapped model, every weight NaN: the server replaces all
                     of them from the EMA checkpoint (CheckpointReader::load_into, strict names)
+  OUT/model.pt2     with --serve aoti or both: the same model as an AOTInductor package
+                    (torch.export + aoti_compile_and_package, runtime constant folding, NaN
+                    weights), whose constants the server replaces through the package's
+                    constant-update API
   OUT/val/          the validation batch (inputs, targets: int64), an fsdp_ema checkpoint
   OUT/result.json   Python's validation losses (raw and EMA weights, the EMA via ema.swap()),
                     the checkpoint they belong to, steps/s
 
     torchrun --nproc-per-node 2 examples/train.py [--steps 600] [--fsdp1] [--resume] [--out DIR]
+                                                  [--serve torchscript|aoti|both]
 """
 
 from __future__ import annotations
@@ -224,6 +229,9 @@ def main() -> None:
     p.add_argument("--no-compile", action="store_true", help="run the optimizer + EMA eagerly")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest committed OUT/ckpt/step-* directory")
+    p.add_argument("--serve", choices=("torchscript", "aoti", "both"), default="torchscript",
+                   help="model formats to export for the C++ server (aoti compiles a package: "
+                        "about a minute on 2 CPU cores)")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -370,8 +378,18 @@ def main() -> None:
         with torch.no_grad():
             for t in plain.parameters():
                 t.fill_(float("nan"))  # no weights baked in: the server must load every one
-        scripted = torch.jit.script(plain.eval())
-        torch.jit.save(scripted, str(out / "model.pt"))
+        exported = []
+        if args.serve in ("torchscript", "both"):
+            torch.jit.save(torch.jit.script(plain.eval()), str(out / "model.pt"))
+            exported.append(f"{out / 'model.pt'} (TorchScript, NaN weights)")
+        if args.serve in ("aoti", "both"):
+            # Runtime constant folding keeps every weight a replaceable constant: compile-time
+            # folding would bake transposed copies of the (NaN) weights into the package.
+            program = torch.export.export(plain.eval(), (x_val,))
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(out / "model.pt2"),
+                inductor_configs={"aot_inductor.use_runtime_constant_folding": True})
+            exported.append(f"{out / 'model.pt2'} (AOTInductor, NaN weights)")
         fsdp_ema.checkpoint.save(out / "val", {"inputs": x_val, "targets": y_val},
                                  overwrite=True)
         final_dir = ckpt_root / f"step-{last_saved:06d}" if last_saved else None
@@ -384,7 +402,9 @@ def main() -> None:
             "final_decay": float(ema.last_decay) if ema.last_decay is not None else None,
             "val_loss_raw": raw, "val_loss_ema": ema_loss,
             "checkpoint": str(final_dir / "ema") if final_dir else None,
-            "model": str(out / "model.pt"), "val": str(out / "val"),
+            "model": str(out / "model.pt") if args.serve != "aoti" else None,
+            "aoti_model": str(out / "model.pt2") if args.serve != "torchscript" else None,
+            "val": str(out / "val"),
         }
         (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
         print(f"done: {steps_done} steps in {elapsed:.1f} s ({result['steps_per_s'] or 0:.1f} "
@@ -395,8 +415,7 @@ def main() -> None:
               f"({'better' if ema_loss < raw else 'not better'} than raw; "
               f"final decay {result['final_decay']:.4f})")
         print(f"EMA checkpoint: {result['checkpoint']}  (written by {world} ranks)")
-        print(f"exported: {out / 'model.pt'} (TorchScript, NaN weights), {out / 'val'}, "
-              f"{out / 'result.json'}")
+        print(f"exported: {', '.join(exported)}, {out / 'val'}, {out / 'result.json'}")
         if counter and counter.frame_count != 1:
             print(f"warning: the optimizer + EMA step compiled {counter.frame_count} times")
     dist.barrier()

@@ -1,14 +1,15 @@
 // include/fsdp_ema/checkpoint.h on top of format::CheckpointDir.
-#include "fsdp_ema/checkpoint.h"
-
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
+#include <torch/nn/module.h>
 #include <torch/script.h>
 
 #include <map>
 #include <sstream>
 
+#include "fsdp_ema/checkpoint.h"
 #include "fsdp_ema/format/checkpoint_dir.h"
+#include "fsdp_ema/format/error.h"
 #include "ops/checkpoint.h"
 
 namespace fsdp_ema {
@@ -38,8 +39,8 @@ struct CheckpointReader::Impl {
 
 CheckpointReader::CheckpointReader(const std::string& directory, bool mmap)
     : impl_(translate([&] {
-        auto dir = std::make_shared<const format::CheckpointDir>(
-            format::CheckpointDir::open(directory));
+        auto dir =
+            std::make_shared<const format::CheckpointDir>(format::CheckpointDir::open(directory));
         const format::CheckpointDir& ref = *dir;
         return std::make_unique<Impl>(Impl{std::move(dir), ref, mmap});
       })) {}
@@ -78,9 +79,8 @@ at::Tensor CheckpointReader::load_chunk(const std::string& name, int64_t rank, i
               "rank must be in [0, world_size), got rank ", rank, " of ", world_size);
   return translate([&] {
     const format::IndexTensor& info = impl_->dir.tensor(name);
-    const at::Tensor t =
-        ops::read_rows(impl_->owner, info, ops::rank_rows(info, rank, world_size), verify,
-                       impl_->mmap && device.is_cpu());
+    const at::Tensor t = ops::read_rows(impl_->owner, info, ops::rank_rows(info, rank, world_size),
+                                        verify, impl_->mmap && device.is_cpu());
     return device.is_cpu() ? t : t.to(device);
   });
 }
@@ -110,7 +110,27 @@ void CheckpointReader::load_into(torch::jit::Module& module, const LoadOptions& 
   std::map<std::string, at::Tensor> targets;
   for (const auto& p : module.named_parameters(/*recurse=*/true)) targets.emplace(p.name, p.value);
   for (const auto& b : module.named_buffers(/*recurse=*/true)) targets.emplace(b.name, b.value);
+  load_into(targets, options);
+}
 
+void CheckpointReader::load_into(torch::nn::Module& module, const LoadOptions& options) const {
+  std::map<std::string, at::Tensor> targets;
+  for (const auto& p : module.named_parameters(/*recurse=*/true))
+    targets.emplace(p.key(), p.value());
+  for (const auto& b : module.named_buffers(/*recurse=*/true)) targets.emplace(b.key(), b.value());
+  load_into(targets, options);
+}
+
+void CheckpointReader::load_into(const std::map<std::string, at::Tensor>& targets,
+                                 const LoadOptions& options) const {
+  // Read (and verify) everything before the first write, so a bad file leaves the module as it was.
+  const auto values = read_for(targets, options);
+  const at::NoGradGuard no_grad;
+  for (const auto& [name, value] : values) targets.at(name).copy_(value);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> CheckpointReader::read_for(
+    const std::map<std::string, at::Tensor>& targets, const LoadOptions& options) const {
   std::vector<std::string> missing, unexpected, misshaped;
   for (const auto& [name, target] : targets) {
     const format::IndexTensor* info = impl_->dir.find(name);
@@ -129,19 +149,19 @@ void CheckpointReader::load_into(torch::jit::Module& module, const LoadOptions& 
   }
   std::ostringstream problems;
   if (!misshaped.empty()) problems << " shape mismatch: " << join_names(misshaped) << ";";
-  if (options.strict && !missing.empty()) problems << " missing in checkpoint: " << join_names(missing) << ";";
-  if (options.strict && !unexpected.empty()) problems << " unexpected in checkpoint: " << join_names(unexpected) << ";";
-  TORCH_CHECK(problems.str().empty(), kWhere, "cannot load ", directory(), " into the module:",
-              problems.str());
+  if (options.strict && !missing.empty())
+    problems << " missing in checkpoint: " << join_names(missing) << ";";
+  if (options.strict && !unexpected.empty())
+    problems << " unexpected in checkpoint: " << join_names(unexpected) << ";";
+  TORCH_CHECK(problems.str().empty(), kWhere, "cannot load ", directory(),
+              " into the module:", problems.str());
 
-  // Read (and verify) everything before the first write, so a bad file leaves the module as it was.
-  std::vector<std::pair<at::Tensor, at::Tensor>> copies;
+  std::vector<std::pair<std::string, at::Tensor>> values;
   for (const auto& [name, target] : targets) {
     if (impl_->dir.find(name) == nullptr) continue;
-    copies.emplace_back(target, load(name, target.device(), options.verify));
+    values.emplace_back(name, load(name, target.device(), options.verify).to(target.dtype()));
   }
-  const at::NoGradGuard no_grad;
-  for (auto& [target, value] : copies) target.copy_(value);
+  return values;
 }
 
 }  // namespace fsdp_ema

@@ -4,21 +4,15 @@
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
 #include <c10/util/irange.h>
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "fsdp_ema/format/rows.h"
 #include "kernels/batched_copy.h"
 
 namespace fsdp_ema::ops {
-
-#if defined(FSDP_EMA_WITH_CUDA)
-// ops/gather_cuda.cpp
-void batched_copy_cuda(std::vector<kernels::CopySegment>& segments, const at::Device& device);
-#endif
-
 namespace {
 
 constexpr const char* kOp = "fsdp_ema::gather_shards: ";
@@ -39,29 +33,15 @@ void validate_lists(at::TensorList shards, at::IntArrayRef rows) {
   }
 }
 
-void batched_copy(std::vector<kernels::CopySegment>& segments, const at::Device& device) {
-  if (device.is_cpu()) {
-    kernels::batched_copy_cpu(segments.data(), static_cast<int64_t>(segments.size()));
-    return;
-  }
-#if defined(FSDP_EMA_WITH_CUDA)
-  if (device.is_cuda()) {
-    batched_copy_cuda(segments, device);
-    return;
-  }
-#endif
-  TORCH_CHECK(false, kOp, "tensors on ", device, " are not supported (CPU or CUDA)");
+void copy_on_cpu(std::vector<kernels::CopySegment>& segments, const at::Device& device) {
+  kernels::batched_copy_cpu(segments.data(), static_cast<int64_t>(segments.size()));
 }
 
-// The packed send buffer and the gathered receive buffer. On the CPU they are kept between calls
-// (per thread): fresh pages cost a fault each, which for large gathers (bucketed exports) takes
-// longer than the copies themselves. CUDA's caching allocator already reuses device memory.
-std::pair<at::Tensor, at::Tensor> workspace(const at::Device& device, int64_t send_bytes,
-                                            int64_t recv_bytes) {
+// The CPU kernel keeps its buffers between calls (per thread): fresh pages cost a fault each,
+// which for large gathers (bucketed exports) takes longer than the copies themselves.
+std::pair<at::Tensor, at::Tensor> cached_workspace(const at::Device& device, int64_t send_bytes,
+                                                   int64_t recv_bytes) {
   const auto options = at::TensorOptions().dtype(at::kByte).device(device);
-  if (!device.is_cpu()) {
-    return {at::empty({send_bytes}, options), at::empty({recv_bytes}, options)};
-  }
   thread_local at::Tensor send_cache;
   thread_local at::Tensor recv_cache;
   if (!send_cache.defined() || send_cache.numel() < send_bytes) {
@@ -75,15 +55,22 @@ std::pair<at::Tensor, at::Tensor> workspace(const at::Device& device, int64_t se
 
 }  // namespace
 
-std::vector<at::Tensor> gather_shards(at::TensorList shards, at::IntArrayRef rows,
-                                      c10::string_view group_name) {
+std::pair<at::Tensor, at::Tensor> fresh_workspace(const at::Device& device, int64_t send_bytes,
+                                                  int64_t recv_bytes) {
+  const auto options = at::TensorOptions().dtype(at::kByte).device(device);
+  return {at::empty({send_bytes}, options), at::empty({recv_bytes}, options)};
+}
+
+std::vector<at::Tensor> gather_shards_with(at::TensorList shards, at::IntArrayRef rows,
+                                           c10::string_view group_name,
+                                           const GatherDeviceFns& fns) {
   validate_lists(shards, rows);
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   try {
     group = c10d::resolve_process_group(std::string(group_name));
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, kOp, "group_name '", group_name, "' names no process group (",
-                e.what(), ")");
+    TORCH_CHECK(false, kOp, "group_name '", group_name, "' names no process group (", e.what(),
+                ")");
   }
   const int64_t world = group->getSize();
   const int64_t rank = group->getRank();
@@ -116,7 +103,7 @@ std::vector<at::Tensor> gather_shards(at::TensorList shards, at::IntArrayRef row
   }
 
   const at::Device device = n > 0 ? shards[0].device() : at::Device(at::kCPU);
-  auto [packed, gathered] = workspace(device, max_bytes, world * max_bytes);
+  auto [packed, gathered] = fns.workspace(device, max_bytes, world * max_bytes);
 
   std::vector<kernels::CopySegment> segments;
   for (const auto i : c10::irange(n)) {
@@ -125,7 +112,7 @@ std::vector<at::Tensor> gather_shards(at::TensorList shards, at::IntArrayRef row
     segments.push_back({inputs[i].const_data_ptr(),
                         static_cast<char*>(packed.data_ptr()) + offset[rank][i], bytes, 0});
   }
-  batched_copy(segments, device);
+  fns.copy(segments, device);
 
   // One collective for all N tensors (gloo on CPU, NCCL on CUDA; the group's timeout applies).
 #pragma GCC diagnostic push
@@ -142,14 +129,23 @@ std::vector<at::Tensor> gather_shards(at::TensorList shards, at::IntArrayRef row
     for (int64_t r = 0; r < world; ++r) {
       const auto [b, e] = format::chunk_rows(rows[i], r, world);
       if (e == b || row_bytes[i] == 0) continue;
-      segments.push_back({static_cast<const char*>(gathered.const_data_ptr()) + r * max_bytes +
-                              offset[r][i],
-                          static_cast<char*>(outputs[i].data_ptr()) + b * row_bytes[i],
-                          (e - b) * row_bytes[i], 0});
+      segments.push_back(
+          {static_cast<const char*>(gathered.const_data_ptr()) + r * max_bytes + offset[r][i],
+           static_cast<char*>(outputs[i].data_ptr()) + b * row_bytes[i], (e - b) * row_bytes[i],
+           0});
     }
   }
-  batched_copy(segments, device);
+  fns.copy(segments, device);
   return outputs;
+}
+
+std::vector<at::Tensor> gather_shards_cpu(at::TensorList shards, at::IntArrayRef rows,
+                                          c10::string_view group_name) {
+  // Also the kernel for empty lists (CompositeExplicitAutograd), which a device with no kernel of
+  // its own would reach too.
+  TORCH_CHECK(shards.empty() || shards[0].is_cpu(), kOp, "shards[0] is on ", shards[0].device(),
+              ", which has no gather_shards kernel (CPU or CUDA)");
+  return gather_shards_with(shards, rows, group_name, {&copy_on_cpu, &cached_workspace});
 }
 
 std::vector<at::Tensor> gather_shards_meta(at::TensorList shards, at::IntArrayRef rows,

@@ -14,6 +14,7 @@
 #include <memory>
 
 #include "ops/checkpoint.h"
+#include "ops/checkpoint_meta.h"
 #include "ops/format_bridge.h"
 
 namespace fsdp_ema::ops {
@@ -26,19 +27,18 @@ struct Extent {
   size_t index = 0;
 };
 
-}  // namespace
+using Plan = std::vector<std::pair<const format::IndexTensor*, format::RowRange>>;
 
-void load_into_(c10::string_view directory, const std::vector<std::string>& names,
-                at::TensorList out, int64_t rank, int64_t world_size, bool verify) {
+// Opens the checkpoint and checks every destination against what is stored (and, for real
+// tensors, that no two share memory); reads no tensor data.
+Plan plan_load_into(const std::shared_ptr<const format::CheckpointDir>& dir,
+                    c10::string_view directory, const std::vector<std::string>& names,
+                    at::TensorList out, int64_t rank, int64_t world_size, bool meta) {
   TORCH_CHECK(world_size >= 1, kOp, "world_size must be >= 1, got ", world_size);
   TORCH_CHECK(rank >= 0 && rank < world_size, kOp, "rank must be in [0, world_size), got rank ",
               rank, " with world_size ", world_size);
   TORCH_CHECK(names.size() == out.size(), kOp, "names has ", names.size(),
               " entries but out has ", out.size());
-  const auto dir = translate_errors(kOp, [&] {
-    return std::make_shared<const format::CheckpointDir>(
-        format::CheckpointDir::open(std::string(directory)));
-  });
 
   // Every destination against what is stored, before anything is read.
   std::vector<std::pair<const format::IndexTensor*, format::RowRange>> plan;
@@ -56,11 +56,22 @@ void load_into_(c10::string_view directory, const std::vector<std::string>& name
     TORCH_CHECK(t.scalar_type() == to_scalar_type(info->dtype), kOp, "out[", i, "] ('", names[i],
                 "') has dtype ", t.scalar_type(), " but the checkpoint stores ",
                 to_scalar_type(info->dtype));
-    TORCH_CHECK(t.sizes() == at::IntArrayRef(shape), kOp, "out[", i, "] ('", names[i],
-                "') has shape ", t.sizes(), " but rank ", rank, " of ", world_size, " holds ",
-                at::IntArrayRef(shape), " of it");
-    TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), kOp, "out[", i, "] ('", names[i],
-                "') is on ", t.device(), "; destinations must be CPU or CUDA tensors");
+    // Sizes as SymInts: a tracer's destinations may have symbolic shapes.
+    bool same_shape = t.dim() == static_cast<int64_t>(shape.size());
+    for (int64_t d = 0; same_shape && d < t.dim(); ++d) same_shape = t.sym_size(d) == shape[d];
+    TORCH_CHECK(same_shape, kOp, "out[", i, "] ('", names[i], "') has shape ", t.sym_sizes(),
+                " but rank ", rank, " of ", world_size, " holds ", at::IntArrayRef(shape),
+                " of it");
+    // In the Meta kernel (tracing) every destination must be a tracer's fake tensor.
+    const bool usable = meta ? t.is_meta() && !is_real_meta(t) : t.is_cpu() || t.is_cuda();
+    TORCH_CHECK(usable, kOp, "out[", i, "] ('", names[i], "') is ",
+                is_real_meta(t) ? "a meta tensor, which has no memory to load into"
+                                : "on " + t.device().str() + " while other destinations are not",
+                "; destinations must be CPU or CUDA tensors");
+    if (meta) {
+      plan.emplace_back(info, rows);
+      continue;
+    }
     TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, kOp, "out[", i, "] ('",
                 names[i], "') has elements that share memory (an expanded tensor?)");
     if (t.numel() > 0) {
@@ -81,7 +92,22 @@ void load_into_(c10::string_view directory, const std::vector<std::string>& name
                 a.index, "] ('", names[a.index], "') and out[", b.index, "] ('", names[b.index],
                 "') share memory");
   }
+  return plan;
+}
 
+std::shared_ptr<const format::CheckpointDir> open_dir(c10::string_view directory) {
+  return translate_errors(kOp, [&] {
+    return std::make_shared<const format::CheckpointDir>(
+        format::CheckpointDir::open(std::string(directory)));
+  });
+}
+
+}  // namespace
+
+void load_into_(c10::string_view directory, const std::vector<std::string>& names,
+                at::TensorList out, int64_t rank, int64_t world_size, bool verify) {
+  const auto dir = open_dir(directory);
+  const Plan plan = plan_load_into(dir, directory, names, out, rank, world_size, false);
   translate_errors(kOp, [&] {
     // Every stored piece these reads touch is hashed first (once each, on the machine's cores),
     // so that a corrupted file is refused with every destination still untouched.
@@ -108,6 +134,11 @@ void load_into_(c10::string_view directory, const std::vector<std::string>& name
       }
     });
   });
+}
+
+void load_into_meta(c10::string_view directory, const std::vector<std::string>& names,
+                    at::TensorList out, int64_t rank, int64_t world_size, bool verify) {
+  plan_load_into(open_dir(directory), directory, names, out, rank, world_size, true);
 }
 
 }  // namespace fsdp_ema::ops

@@ -21,4 +21,8 @@ namespace fsdp_ema::ops {
 void load_into_(c10::string_view directory, const std::vector<std::string>& names,
                 at::TensorList out, int64_t rank, int64_t world_size, bool verify);
 
+// Tracing: the same checks against the index (no tensor data read, nothing written).
+void load_into_meta(c10::string_view directory, const std::vector<std::string>& names,
+                    at::TensorList out, int64_t rank, int64_t world_size, bool verify);
+
 }  // namespace fsdp_ema::ops

@@ -1,6 +1,7 @@
 """The demo end to end, shortened: scripts/demo.sh trains a tiny transformer for a few steps with
 FSDP2 on 2 gloo ranks (torchrun), the C++ server (examples/serve.cpp, built against the installed
-package) loads the EMA shards, and its validation loss must equal Python's. Then `fsdp-ema export`
+package) loads the EMA shards into the TorchScript model and into the AOTInductor package
+(--serve both), and both validation losses must equal Python's. Then `fsdp-ema export`
 turns the same EMA checkpoint into a model.safetensors that loads into the model with
 safetensors + load_state_dict(strict=True)."""
 
@@ -38,20 +39,26 @@ def _train_module():
                     reason="needs the built tree (build/bin/fsdp-ema) and torchrun in the venv")
 def test_demo_cpp_loss_equals_python_ema_loss_and_cli_export_loads_strict(tmp_path):
     out = tmp_path / "demo"
-    args = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()] + ["--serve=both"]
     env = dict(os.environ, FSDP_EMA_DEMO_OUT=str(out))
     run = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh"), *args], env=env,
                          capture_output=True, text=True, timeout=600)
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-6000:]
-    assert "C++ == Python" in run.stdout and "OK" in run.stdout, log[-3000:]
+    for kind in ("TorchScript", "AOTInductor"):
+        assert f"C++ ({kind}) == Python" in run.stdout, log[-3000:]
+    assert "MISMATCH" not in run.stdout, log[-3000:]
 
-    # The same comparison, from the files the demo wrote.
+    # The same comparisons, from the files the demo wrote.
     result = json.loads((out / "result.json").read_text())
-    cpp = float(re.search(r"^loss=(\S+)$", (out / "serve.txt").read_text(), re.M).group(1))
     assert result["world_size"] == 2 and result["fsdp"] == 2
     assert result["compiled_graphs"] == 1, "the optimizer + EMA step recompiled"
-    assert abs(cpp - result["val_loss_ema"]) <= TOLERANCE * max(1.0, abs(result["val_loss_ema"]))
+    for served in ("serve.txt", "serve_aoti.txt"):
+        text = (out / served).read_text()
+        cpp = float(re.search(r"^loss=(\S+)$", text, re.M).group(1))
+        assert abs(cpp - result["val_loss_ema"]) <= TOLERANCE * max(1.0,
+                                                                   abs(result["val_loss_ema"]))
+    assert "(AOTInductor package)" in (out / "serve_aoti.txt").read_text()
     assert abs(result["val_loss_raw"] - result["val_loss_ema"]) > 0, "EMA equals raw weights?"
     # Every save is a committed step directory: model/, optim/, ema/ with their indexes.
     steps = sorted(p.name for p in (out / "ckpt").iterdir())

@@ -81,7 +81,8 @@ def test_load_into_non_contiguous_destination(tmp_path):
     (lambda d: d.update(nope=torch.zeros(1)), r"names\[5\] 'nope' is not in checkpoint"),
     (lambda d: d.update(b=torch.zeros(1, dtype=torch.bfloat16).expand(70)),
      r"out\[1\] \('b'\) has elements that share memory"),
-    (lambda d: d.update(w=torch.zeros(301, 70, device="meta")), r"out\[0\] \('w'\) is on meta"),
+    (lambda d: d.update(w=torch.zeros(301, 70, device="meta")),
+     r"out\[0\] \('w'\) is a meta tensor"),
 ])
 def test_load_into_refuses_bad_destinations_and_writes_nothing(tmp_path, bad, match):
     ref = reference()

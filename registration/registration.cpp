@@ -1,10 +1,11 @@
-// Every fsdp_ema operator schema, and the CPU and Meta kernel tables. CUDA kernels are registered
-// in registration_cuda.cpp so that a CPU-only build has no CUDA dependency.
+// Every fsdp_ema operator schema, and the CPU, Meta and composite kernel tables. CUDA kernels are
+// registered in registration_cuda.cpp so that a CPU-only build has no CUDA dependency.
 #include <torch/library.h>
 
 #include "fsdp_ema/format/names.h"
 #include "kernels/update_cpu.h"
 #include "ops/checkpoint.h"
+#include "ops/checkpoint_meta.h"
 #include "ops/export.h"
 #include "ops/gather.h"
 #include "ops/load_into.h"
@@ -28,9 +29,12 @@ TORCH_LIBRARY(fsdp_ema, m) {
   m.def("ema_shard_update_.Tensor(Tensor(a! -> *)[] ema, Tensor[] model, Tensor decay) -> ()");
   m.def("ema_shard_update_(Tensor(a! -> *)[] ema, Tensor[] model, float decay) -> ()");
 
-  // Checkpoint ops. Those that write files have no tensor result, so they are registered with
-  // CONSERVATIVE alias analysis: TorchScript then treats them as side-effecting and never
-  // dead-code-eliminates a call whose result is unused. (torch.compile: see fsdp_ema/_ops.py.)
+  // Checkpoint ops. Those that write files are registered with CONSERVATIVE alias analysis:
+  // TorchScript then treats them as side-effecting and never dead-code-eliminates a call whose
+  // result is unused. torch.compile has no C++ mark for that (its effect registry and
+  // torch.fx.node.has_side_effect are Python; `import fsdp_ema` sets the latter): with only the
+  // library loaded, a graph keeps a save whose result reaches its output, which is what
+  // commit_checkpoint.after and load_tensors.after are for (they also order the calls).
   //
   // Writes one rank's local shards to <directory>/shard-<rank>-of-<world_size>.safetensors
   // atomically (temporary file, fsync, rename, directory fsync); returns the file's bytes as a
@@ -47,6 +51,12 @@ TORCH_LIBRARY(fsdp_ema, m) {
       "commit_checkpoint(str directory, int world_size, bool overwrite=False, bool fsync=True) "
       "-> int",
       c10::AliasAnalysisKind::CONSERVATIVE));
+  // The same commit for compiled graphs: the tensor count as a 0-dim int64 tensor (a graph cannot
+  // return an int), on the device of `after`, the save_shard results it must follow.
+  m.def(
+      torch::schema("commit_checkpoint.after(str directory, int world_size, Tensor[] after, "
+                    "bool overwrite=False, bool fsync=True) -> Tensor",
+                    c10::AliasAnalysisKind::CONSERVATIVE));
   // One shard file back: names, local shards, concatenated global offsets and global shapes.
   // Tensors are owned memory, read and verified in one pass; mmap=True (opt-in) returns zero-copy
   // views of the file's mapping instead (SIGBUS if the file is truncated while they live).
@@ -58,6 +68,18 @@ TORCH_LIBRARY(fsdp_ema, m) {
   m.def(
       "load_tensors(str directory, str[] names, int rank=0, int world_size=1, bool verify=True, "
       "Device? device=None, bool mmap=False) -> Tensor[]");
+  // The same, ordered after `after` in a graph (say, commit_checkpoint.after's result).
+  m.def(
+      "load_tensors.after(str directory, str[] names, Tensor[] after, int rank=0, "
+      "int world_size=1, bool verify=True, Device? device=None, bool mmap=False) -> Tensor[]");
+  // Private: what load_tensors and load_shard call (ops/checkpoint_meta.h says why). `target` is
+  // an empty tensor on the device to load to; `after` is not read.
+  m.def(
+      "_load_tensors(Tensor target, Tensor[] after, str directory, str[] names, int rank, "
+      "int world_size, bool verify, bool mmap) -> Tensor[]");
+  m.def(
+      "_load_shard(Tensor target, str path, bool verify, bool mmap) "
+      "-> (str[] names, Tensor[] shards, int[] offsets, int[] global_shapes)");
   // JSON description of a checkpoint directory: layout, world size, tensors (dtype, shape).
   m.def("checkpoint_info(str directory) -> str");
   // The same tensors as load_tensors, read into existing tensors (a model's, an optimizer's): no
@@ -75,16 +97,18 @@ TORCH_LIBRARY(fsdp_ema, m) {
   m.def("cpu_capability() -> str");
 }
 
-// Ops with no tensor argument (or any device's tensors) take the same kernel everywhere.
+// Ops with no tensor argument: the kernel for calls that have nothing to dispatch on (also the
+// one a device without its own kernel would reach, so each refuses tensors it cannot handle).
 TORCH_LIBRARY_IMPL(fsdp_ema, CompositeExplicitAutograd, m) {
-  m.impl("save_shard", &fsdp_ema::ops::save_shard);
   m.impl("commit_checkpoint", &fsdp_ema::ops::commit_checkpoint);
-  m.impl("load_shard", &fsdp_ema::ops::load_shard);
-  m.impl("load_tensors", &fsdp_ema::ops::load_tensors);
   m.impl("checkpoint_info", &fsdp_ema::ops::checkpoint_info);
-  m.impl("load_into_", &fsdp_ema::ops::load_into_);
-  m.impl("gather_shards", &fsdp_ema::ops::gather_shards);
+  m.impl("load_into_", &fsdp_ema::ops::load_into_);  // empty lists
   m.impl("cpu_capability", [] { return std::string(fsdp_ema::kernels::update_cpu_capability()); });
+  // Empty lists: save_shard validates (names vs shards), commit_checkpoint.after commits,
+  // gather_shards joins the collective with nothing to send.
+  m.impl("save_shard", &fsdp_ema::ops::save_shard);
+  m.impl("commit_checkpoint.after", &fsdp_ema::ops::commit_after);
+  m.impl("gather_shards", &fsdp_ema::ops::gather_shards_cpu);
   // update_ with a float decay and empty lists has no tensor to dispatch on (nor do tensors on a
   // device without a kernel): validate, so the error names the bad argument ("ema is empty"),
   // then refuse. The Tensor overloads always have `decay` to dispatch on.
@@ -96,20 +120,41 @@ TORCH_LIBRARY_IMPL(fsdp_ema, CompositeExplicitAutograd, m) {
   }
 }
 
+// Built from other ops (a `target` tensor on the requested device, then the private op), so the
+// tracer sees the private op with a tensor to take the device from.
+TORCH_LIBRARY_IMPL(fsdp_ema, CompositeImplicitAutograd, m) {
+  m.impl("load_tensors", &fsdp_ema::ops::load_tensors_entry);
+  m.impl("load_tensors.after", &fsdp_ema::ops::load_tensors_after_entry);
+  m.impl("load_shard", &fsdp_ema::ops::load_shard_entry);
+}
+
 TORCH_LIBRARY_IMPL(fsdp_ema, CPU, m) {
   for (const char* name : {"update_", "ema_shard_update_"}) {
     m.impl(name, &fsdp_ema::ops::update_cpu);
     m.impl((std::string(name) + ".Tensor").c_str(), &fsdp_ema::ops::update_tensor_cpu);
   }
+  m.impl("gather_shards", &fsdp_ema::ops::gather_shards_cpu);
+  m.impl("save_shard", &fsdp_ema::ops::save_shard);
+  m.impl("commit_checkpoint.after", &fsdp_ema::ops::commit_after);
+  m.impl("_load_tensors", &fsdp_ema::ops::load_tensors_to);
+  m.impl("_load_shard", &fsdp_ema::ops::load_shard_to);
+  m.impl("load_into_", &fsdp_ema::ops::load_into_);
 }
 
-// Mutating and returning nothing: the meta kernel only validates, which is all tracing needs.
+// What tracing (FakeTensorMode, torch.compile, opcheck) runs: validation and result shapes only.
+// Mutating and returning nothing, update_'s meta kernel only validates. The load ops read the
+// index or header, never tensor data; the file-writing ops write nothing.
 TORCH_LIBRARY_IMPL(fsdp_ema, Meta, m) {
-  m.impl("gather_shards", &fsdp_ema::ops::gather_shards_meta);  // shapes only, no collective
   for (const char* name : {"update_", "ema_shard_update_"}) {
     m.impl(name, &fsdp_ema::ops::update_meta);
     m.impl((std::string(name) + ".Tensor").c_str(), &fsdp_ema::ops::update_tensor_meta);
   }
+  m.impl("gather_shards", &fsdp_ema::ops::gather_shards_meta);  // no collective
+  m.impl("save_shard", &fsdp_ema::ops::save_shard_meta);
+  m.impl("commit_checkpoint.after", &fsdp_ema::ops::commit_after_meta);
+  m.impl("_load_tensors", &fsdp_ema::ops::load_tensors_meta);
+  m.impl("_load_shard", &fsdp_ema::ops::load_shard_meta);
+  m.impl("load_into_", &fsdp_ema::ops::load_into_meta);
 }
 
 // Checkpoint directory layout (#13): what the Python front needs so that it does no file-system

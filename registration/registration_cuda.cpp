@@ -1,6 +1,10 @@
 // CUDA kernel table for the fsdp_ema operators (schemas live in registration.cpp).
 #include <torch/library.h>
 
+#include "ops/checkpoint.h"
+#include "ops/checkpoint_meta.h"
+#include "ops/gather.h"
+#include "ops/load_into.h"
 #include "ops/update.h"
 
 TORCH_LIBRARY_IMPL(fsdp_ema, CUDA, m) {
@@ -8,4 +12,12 @@ TORCH_LIBRARY_IMPL(fsdp_ema, CUDA, m) {
     m.impl(name, &fsdp_ema::ops::update_cuda);
     m.impl((std::string(name) + ".Tensor").c_str(), &fsdp_ema::ops::update_tensor_cuda);
   }
+  m.impl("gather_shards", &fsdp_ema::ops::gather_shards_cuda);
+  // The checkpoint ops' host code handles device tensors itself (pinned staging on save, a copy
+  // after the read on load); these kernels put the results on the tensors' device.
+  m.impl("save_shard", &fsdp_ema::ops::save_shard_cuda);
+  m.impl("commit_checkpoint.after", &fsdp_ema::ops::commit_after);
+  m.impl("_load_tensors", &fsdp_ema::ops::load_tensors_to);
+  m.impl("_load_shard", &fsdp_ema::ops::load_shard_to);
+  m.impl("load_into_", &fsdp_ema::ops::load_into_);  // host reads, then copies to the device
 }

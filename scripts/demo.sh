@@ -5,7 +5,10 @@
 # optimizer + EMA step and sharded checkpoints, then serves the EMA weights from C++ and checks
 # that its validation loss equals Python's.
 #
-#   bash scripts/demo.sh [train.py arguments: --steps N, --fsdp1, --resume, ...]
+#   bash scripts/demo.sh [train.py arguments: --steps N, --fsdp1, --resume, --serve aoti|both, ...]
+#
+# --serve picks what the server loads: the TorchScript model (default), the AOTInductor package
+# (aoti), or both, each checked against Python's EMA loss.
 #
 # FSDP_EMA_DEMO_OUT: where the run goes (default: $FSDP_EMA_BUILD/demo; wiped unless --resume).
 # FSDP_EMA_DEMO_NPROC: ranks (default 2).
@@ -34,25 +37,40 @@ echo "== training: torchrun --nproc-per-node $NPROC examples/train.py --out $OUT
 
 field() { "$FSDP_EMA_PYTHON" -c "import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$OUT/result.json" "$1"; }
 CKPT="$(field checkpoint)"
-echo "== serving from C++: serve model.pt $CKPT val"
-"$SERVE" "$OUT/model.pt" "$CKPT" "$OUT/val" | tee "$OUT/serve.txt"
+rm -f "$OUT/serve.txt" "$OUT/serve_aoti.txt"
+if [ "$(field model)" != "None" ]; then
+  echo "== serving from C++ (TorchScript): serve model.pt $CKPT val"
+  "$SERVE" "$OUT/model.pt" "$CKPT" "$OUT/val" | tee "$OUT/serve.txt"
+fi
+if [ "$(field aoti_model)" != "None" ]; then
+  echo "== serving from C++ (AOTInductor): serve model.pt2 $CKPT val"
+  "$SERVE" "$OUT/model.pt2" "$CKPT" "$OUT/val" | tee "$OUT/serve_aoti.txt"
+fi
 
 echo "== report"
 "$FSDP_EMA_PYTHON" - "$OUT" <<'PY'
-import json, re, sys
+import json, os, re, sys
 out = sys.argv[1]
 r = json.load(open(f"{out}/result.json"))
-cpp = float(re.search(r"^loss=(\S+)$", open(f"{out}/serve.txt").read(), re.M).group(1))
 py = r["val_loss_ema"]
 tol = 1e-5 * max(1.0, abs(py))
-diff = abs(cpp - py)
+served = {}
+for kind, name in (("TorchScript", "serve.txt"), ("AOTInductor", "serve_aoti.txt")):
+    if os.path.exists(f"{out}/{name}"):
+        text = open(f"{out}/{name}").read()
+        served[kind] = float(re.search(r"^loss=(\S+)$", text, re.M).group(1))
 print(f"trained: FSDP{r['fsdp']}, {r['world_size']} ranks on {r['device']}, {r['steps_run']} steps, "
       f"{r['steps_per_s']:.1f} steps/s ({r['steps_per_s_compiled'] or 0:.1f} once compiled"
       f"), optimizer + EMA step compiled into {r['compiled_graphs']} graph(s)")
 print(f"validation loss, raw weights (Python):   {r['val_loss_raw']:.6f}")
 print(f"validation loss, EMA weights (Python):   {py:.6f}")
-print(f"validation loss, EMA weights (C++):      {cpp:.6f}  (loaded from {r['checkpoint']})")
-ok = diff <= tol
-print(f"C++ == Python: |difference| = {diff:.2e} (tolerance {tol:.0e}): {'OK' if ok else 'MISMATCH'}")
+ok = bool(served)
+for kind, cpp in served.items():
+    diff = abs(cpp - py)
+    print(f"validation loss, EMA weights (C++, {kind}): {cpp:.6f}  (loaded from {r['checkpoint']})")
+    good = diff <= tol
+    ok = ok and good
+    print(f"C++ ({kind}) == Python: |difference| = {diff:.2e} (tolerance {tol:.0e}): "
+          f"{'OK' if good else 'MISMATCH'}")
 sys.exit(0 if ok else 1)
 PY

@@ -146,6 +146,17 @@ MUTANTS = {
         "      if (p.checksum) {\n        out += \", \\\"checksum\\\": \\\"\";",
         "      if (p.checksum && *p.checksum != 0) {\n        out += \", \\\"checksum\\\": \\\"\";",
         [ctest("^format_fuzz_replay$")]),
+    # --- tracing and the C++ paths (#15) --------------------------------------------------------
+    "meta-load-ignores-rank-rows": (
+        "ops/checkpoint_meta.cpp",
+        "if (!shape.empty()) shape[0] = rank_rows(info, rank, world_size).size();",
+        "if (false) shape[0] = rank_rows(info, rank, world_size).size();",
+        [pytest("python_tests/test_library_only.py", "-k", "tracing or opcheck")]),
+    "train-sharded-gradients-not-averaged": (
+        "examples/train_sharded.cpp",
+        ".view(local[i].sizes()).div(world).clone();",
+        ".view(local[i].sizes()).clone();",
+        [ctest("^train_sharded_2ranks$")]),
     # --- Python ---------------------------------------------------------------------------------
     "chunk-rows-python-remainder-one": (
         "python/fsdp_ema/_layouts.py",

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what fsdp_ema needs, and only what is missing: Debian packages (compilers, CMake,
-# GoogleTest, nlohmann-json, xxhash, CLI11, ninja, ccache) and the Python environment from
-# requirements.txt. Idempotent: a second run (or CI on the same machine) downloads nothing.
+# GoogleTest, nlohmann-json, xxhash, CLI11, ninja, ccache, and gloo's headers, which the torch
+# wheel lacks and examples/train_sharded.cpp needs to make a ProcessGroupGloo) and the Python
+# environment from requirements.txt. Idempotent: a second run (or CI on the same machine) downloads nothing.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
@@ -12,6 +13,7 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 # clang-format: scripts/lint.sh) -------------------------------------------------------------------
 PACKAGES=(build-essential cmake ninja-build ccache pkg-config git
           libgtest-dev libgmock-dev nlohmann-json3-dev libxxhash-dev libcli11-dev
+          libgloo-dev
           clang libclang-rt-dev clang-format
           python3 python3-venv python3-dev)
 missing=()

@@ -10,12 +10,8 @@
 #include <vector>
 
 #include "kernels/batched_copy.h"
+#include "ops/gather_cuda.h"
 #include "test_helpers.h"
-
-namespace fsdp_ema::ops {
-// ops/gather_cuda.cpp (built into the library when it has CUDA kernels).
-void batched_copy_cuda(std::vector<kernels::CopySegment>& segments, const at::Device& device);
-}  // namespace fsdp_ema::ops
 
 namespace {
 

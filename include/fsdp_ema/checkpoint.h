@@ -1,21 +1,30 @@
 // Reading fsdp_ema checkpoints from C++ with no Python: a directory written by save_shard +
 // commit_checkpoint (or by ShardedEMA.save), or one written by torch.distributed.checkpoint's
 // HuggingFace storage writer. Full tensors, the dim-0 slice any rank of any world size needs,
-// checksum verification, and loading into a name->tensor map or a TorchScript module.
+// checksum verification, and loading into a name->tensor map, a torch::nn::Module or a
+// TorchScript module.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace torch::jit {
 struct Module;
 }  // namespace torch::jit
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
+namespace torch::inductor {
+class AOTIModelPackageLoader;  // <torch/csrc/inductor/aoti_package/model_package_loader.h>
+}  // namespace torch::inductor
 
 namespace fsdp_ema {
 
@@ -28,8 +37,8 @@ struct CheckpointTensor {
 
 // What load_into does with names that the checkpoint and the module do not share.
 struct LoadOptions {
-  bool strict = true;   // error on names missing from either side (shapes must always match)
-  bool verify = true;   // check every piece read against its checksum
+  bool strict = true;  // error on names missing from either side (shapes must always match)
+  bool verify = true;  // check every piece read against its checksum
 };
 
 class CheckpointReader {
@@ -57,8 +66,7 @@ class CheckpointReader {
   bool contains(const std::string& name) const;
 
   // The full tensor, on `device`.
-  at::Tensor load(const std::string& name, at::Device device = at::kCPU,
-                  bool verify = true) const;
+  at::Tensor load(const std::string& name, at::Device device = at::kCPU, bool verify = true) const;
   // The dim-0 rows rank `rank` of `world_size` holds, as torch.chunk(tensor, world_size)[rank]
   // (FSDP's Shard(0)): any world size, including non-divisors and more ranks than rows (empty
   // slices). A 0-dim tensor is returned whole.
@@ -66,7 +74,7 @@ class CheckpointReader {
                         at::Device device = at::kCPU, bool verify = true) const;
   // Every tensor, whole.
   std::unordered_map<std::string, at::Tensor> load_all(at::Device device = at::kCPU,
-                                                        bool verify = true) const;
+                                                       bool verify = true) const;
   // Checks every piece against its checksum; returns how many pieces carried one.
   size_t verify_all() const;
 
@@ -75,8 +83,27 @@ class CheckpointReader {
   // before the first copy, so a failure leaves the module unchanged. Errors list the missing,
   // unexpected and mis-shaped names.
   void load_into(torch::jit::Module& module, const LoadOptions& options = {}) const;
+  // Same for a C++ frontend module (its named_parameters() and named_buffers(), recursively).
+  void load_into(torch::nn::Module& module, const LoadOptions& options = {}) const;
+  // Same for any set of named destinations, copied into in place.
+  void load_into(const std::map<std::string, at::Tensor>& targets,
+                 const LoadOptions& options = {}) const;
+  // Replaces the weights of an AOTInductor package (torch._inductor.aoti_compile_and_package)
+  // through its constant-update API: no recompile per checkpoint. The package must have been
+  // compiled with inductor_configs={"aot_inductor.use_runtime_constant_folding": True}, or its
+  // weights are folded into derived constants at compile time and only some stay replaceable
+  // (strict then names the missing ones). Every name and shape is checked, and every tensor read
+  // and verified, before the constants change; the folded constants are recomputed from the new
+  // ones. Not to be called while another thread runs the package.
+  void load_into(torch::inductor::AOTIModelPackageLoader& package,
+                 const LoadOptions& options = {}) const;
 
  private:
+  // The checks and reads of load_into: each shared name's tensor on its target's device and
+  // dtype; throws before reading anything when names (strict) or shapes disagree.
+  std::vector<std::pair<std::string, at::Tensor>> read_for(
+      const std::map<std::string, at::Tensor>& targets, const LoadOptions& options) const;
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -4,11 +4,18 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <c10/util/ArrayRef.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
+
+namespace c10d {
+class ProcessGroup;  // <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+}  // namespace c10d
 
 namespace fsdp_ema {
 
@@ -53,5 +60,56 @@ int64_t save_shard(const std::string& directory, int64_t rank, int64_t world_siz
 // exist; refuses a committed directory unless overwrite. Returns the number of tensors.
 int64_t commit_checkpoint(const std::string& directory, int64_t world_size, bool overwrite = false,
                           bool fsync = true);
+
+}  // namespace fsdp_ema
+
+namespace fsdp_ema {
+
+// Commit for compiled graphs: the number of tensors as a 0-dim int64 tensor on the device of
+// `after` (the save_shard results it follows; not read).
+at::Tensor commit_checkpoint(const std::string& directory, int64_t world_size,
+                             c10::ArrayRef<at::Tensor> after, bool overwrite = false,
+                             bool fsync = true);
+
+// Tensors of a committed checkpoint (ours, or a DCP HuggingFace directory): whole (world_size 1)
+// or the dim-0 rows torch.chunk(tensor, world_size)[rank] holds, on `device` (CPU by default;
+// kMeta gives dtypes and shapes from the index without reading data). mmap: zero-copy CPU views
+// of the files (opt-in; see CheckpointReader).
+std::vector<at::Tensor> load_tensors(const std::string& directory,
+                                     const std::vector<std::string>& names, int64_t rank = 0,
+                                     int64_t world_size = 1, bool verify = true,
+                                     std::optional<at::Device> device = std::nullopt,
+                                     bool mmap = false);
+
+// One shard file as save_shard wrote it.
+struct ShardFileContents {
+  std::vector<std::string> names;
+  std::vector<at::Tensor> shards;      // local shards
+  std::vector<int64_t> offsets;        // global offset of each shard, concatenated over dims
+  std::vector<int64_t> global_shapes;  // global shape of each tensor, concatenated over dims
+};
+ShardFileContents load_shard(const std::string& path, bool verify = true,
+                             std::optional<at::Device> device = std::nullopt, bool mmap = false);
+
+// JSON: {"layout", "world_size", "tensors": {name: {"dtype", "shape"}}, "metadata"}.
+std::string checkpoint_info(const std::string& directory);
+
+// Dim-0 shards (torch.chunk rows, possibly empty) of N tensors -> the N full tensors on every
+// rank of a process group, with one all-gather (gloo on CPU, NCCL on CUDA).
+//   shards: [N] this rank's rows of each tensor, all on one device
+//   rows:   [N] each tensor's global dim-0 size
+// Returns [rows[i], *shards[i].shape[1:]] for each i. Every rank must make the same call.
+std::vector<at::Tensor> gather_shards(c10::ArrayRef<at::Tensor> shards, c10::ArrayRef<int64_t> rows,
+                                      const std::string& group_name);
+// Same, on a group made in C++ (c10d::ProcessGroupGloo / ProcessGroupNCCL over a TCPStore, say):
+// registers it under a name first (register_process_group), then calls the op by that name.
+std::vector<at::Tensor> gather_shards(c10::ArrayRef<at::Tensor> shards, c10::ArrayRef<int64_t> rows,
+                                      const c10::intrusive_ptr<c10d::ProcessGroup>& group);
+
+// The name under which the op (and torch.ops.fsdp_ema.gather_shards, c10d's functional
+// collectives) resolves `group`: its own group name, registered with c10d if it was not yet;
+// else (no name, or one another group holds) a fresh "fsdp_ema_group_<n>" set on the group and
+// registered.
+std::string register_process_group(const c10::intrusive_ptr<c10d::ProcessGroup>& group);
 
 }  // namespace fsdp_ema

@@ -27,24 +27,12 @@ from .training_state import (latest_checkpoint, load_training_state,  # noqa: E4
                              save_training_state)
 
 
-# save_shard writes a file and returns a byte count callers usually ignore. Under torch.compile:
-# a fake kernel (no file is written while tracing; the count lives on the CPU whatever the
-# shards' device), and a side-effect mark so dead-code elimination keeps the call.
-# (TorchScript keeps it through CONSERVATIVE alias analysis, set in C++.)
-@torch.library.register_fake("fsdp_ema::save_shard")
-def _save_shard_fake(directory, rank, world_size, names, shards, offsets, global_shapes,
-                     fsync=True, overwrite=False):
-    # Registered as the Meta kernel too: real meta tensors (not a tracer's fake ones) would
-    # otherwise "save" nothing and return a garbage count.
-    from torch._subclasses.fake_tensor import FakeTensor
-    for i, s in enumerate(shards):
-        if s.device.type == "meta" and not isinstance(s, FakeTensor):
-            raise RuntimeError(f"fsdp_ema::save_shard: shards[{i}] ('{names[i]}') is a meta "
-                               "tensor, which has no data to save")
-    return torch.empty((), dtype=torch.int64, device="cpu")
-
-
+# The fake (Meta) kernels of every op live in the library itself (registration/registration.cpp),
+# and so does TorchScript's side-effect mark. torch.compile's mark can only be set from Python:
+# with it, a save_shard whose byte count is unused stays in a compiled graph. (With the library
+# alone, thread the count into commit_checkpoint.after; see the operator reference.)
 torch.fx.node.has_side_effect(torch.ops.fsdp_ema.save_shard.default)
+torch.fx.node.has_side_effect(torch.ops.fsdp_ema.commit_checkpoint.after)
 
 __all__ = ["update_", "load_library", "library_path", "checkpoint", "ShardedEMA", "Warmup",
            "save_training_state", "load_training_state", "latest_checkpoint"]
