@@ -6,6 +6,7 @@
 #include "ops/checkpoint.h"
 #include "ops/gather.h"
 #include "ops/update.h"
+#include "ops/update_multi.h"
 
 // Why `Tensor(a! -> *)[]` rather than the usual `Tensor(a!)[]`: TorchScript's alias analysis
 // records the write on the list value only, so for a list built inline (`[self.ema]`) it sees a
@@ -101,4 +102,34 @@ TORCH_LIBRARY_IMPL(fsdp_ema, Meta, m) {
     m.impl(name, &fsdp_ema::ops::update_meta);
     m.impl((std::string(name) + ".Tensor").c_str(), &fsdp_ema::ops::update_tensor_meta);
   }
+}
+
+// --- update_multi_ (issue #18): K EMA lists of one model list, one read of the model. ---------
+// Its own TORCH_LIBRARY_FRAGMENT and IMPL blocks, so this op's registration stays in one piece.
+// Same alias annotation as update_ (see the note above TORCH_LIBRARY), same overload order.
+TORCH_LIBRARY_FRAGMENT(fsdp_ema, m) {
+  // ema[k * N + i] <- lerp(ema[k * N + i], model[i], 1 - decays[k]) for K = len(decays)
+  // profile lists of N = len(model) tensors, with decays 0-dim tensors read where the tensors
+  // live (no host sync; changing values never recompile).
+  m.def("update_multi_.Tensor(Tensor(a! -> *)[] ema, Tensor[] model, Tensor[] decays) -> ()");
+  // Same, with decays Python/C++ floats.
+  m.def("update_multi_(Tensor(a! -> *)[] ema, Tensor[] model, float[] decays) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(fsdp_ema, CompositeExplicitAutograd, m) {
+  // Empty lists (nothing to dispatch on): validate so the error names the bad argument.
+  m.impl("update_multi_", [](at::TensorList ema, at::TensorList model, c10::ArrayRef<double> d) {
+    fsdp_ema::ops::update_multi_meta(ema, model, d);
+    TORCH_CHECK(false, "fsdp_ema::update_multi_: no kernel for tensors on ", ema[0].device());
+  });
+}
+
+TORCH_LIBRARY_IMPL(fsdp_ema, CPU, m) {
+  m.impl("update_multi_", &fsdp_ema::ops::update_multi_cpu);
+  m.impl("update_multi_.Tensor", &fsdp_ema::ops::update_multi_tensor_cpu);
+}
+
+TORCH_LIBRARY_IMPL(fsdp_ema, Meta, m) {
+  m.impl("update_multi_", &fsdp_ema::ops::update_multi_meta);
+  m.impl("update_multi_.Tensor", &fsdp_ema::ops::update_multi_tensor_meta);
 }
