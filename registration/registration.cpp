@@ -5,6 +5,7 @@
 #include "kernels/update_cpu.h"
 #include "ops/checkpoint.h"
 #include "ops/gather.h"
+#include "ops/posthoc.h"
 #include "ops/update.h"
 #include "ops/update_multi.h"
 
@@ -104,7 +105,7 @@ TORCH_LIBRARY_IMPL(fsdp_ema, Meta, m) {
   }
 }
 
-// --- update_multi_ (issue #18): K EMA lists of one model list, one read of the model. ---------
+// --- issue #18: update_multi_ (K EMA lists, one read of the model) and post-hoc EMA ---------
 // Its own TORCH_LIBRARY_FRAGMENT and IMPL blocks, so this op's registration stays in one piece.
 // Same alias annotation as update_ (see the note above TORCH_LIBRARY), same overload order.
 TORCH_LIBRARY_FRAGMENT(fsdp_ema, m) {
@@ -114,6 +115,17 @@ TORCH_LIBRARY_FRAGMENT(fsdp_ema, m) {
   m.def("update_multi_.Tensor(Tensor(a! -> *)[] ema, Tensor[] model, Tensor[] decays) -> ()");
   // Same, with decays Python/C++ floats.
   m.def("update_multi_(Tensor(a! -> *)[] ema, Tensor[] model, float[] decays) -> ()");
+
+  // Post-hoc EMA (EDM2), all computed by format/posthoc.h, the one implementation that the
+  // `fsdp-ema posthoc` command also uses. gamma of a power-function EMA profile from its
+  // relative standard deviation (the cubic's largest real root), and back.
+  m.def("power_ema_gamma(float sigma_rel) -> float");
+  m.def("power_ema_sigma_rel(float gamma) -> float");
+  // Least-squares weights combining snapshots (steps[i], gammas[i]) into the profile (step,
+  // gamma).
+  m.def("posthoc_weights(int[] steps, float[] gammas, int step, float gamma) -> float[]");
+  // JSON plan of a post-hoc reconstruction from a snapshot root: snapshots, weights, tensors.
+  m.def("posthoc_plan(str snapshot_root, float sigma_rel, int? step=None) -> str");
 }
 
 TORCH_LIBRARY_IMPL(fsdp_ema, CompositeExplicitAutograd, m) {
@@ -122,6 +134,10 @@ TORCH_LIBRARY_IMPL(fsdp_ema, CompositeExplicitAutograd, m) {
     fsdp_ema::ops::update_multi_meta(ema, model, d);
     TORCH_CHECK(false, "fsdp_ema::update_multi_: no kernel for tensors on ", ema[0].device());
   });
+  m.impl("power_ema_gamma", &fsdp_ema::ops::power_ema_gamma);
+  m.impl("power_ema_sigma_rel", &fsdp_ema::ops::power_ema_sigma_rel);
+  m.impl("posthoc_weights", &fsdp_ema::ops::posthoc_weights);
+  m.impl("posthoc_plan", &fsdp_ema::ops::posthoc_plan);
 }
 
 TORCH_LIBRARY_IMPL(fsdp_ema, CPU, m) {

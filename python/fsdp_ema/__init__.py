@@ -23,6 +23,8 @@ load_library()
 
 from . import checkpoint  # noqa: E402
 from .sharded_ema import ShardedEMA, Warmup  # noqa: E402
+from .power_ema import PowerEMA, ShardedPowerEMA  # noqa: E402
+from .posthoc import posthoc, posthoc_plan  # noqa: E402
 from .training_state import (latest_checkpoint, load_training_state,  # noqa: E402
                              save_training_state)
 
@@ -46,7 +48,8 @@ def _save_shard_fake(directory, rank, world_size, names, shards, offsets, global
 
 torch.fx.node.has_side_effect(torch.ops.fsdp_ema.save_shard.default)
 
-__all__ = ["update_", "update_multi_", "load_library", "library_path", "checkpoint", "ShardedEMA", "Warmup",
+__all__ = ["update_", "update_multi_", "load_library", "library_path", "checkpoint", "ShardedEMA",
+           "Warmup", "PowerEMA", "ShardedPowerEMA", "posthoc", "posthoc_plan",
            "save_training_state", "load_training_state", "latest_checkpoint"]
 
 Decay = Union[float, torch.Tensor]
