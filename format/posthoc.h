@@ -18,7 +18,7 @@ namespace fsdp_ema::format {
 
 // Largest sigma_rel a power-function EMA has with gamma >= 0: 1/sqrt(12), the uniform average of
 // every step so far (gamma = 0). Smaller sigma_rel means a shorter average (larger gamma).
-inline constexpr double kMaxSigmaRel = 0.28867513459481287;
+inline constexpr double kMaxSigmaRel = 0.28867513459481292;  // the double nearest 1/sqrt(12)
 
 // gamma of the profile with relative standard deviation sigma_rel: the largest real root of
 // sigma_rel^2 (g + 2)^2 (g + 3) = g + 1 (the std of the density (g + 1) x^g on [0, 1]), i.e. of
