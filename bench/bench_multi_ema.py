@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
-import fsdp_ema  # noqa: E402
+import fsdp_ema  # noqa: E402, F401  (loads the operator library)
 from bench_update import shard_sizes, time_once  # noqa: E402
 from report import finish  # noqa: E402
 
@@ -65,8 +65,8 @@ def run_case(args, model_dtype: torch.dtype, k: int, sizes: list[int]) -> dict:
     rows = [
         ("update_multi_", multi, elements * (msize + 8 * k)),
         (f"{k} x update_", separate, elements * k * (msize + 8)),
-        (f"{k} x _foreach_lerp_" if model_dtype == torch.float32 else
-         f"cast + {k} x _foreach_lerp_", foreach_lerp,
+        ((f"{k} x _foreach_lerp_" if model_dtype == torch.float32 else
+          f"cast + {k} x _foreach_lerp_"), foreach_lerp,
          cast_bytes + elements * k * (lerp_model + 8)),
     ]
     fns = {name: fn for name, fn, _ in rows}

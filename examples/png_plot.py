@@ -9,6 +9,7 @@ docs' figures can be regenerated in the project's environment as it is (no matpl
 
 from __future__ import annotations
 
+import itertools
 import struct
 import zlib
 
@@ -180,7 +181,7 @@ class LinePlot:
                 _, sx, sy, color, label, markers, line = it
                 pts = sorted(zip(sx, sy))
                 if line:
-                    for (a, b), (c, d) in zip(pts, pts[1:]):
+                    for (a, b), (c, d) in itertools.pairwise(pts):
                         self._line(X(a), Y(b), X(c), Y(d), color, 3)
                 if markers:
                     for a, b in pts:

@@ -189,7 +189,8 @@ PosthocPlan plan_posthoc(const std::string& snapshot_root, double sigma_rel,
     }
     if (st->dtype != DType::kI64 || !st->shape.empty() || gt->dtype != DType::kF64 ||
         !gt->shape.empty()) {
-      throw FormatError(where + dir + ": the snapshot tensors must be a 0-dim I64 step and a 0-dim "
+      throw FormatError(where + dir +
+                        ": the snapshot tensors must be a 0-dim I64 step and a 0-dim "
                         "F64 gamma");
     }
     PosthocSnapshot s;
@@ -215,9 +216,9 @@ PosthocPlan plan_posthoc(const std::string& snapshot_root, double sigma_rel,
         if (i >= a.size() || i >= b.size() || a[i].name != b[i].name) {
           const std::string extra = i >= a.size()   ? b[i].name
                                     : i >= b.size() ? a[i].name
-                                    : std::min(a[i].name, b[i].name);
-          throw FormatError(where + "snapshots of different models: " + first_dir + " and " +
-                            dir + " differ in tensor names (first difference: '" + extra + "')");
+                                                    : std::min(a[i].name, b[i].name);
+          throw FormatError(where + "snapshots of different models: " + first_dir + " and " + dir +
+                            " differ in tensor names (first difference: '" + extra + "')");
         }
         if (a[i].dtype != b[i].dtype || a[i].shape != b[i].shape) {
           throw FormatError(where + "snapshots of different models: tensor '" + a[i].name +

@@ -5,8 +5,8 @@
 #include <type_traits>
 
 #include "kernels/device_table.cuh"
-#include "kernels/update_cuda_math.cuh"
 #include "kernels/update_cuda.h"
+#include "kernels/update_cuda_math.cuh"
 
 namespace fsdp_ema::kernels {
 namespace {

@@ -46,7 +46,8 @@ __device__ void update_multi_chunk(const CudaMultiEntry& entry, int64_t chunk,
     const Op m = to_op<Op>(model[i]);
 #pragma unroll
     for (int j = 0; j < kCudaMaxProfiles; ++j) {
-      if (j < count) ema[j][i] = from_op<E>(lerp<Op>(to_op<Op>(ema[j][i]), m, w[j], c[j], small[j]));
+      if (j < count)
+        ema[j][i] = from_op<E>(lerp<Op>(to_op<Op>(ema[j][i]), m, w[j], c[j], small[j]));
     }
   };
   // Head, packs and tail exactly as update_chunk (kernels/update_cuda.cu).
@@ -145,8 +146,8 @@ cudaError_t launch_update_multi_cuda(const CudaMultiEntry* entries, int64_t num_
   if (num_entries == 0 || total_chunks == 0) return cudaSuccess;
   if (total_chunks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
   auto* table = static_cast<CudaMultiEntry*>(device_table);
-  auto* device_decays = reinterpret_cast<CudaDecay*>(static_cast<char*>(device_table) +
-                                                     entries_bytes(num_entries));
+  auto* device_decays =
+      reinterpret_cast<CudaDecay*>(static_cast<char*>(device_table) + entries_bytes(num_entries));
   cudaError_t err = upload_table(entries, num_entries, table, stream);
   if (err != cudaSuccess) return err;
   err = upload_table(decays, num_decays, device_decays, stream);

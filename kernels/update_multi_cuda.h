@@ -36,7 +36,6 @@ int64_t cuda_multi_table_bytes(int64_t num_entries, int64_t num_decays);
 // aligned), then launches over `total_chunks` blocks of kCudaChunk elements, all on `stream`.
 cudaError_t launch_update_multi_cuda(const CudaMultiEntry* entries, int64_t num_entries,
                                      const CudaDecay* decays, int64_t num_decays,
-                                     int64_t total_chunks, void* device_table,
-                                     cudaStream_t stream);
+                                     int64_t total_chunks, void* device_table, cudaStream_t stream);
 
 }  // namespace fsdp_ema::kernels

@@ -23,7 +23,8 @@ auto translate(const char* op, F&& f) -> decltype(f()) {
 }  // namespace
 
 double power_ema_gamma(double sigma_rel) {
-  return translate("fsdp_ema::power_ema_gamma: ", [&] { return format::power_ema_gamma(sigma_rel); });
+  return translate("fsdp_ema::power_ema_gamma: ",
+                   [&] { return format::power_ema_gamma(sigma_rel); });
 }
 
 double power_ema_sigma_rel(double gamma) {

@@ -141,8 +141,8 @@ void check_float_dtype(const char* op, const at::Tensor& t, const char* name, si
 
 void validate_pairs(const char* op, TensorList ema, TensorList model, UpdateChecks checks) {
   TORCH_CHECK(!model.empty(), op, "model is empty; pass at least one (ema, model) pair");
-  TORCH_CHECK(ema.size() % model.size() == 0, op, "ema has ", ema.size(),
-              " tensors but model has ", model.size(), "; pass one model tensor per EMA tensor");
+  TORCH_CHECK(ema.size() % model.size() == 0, op, "ema has ", ema.size(), " tensors but model has ",
+              model.size(), "; pass one model tensor per EMA tensor");
   const c10::Device device = ema[0].device();
   // ema[j] pairs with model[j % N]: one list per profile, profile-major (update_multi_).
   for (const auto j : c10::irange(ema.size())) {
@@ -153,8 +153,8 @@ void validate_pairs(const char* op, TensorList ema, TensorList model, UpdateChec
     TORCH_CHECK(m.defined(), op, "model[", i, "] is an undefined tensor");
     check_float_dtype(op, e, "ema", j);
     check_float_dtype(op, m, "model", i);
-    TORCH_CHECK(m.device() == e.device(), op, "model[", i, "] is on ", m.device(), " but ema[",
-                j, "] is on ", e.device());
+    TORCH_CHECK(m.device() == e.device(), op, "model[", i, "] is on ", m.device(), " but ema[", j,
+                "] is on ", e.device());
     TORCH_CHECK(e.device() == device, op, "ema[", j, "] is on ", e.device(), " but ema[0] is on ",
                 device, "; all tensors of one call must be on one device");
     // sym_*: the meta kernel sees symbolic shapes under torch.compile's dynamic tracing.

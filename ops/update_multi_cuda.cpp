@@ -1,5 +1,7 @@
 // CUDA host side of fsdp_ema::update_multi_: one device table for every (model tensor, group of
 // its EMAs), one launch on the current stream, no host synchronization (CUDA-graph capturable).
+#include "kernels/update_multi_cuda.h"
+
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -9,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "kernels/update_multi_cuda.h"
 #include "ops/dtypes.h"
 #include "ops/update.h"
 #include "ops/update_cuda.h"
@@ -72,10 +73,10 @@ void run_cuda(at::TensorList ema, at::TensorList model,
   }
   if (!entries.empty()) {
     // From the caching allocator on the current stream: lives as long as the kernel reading it.
-    const at::Tensor table = at::empty(
-        {kernels::cuda_multi_table_bytes(static_cast<int64_t>(entries.size()),
-                                         static_cast<int64_t>(k))},
-        ema[0].options().dtype(at::kByte));
+    const at::Tensor table =
+        at::empty({kernels::cuda_multi_table_bytes(static_cast<int64_t>(entries.size()),
+                                                   static_cast<int64_t>(k))},
+                  ema[0].options().dtype(at::kByte));
     C10_CUDA_CHECK(kernels::launch_update_multi_cuda(
         entries.data(), static_cast<int64_t>(entries.size()), decays.data(),
         static_cast<int64_t>(k), chunks, table.data_ptr(), at::cuda::getCurrentCUDAStream()));

@@ -88,7 +88,7 @@ def train(root, steps=300, every=25, ema_pytorch_dir=None):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     base = tmp_path_factory.mktemp("posthoc")
-    net, ours, direct, final, ref = train(base / "snapshots", ema_pytorch_dir=base / "ema_pytorch")
+    _, ours, direct, final, ref = train(base / "snapshots", ema_pytorch_dir=base / "ema_pytorch")
     return {"base": base, "root": base / "snapshots", "ours": ours, "direct": direct,
             "final": final, "ref": ref}
 
@@ -134,7 +134,7 @@ def test_agrees_with_ema_pytorch_posthoc_on_the_same_run(run, tmp_path):
 def test_cli_equals_python_bit_for_bit(run, tmp_path):
     fsdp_ema.posthoc(run["root"], sigma_rel=0.08, out=tmp_path / "py")
     out = subprocess.run([str(CLI), "posthoc", str(run["root"]), str(tmp_path / "cli"),
-                          "--sigma-rel", "0.08"], capture_output=True, text=True)
+                          "--sigma-rel", "0.08"], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert "from 24 snapshots" in out.stdout and "100%" in out.stderr
     a = fsdp_ema.checkpoint.load(tmp_path / "py")
@@ -143,7 +143,7 @@ def test_cli_equals_python_bit_for_bit(run, tmp_path):
     for name in a:
         assert torch.equal(a[name], b[name]), name
     verify = subprocess.run([str(CLI), "verify", str(tmp_path / "cli")], capture_output=True,
-                            text=True)
+                            text=True, check=False)
     assert verify.returncode == 0, verify.stdout
 
 
@@ -237,7 +237,7 @@ def expect_error(root, message, sigma_rel=TARGET, **kw):
     out = subprocess.run([str(CLI), "posthoc", str(root), str(Path(root).parent / "cli_out"),
                           "--sigma-rel", str(sigma_rel)]
                          + ([f"--step={kw['step']}"] if "step" in kw else []),
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, check=False)
     assert out.returncode == 1 and "error:" in out.stderr
     import re
     assert re.search(message, out.stderr), out.stderr

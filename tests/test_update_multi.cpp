@@ -37,7 +37,8 @@ TEST_P(UpdateMulti, EqualsSeparateUpdatesBitForBit) {
   for (const auto& t : flat) original.push_back(t.clone());
   fsdp_ema::update_multi_(flat, model, decays);
   std::vector<at::Tensor> d;
-  for (const double v : decays) d.push_back(at::scalar_tensor(v, at::TensorOptions(device).dtype(at::kDouble)));
+  for (const double v : decays)
+    d.push_back(at::scalar_tensor(v, at::TensorOptions(device).dtype(at::kDouble)));
   fsdp_ema::update_multi_(flat_t, model, d);
   for (size_t j = 0; j < flat.size(); ++j) {
     EXPECT_TRUE(at::equal(flat[j], expected[j])) << "ema[" << j << "]";
@@ -45,8 +46,8 @@ TEST_P(UpdateMulti, EqualsSeparateUpdatesBitForBit) {
   }
   // And independently of update_: at::lerp in the EMA's math precision.
   for (size_t j = 0; j < flat.size(); ++j) {
-    expect_ema_close(flat[j], reference_update(original[j], model[j % sizes.size()],
-                                               decays[j / sizes.size()]));
+    expect_ema_close(
+        flat[j], reference_update(original[j], model[j % sizes.size()], decays[j / sizes.size()]));
   }
 }
 

@@ -162,7 +162,8 @@ int cmd_export(const std::string& dir, const std::string& out, const std::string
 
 int main(int argc, char** argv) {
   CLI::App app{
-      "fsdp-ema: inspect, verify, export and post-hoc-combine fsdp_ema checkpoints (directories of safetensors "
+      "fsdp-ema: inspect, verify, export and post-hoc-combine fsdp_ema checkpoints (directories of "
+      "safetensors "
       "shard files + fsdp_ema.index.json) and torch DCP HuggingFace-sharded directories.\n"
       "Exit status: 0 success, 1 failed check or unreadable checkpoint, 2 usage error."};
   app.set_version_flag("--version", std::string("fsdp-ema ") + FSDP_EMA_VERSION +
@@ -224,8 +225,9 @@ int main(int argc, char** argv) {
       ->required()
       ->check(CLI::ExistingDirectory);
   posthoc->add_option("OUT", posthoc_args.out, "Output checkpoint directory")->required();
-  posthoc->add_option("--sigma-rel", posthoc_args.sigma_rel,
-                      "Relative standard deviation of the EMA to synthesize, in (0, 0.2887]")
+  posthoc
+      ->add_option("--sigma-rel", posthoc_args.sigma_rel,
+                   "Relative standard deviation of the EMA to synthesize, in (0, 0.2887]")
       ->required();
   posthoc->add_option("--step", posthoc_step,
                       "Training step (averaging updates) to synthesize at (default: the last "

@@ -13,7 +13,8 @@ int cmd_posthoc(const PosthocArgs& args) {
   namespace fmt = fsdp_ema::format;
   const fmt::PosthocPlan plan = fmt::plan_posthoc(args.snapshot_root, args.sigma_rel, args.step);
   if (!args.quiet) {
-    std::printf("post-hoc EMA: sigma_rel %.6g (gamma %.6g) at step %" PRId64 " from %zu snapshots"
+    std::printf("post-hoc EMA: sigma_rel %.6g (gamma %.6g) at step %" PRId64
+                " from %zu snapshots"
                 " (world size %" PRId64 ", %zu tensors)\n",
                 plan.sigma_rel, plan.gamma, plan.step, plan.snapshots.size(), plan.world_size,
                 plan.tensors.size());

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from . import checkpoint as _ckpt
 from ._dist import chunk_rows, raise_if_any_rank_failed
 
-__all__ = ["posthoc", "posthoc_plan", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "posthoc", "posthoc_plan"]
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 

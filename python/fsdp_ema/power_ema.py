@@ -24,7 +24,7 @@ from torch import nn
 
 from .sharded_ema import ShardedEMA
 
-__all__ = ["PowerEMA", "ShardedPowerEMA", "SNAPSHOT_STEP_KEY", "SNAPSHOT_GAMMA_KEY"]
+__all__ = ["SNAPSHOT_GAMMA_KEY", "SNAPSHOT_STEP_KEY", "PowerEMA", "ShardedPowerEMA"]
 
 #: Names of the 0-dim tensors every snapshot records next to the EMA tensors (format/posthoc.h).
 SNAPSHOT_STEP_KEY = "fsdp_ema.snapshot.step"

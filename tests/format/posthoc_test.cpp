@@ -18,8 +18,8 @@
 namespace fsdp_ema::format {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::error_of;
+using ::testing::HasSubstr;
 using testing::TempDir;
 
 TEST(PowerEmaGamma, MatchesTheCubicsLargestRoot) {
@@ -66,19 +66,25 @@ TEST(PosthocWeights, BadArgumentsAreNamed) {
   EXPECT_THAT(error_of([&] { posthoc_weights({}, {}, 1, 1); }), HasSubstr("no snapshots"));
   EXPECT_THAT(error_of([&] { posthoc_weights(s, std::vector<double>{1}, 1, 1); }),
               HasSubstr("steps has 2 entries but gammas 1"));
-  EXPECT_THAT(error_of([&] { posthoc_weights(std::vector<int64_t>{0, 20}, g, 1, 1); }),
+  EXPECT_THAT(error_of([&] {
+                posthoc_weights(std::vector<int64_t>{0, 20}, g, 1, 1);
+              }),
               HasSubstr("steps[0] is 0"));
-  EXPECT_THAT(error_of([&] { posthoc_weights(s, std::vector<double>{1, -2}, 1, 1); }),
+  EXPECT_THAT(error_of([&] {
+                posthoc_weights(s, std::vector<double>{1, -2}, 1, 1);
+              }),
               HasSubstr("gammas[1] must be finite and >= 0"));
-  EXPECT_THAT(error_of([&] { posthoc_weights(s, g, 21, 1); }), HasSubstr("step must be in [1, 20]"));
-  EXPECT_THAT(error_of([&] { posthoc_weights(std::vector<int64_t>{10, 10}, g2, 10, 1); }),
+  EXPECT_THAT(error_of([&] { posthoc_weights(s, g, 21, 1); }),
+              HasSubstr("step must be in [1, 20]"));
+  EXPECT_THAT(error_of([&] {
+                posthoc_weights(std::vector<int64_t>{10, 10}, g2, 10, 1);
+              }),
               HasSubstr("linearly dependent"));
 }
 
 // A snapshot written by `world` ranks: tensor "w" (5 x 2 floats, value base + row), a 0-dim
 // int64 "n" and the two metadata tensors.
-void write_snapshot(const std::string& dir, int64_t world, int64_t step, double gamma,
-                    float base) {
+void write_snapshot(const std::string& dir, int64_t world, int64_t step, double gamma, float base) {
   std::vector<float> w(10);
   for (int i = 0; i < 10; ++i) w[i] = base + static_cast<float>(i / 2);
   const int64_t n = step * 7;
