@@ -222,3 +222,9 @@ def test_bad_arguments():
         ShardedEMA(net, schedule=PowerEMA(0.1), start_step=3)
     with pytest.raises(RuntimeError, match="no update yet"):
         ShardedPowerEMA(net, (0.05, 0.1)).snapshot("/tmp/unused")
+    owner = nn.Module()  # a buffer whose FQN is the snapshot step's name
+    owner.add_module("fsdp_ema", nn.Module())
+    owner.fsdp_ema.add_module("snapshot", nn.Module())
+    owner.fsdp_ema.snapshot.register_buffer("step", torch.zeros(()))
+    with pytest.raises(ValueError, match="a name snapshots keep their metadata under"):
+        ShardedPowerEMA(owner, (0.05, 0.1))

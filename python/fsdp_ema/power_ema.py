@@ -110,6 +110,10 @@ class ShardedPowerEMA(ShardedEMA):
         super().__init__(model, update_every=update_every, dtype=dtype,
                          include_buffers=include_buffers, buffers=buffers,
                          process_group=process_group, schedule=profiles[0])
+        taken = [n for n in (SNAPSHOT_STEP_KEY, SNAPSHOT_GAMMA_KEY) if n in self._shapes]
+        if taken:
+            raise ValueError(f"ShardedPowerEMA: the model has a tensor named {taken[0]!r}, a name "
+                             f"snapshots keep their metadata under")
         self.profiles = profiles
         self.snapshot_every = snapshot_every
         self.snapshot_root = None if snapshot_root is None else os.fspath(snapshot_root)
