@@ -54,15 +54,18 @@ const char* update_cpu_capability() {
   }
 }
 
-void update_cpu(const UpdatePair* pairs, int64_t num_pairs, double decay) {
+UpdateRangeFn update_cpu_kernel() {
   static const UpdateRangeFn kernel = pick_kernel();
-  // elem_end[i] = elements in pairs [0, i]. The flat element range of all pairs is split evenly
-  // between the threads (balanced by elements, not by tensors), each walking its share pair by
-  // pair.
-  std::vector<int64_t> elem_end(num_pairs);
+  return kernel;
+}
+
+void parallel_over_elements(int64_t num_tensors, const std::function<int64_t(int64_t)>& numel,
+                            const TensorRangeFn& range) {
+  // elem_end[i] = elements in tensors [0, i]; each thread walks its share tensor by tensor.
+  std::vector<int64_t> elem_end(num_tensors);
   int64_t total = 0;
-  for (int64_t i = 0; i < num_pairs; ++i) {
-    total += pairs[i].numel;
+  for (int64_t i = 0; i < num_tensors; ++i) {
+    total += numel(i);
     elem_end[i] = total;
   }
   if (total == 0) return;
@@ -71,10 +74,17 @@ void update_cpu(const UpdatePair* pairs, int64_t num_pairs, double decay) {
     for (int64_t pos = begin; pos < end; ++p) {
       const int64_t first = p == 0 ? 0 : elem_end[p - 1];
       const int64_t stop = std::min(end, elem_end[p]);
-      if (stop > pos) kernel(pairs[p], pos - first, stop - first, decay);
+      if (stop > pos) range(p, pos - first, stop - first);
       pos = std::max(pos, stop);
     }
   });
+}
+
+void update_cpu(const UpdatePair* pairs, int64_t num_pairs, double decay) {
+  const UpdateRangeFn kernel = update_cpu_kernel();
+  parallel_over_elements(
+      num_pairs, [&](int64_t i) { return pairs[i].numel; },
+      [&](int64_t p, int64_t begin, int64_t end) { kernel(pairs[p], begin, end, decay); });
 }
 
 }  // namespace fsdp_ema::kernels

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 #include "kernels/update_types.h"
 
@@ -19,5 +20,22 @@ void update_cpu_avx512(const UpdatePair& pair, int64_t begin, int64_t end, doubl
 
 // Name of the instruction set update_cpu uses on this machine: "avx512", "avx2" or "default".
 const char* update_cpu_capability();
+// The range kernel update_cpu uses on this machine.
+UpdateRangeFn update_cpu_kernel();
+
+// The work list both CPU ops share: one at::parallel_for over the flat element range of
+// `num_tensors` tensors of numel(t) elements, split evenly between the threads (balanced by
+// elements, not by tensors); each thread calls range(t, begin, end) for its share of tensor t.
+using TensorRangeFn = std::function<void(int64_t tensor, int64_t begin, int64_t end)>;
+void parallel_over_elements(int64_t num_tensors, const std::function<int64_t(int64_t)>& numel,
+                            const TensorRangeFn& range);
+
+// Updates K = num_profiles EMA lists from one pass over the model tensors. pairs[k * n + i]
+// (n = num_tensors) pairs EMA k of tensor i with model tensor i (the same model pointer and numel
+// for every k) and uses decays[k]. Each thread walks its share in tiles small enough to stay in
+// the L1 cache, updating all K EMAs of a tile before the next one, so the model is read from
+// memory once; the per-element math is update_cpu's (bit-identical to K update_cpu calls).
+void update_multi_cpu(const UpdatePair* pairs, int64_t num_tensors, int64_t num_profiles,
+                      const double* decays);
 
 }  // namespace fsdp_ema::kernels

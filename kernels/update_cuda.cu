@@ -6,70 +6,17 @@
 
 #include "kernels/device_table.cuh"
 #include "kernels/update_cuda.h"
+#include "kernels/update_cuda_math.cuh"
 
 namespace fsdp_ema::kernels {
 namespace {
 
+using cuda_math::from_op;
+using cuda_math::lerp;
+using cuda_math::Pack;
+using cuda_math::to_op;
+
 constexpr int kThreads = 256;
-
-template <typename Op, typename T>
-__device__ __forceinline__ Op to_op(T x) {
-  return static_cast<Op>(x);
-}
-template <>
-__device__ __forceinline__ float to_op<float, __nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <>
-__device__ __forceinline__ double to_op<double, __nv_bfloat16>(__nv_bfloat16 x) {
-  return static_cast<double>(__bfloat162float(x));
-}
-template <>
-__device__ __forceinline__ float to_op<float, __half>(__half x) {
-  return __half2float(x);
-}
-template <>
-__device__ __forceinline__ double to_op<double, __half>(__half x) {
-  return static_cast<double>(__half2float(x));
-}
-
-template <typename T, typename Op>
-__device__ __forceinline__ T from_op(Op x) {
-  return static_cast<T>(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_op<__nv_bfloat16, float>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ __forceinline__ __half from_op<__half, float>(float x) {
-  return __float2half_rn(x);
-}
-
-// V elements of T, loaded and stored as 16-byte words (V * sizeof(T) is a multiple of 16).
-template <typename T, int V>
-struct alignas(16) Pack {
-  static constexpr int kWords = static_cast<int>(sizeof(T)) * V / 16;
-  T v[V];
-  __device__ __forceinline__ void load(const T* src) {
-#pragma unroll
-    for (int k = 0; k < kWords; ++k) {
-      reinterpret_cast<uint4*>(v)[k] = reinterpret_cast<const uint4*>(src)[k];
-    }
-  }
-  __device__ __forceinline__ void store(T* dst) const {
-#pragma unroll
-    for (int k = 0; k < kWords; ++k) {
-      reinterpret_cast<uint4*>(dst)[k] = reinterpret_cast<const uint4*>(v)[k];
-    }
-  }
-};
-
-// torch.lerp's two-sided form: exact at both ends (decay 0 copies the model, decay 1 keeps ema).
-template <typename Op>
-__device__ __forceinline__ Op lerp(Op e, Op m, Op w, Op c, bool small) {
-  return small ? e + w * (m - e) : m - (m - e) * c;
-}
 
 template <typename E, typename M>
 __device__ void update_chunk(const CudaUpdateEntry& entry, int64_t chunk, double decay) {
@@ -153,11 +100,7 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) entry_index = find_entry(table, num_entries, chunk);
   __syncthreads();
   const CudaUpdateEntry entry = table[entry_index];
-  double d = decay.value;
-  if (decay.device_ptr != nullptr) {
-    d = decay.device_is_double ? *static_cast<const double*>(decay.device_ptr)
-                               : static_cast<double>(*static_cast<const float*>(decay.device_ptr));
-  }
+  const double d = cuda_math::decay_value(decay);
   const int64_t local = chunk - entry.first_block;
   switch (entry.ema_dtype) {
     case Dtype::kFloat32:

@@ -45,6 +45,20 @@ void ema_shard_update_(TensorList ema, TensorList model, const at::Tensor& decay
   op.call(ema, model, decay);
 }
 
+void update_multi_(TensorList ema, TensorList model, c10::ArrayRef<double> decays) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fsdp_ema::update_multi_", "")
+                             .typed<void(TensorList, TensorList, c10::ArrayRef<double>)>();
+  op.call(ema, model, decays);
+}
+
+void update_multi_(TensorList ema, TensorList model, TensorList decays) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fsdp_ema::update_multi_", "Tensor")
+                             .typed<void(TensorList, TensorList, TensorList)>();
+  op.call(ema, model, decays);
+}
+
 int64_t save_shard(const std::string& directory, int64_t rank, int64_t world_size,
                    const std::vector<std::string>& names, TensorList shards,
                    c10::ArrayRef<int64_t> offsets, c10::ArrayRef<int64_t> global_shapes, bool fsync,

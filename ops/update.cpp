@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "kernels/update_cpu.h"
@@ -17,6 +18,7 @@ namespace fsdp_ema::ops {
 namespace {
 
 constexpr const char* kOp = "fsdp_ema::update_: ";
+constexpr const char* kMultiOp = "fsdp_ema::update_multi_: ";
 
 // Byte range [lo, hi) a tensor's elements can touch.
 struct Extent {
@@ -84,26 +86,25 @@ bool really_overlap(const at::Tensor& a, const at::Tensor& b, const Extent& ea, 
   return hit;
 }
 
-[[noreturn]] void fail_overlap(const Extent& a, const Extent& b) {
+[[noreturn]] void fail_overlap(const char* op, const Extent& a, const Extent& b) {
   const Extent& ema = a.is_ema ? a : b;
   const Extent& other = a.is_ema ? b : a;
-  TORCH_CHECK(false, kOp, describe(ema), " overlaps ", describe(other),
+  TORCH_CHECK(false, op, describe(ema), " overlaps ", describe(other),
               " in memory; every EMA tensor needs storage of its own");
 }
 
 // An EMA tensor may share memory with nothing else in the call; model tensors may share with
 // each other. Contiguous tensors: one sort and sweep. Strided ones: exact pairwise checks.
-void check_no_overlap(TensorList ema, TensorList model) {
+// `ema` may hold several lists of model.size() tensors (update_multi_): each is checked once.
+void check_no_overlap(const char* op, TensorList ema, TensorList model) {
   std::vector<Extent> dense;
   std::vector<Extent> strided;
   auto add = [&](const at::Tensor& t, bool is_ema, int64_t i) {
     if (t.numel() == 0) return;
     (t.is_contiguous() ? dense : strided).push_back(extent_of(t, is_ema, i));
   };
-  for (const auto i : c10::irange(ema.size())) {
-    add(ema[i], true, i);
-    add(model[i], false, i);
-  }
+  for (const auto i : c10::irange(ema.size())) add(ema[i], true, i);
+  for (const auto i : c10::irange(model.size())) add(model[i], false, i);
   std::sort(dense.begin(), dense.end(),
             [](const Extent& a, const Extent& b) { return a.lo < b.lo; });
   // Farthest end so far among all ranges and among EMA ranges: any overlap involving an EMA range
@@ -111,8 +112,8 @@ void check_no_overlap(TensorList ema, TensorList model) {
   const Extent* far_all = nullptr;
   const Extent* far_ema = nullptr;
   for (const Extent& e : dense) {
-    if (e.is_ema && far_all != nullptr && e.lo < far_all->hi) fail_overlap(e, *far_all);
-    if (far_ema != nullptr && e.lo < far_ema->hi) fail_overlap(e, *far_ema);
+    if (e.is_ema && far_all != nullptr && e.lo < far_all->hi) fail_overlap(op, e, *far_all);
+    if (far_ema != nullptr && e.lo < far_ema->hi) fail_overlap(op, e, *far_ema);
     if (far_all == nullptr || e.hi > far_all->hi) far_all = &e;
     if (e.is_ema && (far_ema == nullptr || e.hi > far_ema->hi)) far_ema = &e;
   }
@@ -124,68 +125,103 @@ void check_no_overlap(TensorList ema, TensorList model) {
       for (const Extent& o : *group) {
         if (&o == &s || (!s.is_ema && !o.is_ema)) continue;
         if (s.lo < o.hi && o.lo < s.hi && really_overlap(tensor_of(s), tensor_of(o), s, o)) {
-          fail_overlap(s, o);
+          fail_overlap(op, s, o);
         }
       }
     }
   }
 }
 
-void check_float_dtype(const at::Tensor& t, const char* name, size_t i) {
-  TORCH_CHECK(is_supported_dtype(t.scalar_type()), kOp, name, "[", i, "] has dtype ",
+void check_float_dtype(const char* op, const at::Tensor& t, const char* name, size_t i) {
+  TORCH_CHECK(is_supported_dtype(t.scalar_type()), op, name, "[", i, "] has dtype ",
               t.scalar_type(), "; expected Float, Double, BFloat16 or Half");
 }
 
 }  // namespace
+
+void validate_pairs(const char* op, TensorList ema, TensorList model, UpdateChecks checks) {
+  TORCH_CHECK(!model.empty(), op, "model is empty; pass at least one (ema, model) pair");
+  TORCH_CHECK(ema.size() % model.size() == 0, op, "ema has ", ema.size(), " tensors but model has ",
+              model.size(), "; pass one model tensor per EMA tensor");
+  const c10::Device device = ema[0].device();
+  // ema[j] pairs with model[j % N]: one list per profile, profile-major (update_multi_).
+  for (const auto j : c10::irange(ema.size())) {
+    const size_t i = j % model.size();
+    const at::Tensor& e = ema[j];
+    const at::Tensor& m = model[i];
+    TORCH_CHECK(e.defined(), op, "ema[", j, "] is an undefined tensor");
+    TORCH_CHECK(m.defined(), op, "model[", i, "] is an undefined tensor");
+    check_float_dtype(op, e, "ema", j);
+    check_float_dtype(op, m, "model", i);
+    TORCH_CHECK(m.device() == e.device(), op, "model[", i, "] is on ", m.device(), " but ema[", j,
+                "] is on ", e.device());
+    TORCH_CHECK(e.device() == device, op, "ema[", j, "] is on ", e.device(), " but ema[0] is on ",
+                device, "; all tensors of one call must be on one device");
+    // sym_*: the meta kernel sees symbolic shapes under torch.compile's dynamic tracing.
+    TORCH_CHECK(e.sym_numel() == m.sym_numel(), op, "ema[", j, "] has ", e.sym_numel(),
+                " elements but model[", i, "] has ", m.sym_numel());
+    TORCH_CHECK(e.sym_sizes() == m.sym_sizes(), op, "ema[", j, "] has shape ", e.sym_sizes(),
+                " but model[", i, "] has shape ", m.sym_sizes());
+    if (checks == UpdateChecks::kAll) {
+      TORCH_CHECK(at::has_internal_overlap(e) != at::MemOverlap::Yes, op, "ema[", j,
+                  "] has internally overlapping memory (an expanded tensor?) and cannot be "
+                  "updated in place");
+    }
+  }
+}
+
+void validate_decay(const char* op, const std::string& name, double decay) {
+  TORCH_CHECK(decay >= 0.0 && decay <= 1.0, op, name, " must be in [0, 1], got ", decay);
+}
+
+void validate_decay_tensor(const char* op, const std::string& name, const at::Tensor& d,
+                           c10::Device device, UpdateChecks checks) {
+  TORCH_CHECK(d.defined(), op, name, " is an undefined tensor");
+  TORCH_CHECK(d.dim() == 0, op, name, " must be a 0-dim tensor, got shape ", d.sym_sizes());
+  TORCH_CHECK(at::isFloatingType(d.scalar_type()), op, name,
+              " must be a floating-point tensor, got dtype ", d.scalar_type());
+  if (checks == UpdateChecks::kAll) {
+    TORCH_CHECK(d.device().is_cpu() || d.device() == device, op, name, " is on ", d.device(),
+                " but the tensors are on ", device, "; put ", name, " on the CPU or on ", device);
+  }
+}
 
 void validate_update(TensorList ema, TensorList model, std::optional<double> decay,
                      const at::Tensor* decay_tensor, UpdateChecks checks) {
   TORCH_CHECK(ema.size() == model.size(), kOp, "ema has ", ema.size(), " tensors but model has ",
               model.size(), "; pass one model tensor per EMA tensor");
   TORCH_CHECK(!ema.empty(), kOp, "ema is empty; pass at least one (ema, model) pair");
-  const c10::Device device = ema[0].device();
-  for (const auto i : c10::irange(ema.size())) {
-    const at::Tensor& e = ema[i];
-    const at::Tensor& m = model[i];
-    TORCH_CHECK(e.defined(), kOp, "ema[", i, "] is an undefined tensor");
-    TORCH_CHECK(m.defined(), kOp, "model[", i, "] is an undefined tensor");
-    check_float_dtype(e, "ema", i);
-    check_float_dtype(m, "model", i);
-    TORCH_CHECK(m.device() == e.device(), kOp, "model[", i, "] is on ", m.device(), " but ema[",
-                i, "] is on ", e.device());
-    TORCH_CHECK(e.device() == device, kOp, "ema[", i, "] is on ", e.device(), " but ema[0] is on ",
-                device, "; all tensors of one call must be on one device");
-    // sym_*: the meta kernel sees symbolic shapes under torch.compile's dynamic tracing.
-    TORCH_CHECK(e.sym_numel() == m.sym_numel(), kOp, "ema[", i, "] has ", e.sym_numel(),
-                " elements but model[", i, "] has ", m.sym_numel());
-    TORCH_CHECK(e.sym_sizes() == m.sym_sizes(), kOp, "ema[", i, "] has shape ", e.sym_sizes(),
-                " but model[", i, "] has shape ", m.sym_sizes());
-    if (checks == UpdateChecks::kAll) {
-      TORCH_CHECK(at::has_internal_overlap(e) != at::MemOverlap::Yes, kOp, "ema[", i,
-                  "] has internally overlapping memory (an expanded tensor?) and cannot be "
-                  "updated in place");
-    }
-  }
-  if (decay.has_value()) {
-    TORCH_CHECK(*decay >= 0.0 && *decay <= 1.0, kOp, "decay must be in [0, 1], got ", *decay);
-  }
+  validate_pairs(kOp, ema, model, checks);
+  if (decay.has_value()) validate_decay(kOp, "decay", *decay);
   if (decay_tensor != nullptr) {
-    const at::Tensor& d = *decay_tensor;
-    TORCH_CHECK(d.defined(), kOp, "decay is an undefined tensor");
-    TORCH_CHECK(d.dim() == 0, kOp, "decay must be a 0-dim tensor, got shape ", d.sym_sizes());
-    TORCH_CHECK(at::isFloatingType(d.scalar_type()), kOp,
-                "decay must be a floating-point tensor, got dtype ", d.scalar_type());
-    if (checks == UpdateChecks::kAll) {
-      TORCH_CHECK(d.device().is_cpu() || d.device() == device, kOp, "decay is on ", d.device(),
-                  " but the tensors are on ", device, "; put decay on the CPU or on ", device);
-    }
+    validate_decay_tensor(kOp, "decay", *decay_tensor, ema[0].device(), checks);
   }
-  if (checks == UpdateChecks::kAll) check_no_overlap(ema, model);
+  if (checks == UpdateChecks::kAll) check_no_overlap(kOp, ema, model);
 }
 
-double cpu_decay_value(const at::Tensor& decay) {
+void validate_update_multi(TensorList ema, TensorList model, c10::ArrayRef<double> decays,
+                           TensorList decay_tensors, UpdateChecks checks) {
+  const size_t k = decays.size() + decay_tensors.size();
+  TORCH_CHECK(k > 0, kMultiOp, "decays is empty; pass one decay per EMA list");
+  TORCH_CHECK(!model.empty(), kMultiOp, "model is empty; pass at least one model tensor");
+  TORCH_CHECK(ema.size() == k * model.size(), kMultiOp, "ema has ", ema.size(),
+              " tensors but model has ", model.size(), " and decays has ", k, "; pass ", k,
+              " lists of ", model.size(), " EMA tensors (ema[k * ", model.size(),
+              " + i] pairs with model[i] and decays[k])");
+  validate_pairs(kMultiOp, ema, model, checks);
+  for (const auto i : c10::irange(decays.size())) {
+    validate_decay(kMultiOp, "decays[" + std::to_string(i) + "]", decays[i]);
+  }
+  for (const auto i : c10::irange(decay_tensors.size())) {
+    validate_decay_tensor(kMultiOp, "decays[" + std::to_string(i) + "]", decay_tensors[i],
+                          ema[0].device(), checks);
+  }
+  if (checks == UpdateChecks::kAll) check_no_overlap(kMultiOp, ema, model);
+}
+
+double cpu_decay_value(const at::Tensor& decay, const char* op, const std::string& name) {
   const double value = decay.item<double>();
-  TORCH_CHECK(value >= 0.0 && value <= 1.0, kOp, "decay must be in [0, 1], got ", value);
+  validate_decay(op, name, value);
   return value;
 }
 
@@ -206,6 +242,31 @@ PreparedUpdate prepare_update(TensorList ema, TensorList model) {
       p.write_back.emplace_back(ema[i], p.ema.back());
     }
     p.model.push_back(model[i].contiguous());
+  }
+  return p;
+}
+
+PreparedUpdate prepare_update_multi(TensorList ema, TensorList model) {
+  const size_t n = model.size();
+  const size_t k = ema.size() / n;
+  PreparedUpdate p;
+  std::vector<size_t> kept;
+  for (const auto i : c10::irange(n)) {
+    if (model[i].numel() == 0) continue;
+    kept.push_back(i);
+    p.model.push_back(model[i].contiguous());
+  }
+  p.ema.reserve(k * kept.size());
+  for (const auto profile : c10::irange(k)) {
+    for (const size_t i : kept) {
+      const at::Tensor& e = ema[profile * n + i];
+      if (e.is_contiguous()) {
+        p.ema.push_back(e);
+      } else {
+        p.ema.push_back(e.contiguous());
+        p.write_back.emplace_back(e, p.ema.back());
+      }
+    }
   }
   return p;
 }
@@ -236,7 +297,7 @@ void update_cpu(TensorList ema, TensorList model, double decay) {
 
 void update_tensor_cpu(TensorList ema, TensorList model, const at::Tensor& decay) {
   validate_update(ema, model, std::nullopt, &decay, UpdateChecks::kAll);
-  run_cpu(ema, model, cpu_decay_value(decay));
+  run_cpu(ema, model, cpu_decay_value(decay, kOp, "decay"));
 }
 
 void update_meta(TensorList ema, TensorList model, double decay) {

@@ -6,6 +6,7 @@
 #include <c10/util/ArrayRef.h>
 
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -21,8 +22,23 @@ enum class UpdateChecks { kAll, kNoStorage };
 void validate_update(TensorList ema, TensorList model, std::optional<double> decay,
                      const at::Tensor* decay_tensor, UpdateChecks checks);
 
-// Reads a 0-dim CPU decay tensor (no device synchronization is involved) and range-checks it.
-double cpu_decay_value(const at::Tensor& decay);
+// Reads a 0-dim CPU decay tensor (no device synchronization is involved) and range-checks it;
+// errors start with `op` and name the argument `name`.
+double cpu_decay_value(const at::Tensor& decay, const char* op, const std::string& name);
+
+// update_multi_: `ema` holds K lists of model.size() tensors, profile-major (ema[k * N + i]
+// pairs with model[i] and decays[k]). Either `decays` (floats) or `decay_tensors` (0-dim) is
+// empty. The same checks as validate_update, over every profile, before anything is written.
+void validate_update_multi(TensorList ema, TensorList model, c10::ArrayRef<double> decays,
+                           TensorList decay_tensors, UpdateChecks checks);
+
+// The pieces both validations are made of; error messages start with `op`.
+// Per pair: defined, dtypes, devices, shapes, no internal overlap (ema[j] pairs with
+// model[j % model.size()]).
+void validate_pairs(const char* op, TensorList ema, TensorList model, UpdateChecks checks);
+void validate_decay(const char* op, const std::string& name, double decay);
+void validate_decay_tensor(const char* op, const std::string& name, const at::Tensor& decay,
+                           c10::Device device, UpdateChecks checks);
 
 // Kernels registered for the dispatch keys; "_tensor" variants take decay as a 0-dim tensor.
 //   ema:   [tensors]  fp32/fp64/bf16/fp16, updated in place
@@ -47,5 +63,8 @@ struct PreparedUpdate {
   void finish();
 };
 PreparedUpdate prepare_update(TensorList ema, TensorList model);
+// The same for update_multi_'s K profile-major lists: p.model holds the N' non-empty model
+// tensors (each made contiguous once), p.ema the K * N' EMA tensors, profile-major again.
+PreparedUpdate prepare_update_multi(TensorList ema, TensorList model);
 
 }  // namespace fsdp_ema::ops

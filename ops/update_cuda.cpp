@@ -12,14 +12,15 @@
 
 #include "ops/dtypes.h"
 #include "ops/update.h"
+#include "ops/update_cuda.h"
 
 namespace fsdp_ema::ops {
-namespace {
 
 // Elements to update one by one before ema and model are both 16-byte aligned, or -1 when no such
 // count below the pack width exists (their offsets disagree modulo the pack): then the kernel
 // updates the pair element by element. Only a pack-width's worth of candidates is tried.
-int8_t vector_head(const at::Tensor& e, const at::Tensor& m, kernels::Dtype ed, kernels::Dtype md) {
+int8_t cuda_vector_head(const at::Tensor& e, const at::Tensor& m, kernels::Dtype ed,
+                        kernels::Dtype md) {
   const auto ea = reinterpret_cast<uintptr_t>(e.const_data_ptr());
   const auto ma = reinterpret_cast<uintptr_t>(m.const_data_ptr());
   const int pack = kernels::cuda_pack_elements(ed, md);
@@ -30,6 +31,8 @@ int8_t vector_head(const at::Tensor& e, const at::Tensor& m, kernels::Dtype ed, 
   }
   return -1;
 }
+
+namespace {
 
 void run_cuda(TensorList ema, TensorList model, kernels::CudaDecay decay) {
   TORCH_CHECK(ema[0].is_cuda(), "fsdp_ema::update_: the CUDA kernel got tensors on ",
@@ -44,8 +47,8 @@ void run_cuda(TensorList ema, TensorList model, kernels::CudaDecay decay) {
     const at::Tensor& m = p.model[i];
     const kernels::Dtype ed = to_kernel_dtype(e.scalar_type());
     const kernels::Dtype md = to_kernel_dtype(m.scalar_type());
-    entries.push_back(
-        {e.data_ptr(), m.const_data_ptr(), e.numel(), chunks, ed, md, vector_head(e, m, ed, md)});
+    entries.push_back({e.data_ptr(), m.const_data_ptr(), e.numel(), chunks, ed, md,
+                       cuda_vector_head(e, m, ed, md)});
     chunks += (e.numel() + kernels::kCudaChunk - 1) / kernels::kCudaChunk;
   }
   if (!entries.empty()) {
@@ -73,7 +76,7 @@ void update_tensor_cuda(TensorList ema, TensorList model, const at::Tensor& deca
   validate_update(ema, model, std::nullopt, &decay, UpdateChecks::kAll);
   if (decay.device().is_cpu()) {
     // A host tensor is read on the host: no device synchronization is involved.
-    run_cuda(ema, model, {cpu_decay_value(decay), nullptr, false});
+    run_cuda(ema, model, {cpu_decay_value(decay, "fsdp_ema::update_: ", "decay"), nullptr, false});
     return;
   }
   // Read by the kernel itself; other float dtypes are widened on the device first (async).

@@ -9,7 +9,9 @@
 #include "ops/export.h"
 #include "ops/gather.h"
 #include "ops/load_into.h"
+#include "ops/posthoc.h"
 #include "ops/update.h"
+#include "ops/update_multi.h"
 
 // Why `Tensor(a! -> *)[]` rather than the usual `Tensor(a!)[]`: TorchScript's alias analysis
 // records the write on the list value only, so for a list built inline (`[self.ema]`) it sees a
@@ -196,4 +198,49 @@ TORCH_LIBRARY_FRAGMENT(fsdp_ema, m) {
       .def("finish", &fsdp_ema::ops::ExportWriter::finish)
       .def("abort", &fsdp_ema::ops::ExportWriter::abort)
       .def("total_size", &fsdp_ema::ops::ExportWriter::total_size);
+}
+
+// --- issue #18: update_multi_ (K EMA lists, one read of the model) and post-hoc EMA ---------
+// Its own TORCH_LIBRARY_FRAGMENT and IMPL blocks, so this op's registration stays in one piece.
+// Same alias annotation as update_ (see the note above TORCH_LIBRARY), same overload order.
+TORCH_LIBRARY_FRAGMENT(fsdp_ema, m) {
+  // ema[k * N + i] <- lerp(ema[k * N + i], model[i], 1 - decays[k]) for K = len(decays)
+  // profile lists of N = len(model) tensors, with decays 0-dim tensors read where the tensors
+  // live (no host sync; changing values never recompile).
+  m.def("update_multi_.Tensor(Tensor(a! -> *)[] ema, Tensor[] model, Tensor[] decays) -> ()");
+  // Same, with decays Python/C++ floats.
+  m.def("update_multi_(Tensor(a! -> *)[] ema, Tensor[] model, float[] decays) -> ()");
+
+  // Post-hoc EMA (EDM2), all computed by format/posthoc.h, the one implementation that the
+  // `fsdp-ema posthoc` command also uses. gamma of a power-function EMA profile from its
+  // relative standard deviation (the cubic's largest real root), and back.
+  m.def("power_ema_gamma(float sigma_rel) -> float");
+  m.def("power_ema_sigma_rel(float gamma) -> float");
+  // Least-squares weights combining snapshots (steps[i], gammas[i]) into the profile (step,
+  // gamma).
+  m.def("posthoc_weights(int[] steps, float[] gammas, int step, float gamma) -> float[]");
+  // JSON plan of a post-hoc reconstruction from a snapshot root: snapshots, weights, tensors.
+  m.def("posthoc_plan(str snapshot_root, float sigma_rel, int? step=None) -> str");
+}
+
+TORCH_LIBRARY_IMPL(fsdp_ema, CompositeExplicitAutograd, m) {
+  // Empty lists (nothing to dispatch on): validate so the error names the bad argument.
+  m.impl("update_multi_", [](at::TensorList ema, at::TensorList model, c10::ArrayRef<double> d) {
+    fsdp_ema::ops::update_multi_meta(ema, model, d);
+    TORCH_CHECK(false, "fsdp_ema::update_multi_: no kernel for tensors on ", ema[0].device());
+  });
+  m.impl("power_ema_gamma", &fsdp_ema::ops::power_ema_gamma);
+  m.impl("power_ema_sigma_rel", &fsdp_ema::ops::power_ema_sigma_rel);
+  m.impl("posthoc_weights", &fsdp_ema::ops::posthoc_weights);
+  m.impl("posthoc_plan", &fsdp_ema::ops::posthoc_plan);
+}
+
+TORCH_LIBRARY_IMPL(fsdp_ema, CPU, m) {
+  m.impl("update_multi_", &fsdp_ema::ops::update_multi_cpu);
+  m.impl("update_multi_.Tensor", &fsdp_ema::ops::update_multi_tensor_cpu);
+}
+
+TORCH_LIBRARY_IMPL(fsdp_ema, Meta, m) {
+  m.impl("update_multi_", &fsdp_ema::ops::update_multi_meta);
+  m.impl("update_multi_.Tensor", &fsdp_ema::ops::update_multi_tensor_meta);
 }

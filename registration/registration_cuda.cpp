@@ -6,6 +6,7 @@
 #include "ops/gather.h"
 #include "ops/load_into.h"
 #include "ops/update.h"
+#include "ops/update_multi.h"
 
 TORCH_LIBRARY_IMPL(fsdp_ema, CUDA, m) {
   for (const char* name : {"update_", "ema_shard_update_"}) {
@@ -20,4 +21,9 @@ TORCH_LIBRARY_IMPL(fsdp_ema, CUDA, m) {
   m.impl("_load_tensors", &fsdp_ema::ops::load_tensors_to);
   m.impl("_load_shard", &fsdp_ema::ops::load_shard_to);
   m.impl("load_into_", &fsdp_ema::ops::load_into_);  // host reads, then copies to the device
+}
+
+TORCH_LIBRARY_IMPL(fsdp_ema, CUDA, m) {
+  m.impl("update_multi_", &fsdp_ema::ops::update_multi_cuda);
+  m.impl("update_multi_.Tensor", &fsdp_ema::ops::update_multi_tensor_cuda);
 }

@@ -56,9 +56,14 @@ MUTANTS = {
     # --- kernels --------------------------------------------------------------------------------
     "cpu-thread-partition": (
         "kernels/update_cpu.cpp",
-        "if (stop > pos) kernel(pairs[p], pos - first, stop - first, decay);",
-        "if (stop > pos) kernel(pairs[p], 0, stop - first, decay);",
+        "if (stop > pos) range(p, pos - first, stop - first);",
+        "if (stop > pos) range(p, 0, stop - first);",
         [pytest("python_tests/test_update.py", "-k", "threads")]),
+    "multi-cpu-model-tile-misaligned": (
+        "kernels/update_multi_cpu.cpp",
+        "kernel(pairs[k * num_tensors + t], lo, hi, decays[k]);",
+        "kernel(pairs[k * num_tensors + t], lo, k == 0 ? hi : std::max(lo, hi - 1), decays[k]);",
+        [pytest("python_tests/test_update_multi.py", "-k", "bit_for_bit")]),
     "cpu-decay-zero-not-exact": (
         "kernels/update_cpu_impl.h",
         "    if (w < 0.5f) {\n      lerp_float_range<true>(e, m, n, w);",
@@ -79,13 +84,27 @@ MUTANTS = {
         [pytest("python_tests/test_update.py", "-k", "decay_tensor_dtypes")]),
     "update-overlap-of-two-elements-missed": (
         "ops/update.cpp",
-        "    if (e.is_ema && far_all != nullptr && e.lo < far_all->hi) fail_overlap(e, *far_all);\n"
-        "    if (far_ema != nullptr && e.lo < far_ema->hi) fail_overlap(e, *far_ema);",
-        "    if (e.is_ema && far_all != nullptr && e.lo + 8 < far_all->hi) fail_overlap(e, *far_all);\n"
-        "    if (far_ema != nullptr && e.lo + 8 < far_ema->hi) fail_overlap(e, *far_ema);",
+        "    if (e.is_ema && far_all != nullptr && e.lo < far_all->hi) "
+        "fail_overlap(op, e, *far_all);\n"
+        "    if (far_ema != nullptr && e.lo < far_ema->hi) fail_overlap(op, e, *far_ema);",
+        "    if (e.is_ema && far_all != nullptr && e.lo + 8 < far_all->hi) "
+        "fail_overlap(op, e, *far_all);\n"
+        "    if (far_ema != nullptr && e.lo + 8 < far_ema->hi) fail_overlap(op, e, *far_ema);",
         [pytest("python_tests/test_update.py", "-k", "bad_input"),
          pytest("python_tests/test_bad_inputs.py", "-k", "overlap")]),
     # --- format ---------------------------------------------------------------------------------
+    "posthoc-profile-dot-uses-the-wrong-gamma": (
+        "format/posthoc.cpp",
+        "if (t_a <= t_b) return num_factor * std::pow(t_a / t_b, gamma_b) / t_b;",
+        "if (t_a <= t_b) return num_factor * std::pow(t_a / t_b, gamma_a) / t_b;",
+        [ctest("PosthocWeights"),
+         pytest("python_tests/test_posthoc.py", "-k", "numpy_solve")]),
+    "posthoc-cli-drops-the-last-snapshot": (
+        "format/posthoc.cpp",
+        "const double w = plan.weights[i];",
+        "const double w = i + 1 == in.size() ? 0.0 : plan.weights[i];",
+        [ctest("PosthocCombine"),
+         pytest("python_tests/test_posthoc.py", "-k", "cli_equals_python")]),
     "chunk-rows-cpp-remainder-one": (
         "format/rows.cpp",
         "const int64_t cs = rows / world + (rows % world != 0 ? 1 : 0);",
@@ -193,6 +212,16 @@ MUTANTS = {
         "for fqn, _ in slot.names() if fqn in loaded} for slot in self._slots]",
         "for fqn, _ in slot.names() if fqn in loaded and strict} for slot in self._slots]",
         [pytest("python_tests/test_sharded_ema_local.py", "-k", "strict_false")]),
+    "power-ema-counts-t-from-0": (
+        "python/fsdp_ema/power_ema.py",
+        "return (1.0 - 1.0 / t.to(torch.float64)) ** self._exponent",
+        "return (1.0 - 1.0 / (t + 1).to(torch.float64)) ** self._exponent",
+        [pytest("python_tests/test_power_ema.py", "-k", "direct_float64")]),
+    "posthoc-python-sums-without-the-last-snapshot": (
+        "python/fsdp_ema/posthoc.py",
+        "p = x.to(torch.float64).mul_(w)",
+        "p = x.to(torch.float64).mul_(0.0 if last else w)",
+        [pytest("python_tests/test_posthoc.py", "-k", "cli_equals_python or 2_ranks")]),
 }
 
 

@@ -15,6 +15,7 @@
 #include "fsdp_ema/format/export.h"
 #include "fsdp_ema/format/index.h"
 #include "fsdp_ema/format/layout.h"
+#include "tools/posthoc_cmd.h"
 #include "tools/progress.h"
 #include "tools/terminal_text.h"
 
@@ -163,7 +164,8 @@ int cmd_export(const std::string& dir, const std::string& out, const std::string
 
 int main(int argc, char** argv) {
   CLI::App app{
-      "fsdp-ema: inspect, verify and export fsdp_ema checkpoints (directories of safetensors "
+      "fsdp-ema: inspect, verify, export and post-hoc-combine fsdp_ema checkpoints (directories of "
+      "safetensors "
       "shard files + fsdp_ema.index.json) and torch DCP HuggingFace-sharded directories.\n"
       "Exit status: 0 success, 1 failed check or unreadable checkpoint, 2 usage error."};
   app.set_version_flag("--version", std::string("fsdp-ema ") + FSDP_EMA_VERSION +
@@ -215,6 +217,28 @@ int main(int argc, char** argv) {
   exp->add_flag("--no-verify", no_verify, "Skip checksum verification while reading");
   exp->add_flag("-q,--quiet", quiet, "No progress and no summary");
 
+  fsdp_ema::tools::PosthocArgs posthoc_args;
+  int64_t posthoc_step = -1;
+  CLI::App* posthoc = app.add_subcommand(
+      "posthoc",
+      "Post-hoc EMA (EDM2): combine the power-EMA snapshots under SNAPSHOT_ROOT (written by "
+      "fsdp_ema.ShardedPowerEMA) into the EMA of --sigma-rel, written to OUT as a checkpoint");
+  posthoc->add_option("SNAPSHOT_ROOT", posthoc_args.snapshot_root, "Directory of snapshots")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  posthoc->add_option("OUT", posthoc_args.out, "Output checkpoint directory")->required();
+  posthoc
+      ->add_option("--sigma-rel", posthoc_args.sigma_rel,
+                   "Relative standard deviation of the EMA to synthesize, in (0, 0.2887]")
+      ->required();
+  posthoc->add_option("--step", posthoc_step,
+                      "Training step (averaging updates) to synthesize at (default: the last "
+                      "snapshot's)");
+  posthoc->add_flag("--overwrite", posthoc_args.overwrite, "Replace a checkpoint already in OUT");
+  posthoc->add_flag("--no-verify", posthoc_args.no_verify, "Skip checksum verification");
+  posthoc->add_flag("--dry-run", posthoc_args.dry_run, "Print the snapshots and weights only");
+  posthoc->add_flag("-q,--quiet", posthoc_args.quiet, "No progress and no summary");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -223,7 +247,13 @@ int main(int argc, char** argv) {
   }
 
   try {
-    // Every command reads the checkpoint under its shared directory lock (fsdp_ema/format/
+    // posthoc reads many snapshots and writes its output through format/'s save and commit,
+    // which take the output directory's lock themselves.
+    if (*posthoc) {
+      if (posthoc_step >= 0) posthoc_args.step = posthoc_step;
+      return fsdp_ema::tools::cmd_posthoc(posthoc_args);
+    }
+    // Every other command reads the checkpoint under its shared directory lock (fsdp_ema/format/
     // layout.h): a commit or a removal (exclusive) never runs while it reads, and it waits for
     // one that is running; ranks saving shard files (shared) do not block it.
     const fmt::DirectoryLock lock(dir, fmt::DirectoryLock::Mode::kShared);

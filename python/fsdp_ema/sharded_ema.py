@@ -109,6 +109,10 @@ class ShardedEMA:
         buffers: ``"average"`` or ``"copy"`` for floating buffers.
         process_group: the group that checkpoints are written by; default: the default group
             when torch.distributed is initialized, else a single process.
+        schedule: instead of ``decay`` and ``warmup``, a schedule object computing the decay of
+            the ``t``-th averaging update (``t`` from 1) on the device: ``device_decay(t)`` (0-dim
+            int64 tensor -> 0-dim float64 tensor) and ``decay_at(t)`` (float), such as
+            ``fsdp_ema.PowerEMA`` (EDM2's power-function EMA). Needs ``start_step=0``.
     """
 
     #: Key of the update counter in ``state_dict()``.
@@ -118,7 +122,7 @@ class ShardedEMA:
                  warmup: None | bool | Warmup = None, update_every: int = 1,
                  start_step: int = 0, dtype: torch.dtype | None = torch.float32,
                  include_buffers: bool = True, buffers: str = "average",
-                 process_group: dist.ProcessGroup | None = None):
+                 process_group: dist.ProcessGroup | None = None, schedule: Any = None):
         if not 0.0 <= float(decay) <= 1.0:
             raise ValueError(f"ShardedEMA: decay must be in [0, 1], got {decay}")
         if warmup is True:
@@ -137,10 +141,14 @@ class ShardedEMA:
         if dtype is not None and dtype not in _EMA_DTYPES:
             raise ValueError(f"ShardedEMA: dtype must be one of {list(_EMA_DTYPES)} or None, got "
                              f"{dtype}")
+        if schedule is not None and (warmup is not None or start_step != 0 or not all(
+                callable(getattr(schedule, a, None)) for a in ("device_decay", "decay_at"))):
+            raise ValueError(f"ShardedEMA: schedule={schedule!r} needs device_decay(t) and "
+                             f"decay_at(t), and no warmup or start_step next to it")
         if buffers not in ("average", "copy"):
             raise ValueError(f"ShardedEMA: buffers must be 'average' or 'copy', got {buffers!r}")
         self.model = model
-        self.decay, self.warmup = float(decay), warmup
+        self.decay, self.warmup, self.schedule = float(decay), warmup, schedule
         self.update_every, self.start_step = int(update_every), int(start_step)
         self.dtype = dtype
         if process_group is None and dist.is_available() and dist.is_initialized():
@@ -219,7 +227,10 @@ class ShardedEMA:
 
     def _scheduled_decay(self, k: torch.Tensor) -> torch.Tensor:
         """The decay of update ``k`` (0-dim int64 tensor), with tensor ops only (no host sync)."""
-        if self.warmup is None:
+        if self.schedule is not None:
+            # The t-th averaging update, counted from 1 (update_every skips the others).
+            d = self.schedule.device_decay(k // self.update_every + 1)
+        elif self.warmup is None:
             d = self._decay
         else:
             s = (k - self.start_step).clamp_min(0).to(torch.float64)
@@ -237,6 +248,8 @@ class ShardedEMA:
             return 0.0
         if step % self.update_every:
             return 1.0
+        if self.schedule is not None:
+            return self.schedule.decay_at(step // self.update_every + 1)
         return self.warmup(step - self.start_step, self.decay) if self.warmup else self.decay
 
     @property
@@ -270,12 +283,16 @@ class ShardedEMA:
             # on another device needs a copy (CPU-offloaded shards next to device buffers).
             d = decay if g.device == decay.device or decay.device.type == "cpu" else decay.to(
                 g.device)
-            if g.ema_average:
-                torch.ops.fsdp_ema.update_(g.ema_average, g.model_average, d)
-            if g.ema_copy:
-                torch._foreach_copy_(g.ema_copy, g.model_copy)
+            self._update_group(g, d)
         self._step.add_(1)
         self._last_decay = decay
+
+    def _update_group(self, g: _DeviceGroup, decay: torch.Tensor) -> None:
+        """One device's update (fsdp_ema.ShardedPowerEMA overrides it to update its profiles)."""
+        if g.ema_average:
+            torch.ops.fsdp_ema.update_(g.ema_average, g.model_average, decay)
+        if g.ema_copy:
+            torch._foreach_copy_(g.ema_copy, g.model_copy)
 
     @contextlib.contextmanager
     def swap(self) -> Iterator[nn.Module]:
@@ -450,13 +467,16 @@ class ShardedEMA:
         return int(t.item())
 
     def _save(self, directory, tensors: Sequence[torch.Tensor], overwrite: bool,
-              what: str) -> int:
+              what: str, extra: Mapping[str, torch.Tensor] | None = None) -> int:
+        """``extra``: whole tensors written by rank 0 next to the EMA's (snapshot metadata)."""
         rank, world = self._rank_world()
 
         def pieces() -> dict[str, Any]:  # collective for FSDP1 (one all_to_all per unit)
             out: dict[str, Any] = {}
             for slot, t in zip(self._slots, tensors):
                 out.update(slot.pieces(t.detach(), rank, world))
+            if extra and rank == 0:
+                out.update({name: t.detach().cpu() for name, t in extra.items()})
             return out
 
         return save_collective(directory, pieces, group=self._group, device=self._device,
@@ -519,6 +539,8 @@ class ShardedEMA:
         schedule = f"decay={self.decay}"
         if self.warmup:
             schedule += f", warmup={self.warmup}"
+        if self.schedule is not None:
+            schedule = f"schedule={self.schedule!r}"
         if self.update_every > 1:
             schedule += f", update_every={self.update_every}"
         if self.start_step:

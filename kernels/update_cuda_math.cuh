@@ -1,0 +1,80 @@
+// Device helpers shared by the CUDA update kernels (update_cuda.cu, update_multi_cuda.cu):
+// conversions to and from the math type, 16-byte packs, and torch.lerp's two-sided form.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "kernels/update_cuda.h"
+
+namespace fsdp_ema::kernels::cuda_math {
+
+template <typename Op, typename T>
+__device__ __forceinline__ Op to_op(T x) {
+  return static_cast<Op>(x);
+}
+template <>
+__device__ __forceinline__ float to_op<float, __nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <>
+__device__ __forceinline__ double to_op<double, __nv_bfloat16>(__nv_bfloat16 x) {
+  return static_cast<double>(__bfloat162float(x));
+}
+template <>
+__device__ __forceinline__ float to_op<float, __half>(__half x) {
+  return __half2float(x);
+}
+template <>
+__device__ __forceinline__ double to_op<double, __half>(__half x) {
+  return static_cast<double>(__half2float(x));
+}
+
+template <typename T, typename Op>
+__device__ __forceinline__ T from_op(Op x) {
+  return static_cast<T>(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_op<__nv_bfloat16, float>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half from_op<__half, float>(float x) {
+  return __float2half_rn(x);
+}
+
+// V elements of T, loaded and stored as 16-byte words (V * sizeof(T) is a multiple of 16).
+template <typename T, int V>
+struct alignas(16) Pack {
+  static constexpr int kWords = static_cast<int>(sizeof(T)) * V / 16;
+  T v[V];
+  __device__ __forceinline__ void load(const T* src) {
+#pragma unroll
+    for (int k = 0; k < kWords; ++k) {
+      reinterpret_cast<uint4*>(v)[k] = reinterpret_cast<const uint4*>(src)[k];
+    }
+  }
+  __device__ __forceinline__ void store(T* dst) const {
+#pragma unroll
+    for (int k = 0; k < kWords; ++k) {
+      reinterpret_cast<uint4*>(dst)[k] = reinterpret_cast<const uint4*>(v)[k];
+    }
+  }
+};
+
+// torch.lerp's two-sided form: exact at both ends (decay 0 copies the model, decay 1 keeps ema).
+template <typename Op>
+__device__ __forceinline__ Op lerp(Op e, Op m, Op w, Op c, bool small) {
+  return small ? e + w * (m - e) : m - (m - e) * c;
+}
+
+// The decay a launch uses: its host value, or the 0-dim device tensor it points at.
+__device__ __forceinline__ double decay_value(const CudaDecay& decay) {
+  if (decay.device_ptr == nullptr) return decay.value;
+  return decay.device_is_double ? *static_cast<const double*>(decay.device_ptr)
+                                : static_cast<double>(*static_cast<const float*>(decay.device_ptr));
+}
+
+}  // namespace fsdp_ema::kernels::cuda_math
