@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
 import fsdp_ema  # noqa: E402
 from png_plot import LinePlot  # noqa: E402
-from train import Transformer, loss_fn, make_batch  # noqa: E402
+from train import Transformer, add_model_arguments, loss_fn, make_batch  # noqa: E402
 
 TRACKED = (0.03, 0.15, 0.25)
 GRID = (0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.10, 0.12, 0.15, 0.18, 0.21, 0.25, 0.28)
@@ -46,14 +46,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--snapshot-every", type=int, default=50)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--vocab", type=int, default=32)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--noise", type=float, default=0.1)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--weight-decay", type=float, default=0.01)
+    add_model_arguments(p)
     p.add_argument("--out", default=str(HERE.parent / "build" / "posthoc_demo"))
     p.add_argument("--png", default=str(HERE.parent / "docs" / "posthoc_ema.png"))
     args = p.parse_args()

@@ -210,10 +210,8 @@ class Progress:
 
 # --- main ----------------------------------------------------------------------------------------
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch", type=int, default=16, help="sequences per rank and step")
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, data and AdamW settings (shared with examples/posthoc_plot.py)."""
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--vocab", type=int, default=32)
     p.add_argument("--dim", type=int, default=64)
@@ -222,6 +220,13 @@ def main() -> None:
     p.add_argument("--noise", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--weight-decay", type=float, default=0.01)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch", type=int, default=16, help="sequences per rank and step")
+    add_model_arguments(p)
     p.add_argument("--ema-decay", type=float, default=0.99)
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--val-size", type=int, default=256)
