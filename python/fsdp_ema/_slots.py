@@ -100,6 +100,7 @@ class _Slot:
     """
 
     average: bool              # averaged by update_ (else copied)
+    buffer: bool = False       # a buffer (kept whatever ShardedEMA's params selects)
     local_shape: torch.Size
     get: Callable[[], torch.Tensor]  # the live local tensor of the model
 
@@ -349,7 +350,29 @@ class _Flat(_Slot):
             self.handle.reshard(True)
 
 
-def _discover(model: nn.Module, include_buffers: bool, buffers: str) -> list[_Slot]:
+Select = Callable[[str, torch.Tensor], bool]
+
+
+def _flat_selected(slot: _Flat, flat_param, select: Select | None) -> bool:
+    """Whether an FSDP1 unit is kept: a FlatParameter is one tensor, so its members are kept or
+    left out together (``select`` sees each member's name and the FlatParameter)."""
+    if select is None:
+        return True
+    names = [fqn for fqn, _ in slot.names()]
+    chosen = [fqn for fqn in names if select(fqn, flat_param)]
+    if chosen and len(chosen) != len(names):
+        left = sorted(set(names) - set(chosen))
+        raise ValueError(
+            f"ShardedEMA: params selects {chosen[0]!r} but not {left[0]!r}, which share "
+            f"{slot.describe()}; an FSDP1 unit is kept whole (wrap them in separate units, use "
+            f"use_orig_params=True with uniform requires_grad per unit, or FSDP2)")
+    return bool(chosen)
+
+
+def _discover(model: nn.Module, include_buffers: bool, buffers: str,
+              select: Select | None = None) -> list[_Slot]:
+    """The slots of ``model``: its parameters that ``select(fqn, tensor)`` keeps (all without
+    it), then, with ``include_buffers``, its persistent buffers."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp._flat_param import FlatParameter
 
@@ -362,21 +385,25 @@ def _discover(model: nn.Module, include_buffers: bool, buffers: str) -> list[_Sl
             seen.add(id(flat_param))
             slot = _Flat(prefix, module, flat_param, average=True)
             flat_members.update(fqn for fqn, _ in slot.names())
-            slots.append(slot)
+            if _flat_selected(slot, flat_param, select):
+                slots.append(slot)
         for name, p in module._parameters.items():
             fqn = _join(prefix, name)
             if p is None or id(p) in seen or isinstance(p, FlatParameter) or fqn in flat_members:
                 continue
             seen.add(id(p))
-            slots.append(_make_slot(fqn, module._parameters, name, p, average=True))
+            if select is None or select(fqn, p):
+                slots.append(_make_slot(fqn, module._parameters, name, p, average=True))
     if include_buffers:
         for prefix, module in modules:
             for name, b in module._buffers.items():
                 if b is None or id(b) in seen or name in module._non_persistent_buffers_set:
                     continue
                 seen.add(id(b))
-                slots.append(_make_slot(_join(prefix, name), module._buffers, name, b,
-                                        average=buffers == "average"))
+                slot = _make_slot(_join(prefix, name), module._buffers, name, b,
+                                  average=buffers == "average")
+                slot.buffer = True
+                slots.append(slot)
     return slots
 
 
@@ -389,3 +416,38 @@ def _make_slot(fqn: str, owner, name: str, tensor: torch.Tensor, average: bool) 
         return _Sharded(fqn, owner, name, tensor, average)
     return _Replicated(fqn, owner, name, tensor, average)
 
+
+
+class TrainableWatch:
+    """The ``requires_grad`` of every parameter of a model when a ``params="trainable"`` EMA was
+    made, to refuse (naming the parameter) an update or save after the trainable set changed:
+    the EMA would silently average frozen weights or miss trained ones."""
+
+    def __init__(self, model: nn.Module):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp._flat_param import FlatParameter
+
+        # (name, dict holding the parameter, key, requires_grad then); the dict is read again
+        # at check time since FSDP swaps the parameter objects it holds.
+        self.entries: list[tuple[str, Mapping[str, Any], str, bool]] = []
+        for prefix, module in _modules(model):
+            if isinstance(module, FullyShardedDataParallel) and module._handle is not None:
+                handle = module._handle
+                holder = {"flat": handle.flat_param}
+                self.entries.append((f"the FSDP1 flat parameter of {prefix or '<root>'!r}", holder,
+                                     "flat", bool(handle.flat_param.requires_grad)))
+            for name, p in module._parameters.items():
+                if p is not None and not isinstance(p, FlatParameter):
+                    self.entries.append((_join(prefix, name), module._parameters, name,
+                                         bool(p.requires_grad)))
+
+    def check(self, what: str) -> None:
+        for fqn, owner, key, was in self.entries:
+            p = owner.get(key)
+            if p is not None and bool(p.requires_grad) != was:
+                now = "trainable" if p.requires_grad else "frozen"
+                raise RuntimeError(
+                    f"{what}: parameter {fqn!r} is {now} now but was "
+                    f"{'trainable' if was else 'frozen'} when the EMA was made with "
+                    f"params='trainable'; make a new ShardedEMA for the new trainable set (and "
+                    f"load_state_dict(..., strict=False) the old one into it)")

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import os
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from ._layouts import read_requests
 # Re-exported: the slot classes and helpers keep their old home (fsdp_ema.sharded_ema).
 from ._slots import (_Flat, _Replicated, _Sharded, _Slot, _clean, _discover,  # noqa: F401
                      _global_shape, _join, _make_slot, _modules, _rows)
+from ._slots import TrainableWatch
 
 __all__ = ["ShardedEMA", "Warmup"]
 
@@ -109,6 +110,11 @@ class ShardedEMA:
         buffers: ``"average"`` or ``"copy"`` for floating buffers.
         process_group: the group that checkpoints are written by; default: the default group
             when torch.distributed is initialized, else a single process.
+        params: which parameters the EMA keeps: ``"all"``, ``"trainable"`` (those with
+            ``requires_grad`` now, e.g. the adapters of a LoRA model; ``update()`` and the saves
+            refuse to run once that set has changed), or a callable ``(clean fqn, parameter) ->
+            bool``. Buffers follow ``include_buffers`` whatever ``params`` is. An FSDP1 unit is
+            one FlatParameter: it is kept or left out whole.
     """
 
     #: Key of the update counter in ``state_dict()``.
@@ -118,7 +124,8 @@ class ShardedEMA:
                  warmup: None | bool | Warmup = None, update_every: int = 1,
                  start_step: int = 0, dtype: torch.dtype | None = torch.float32,
                  include_buffers: bool = True, buffers: str = "average",
-                 process_group: dist.ProcessGroup | None = None):
+                 process_group: dist.ProcessGroup | None = None,
+                 params: str | Callable[[str, torch.Tensor], bool] = "all"):
         if not 0.0 <= float(decay) <= 1.0:
             raise ValueError(f"ShardedEMA: decay must be in [0, 1], got {decay}")
         if warmup is True:
@@ -139,6 +146,9 @@ class ShardedEMA:
                              f"{dtype}")
         if buffers not in ("average", "copy"):
             raise ValueError(f"ShardedEMA: buffers must be 'average' or 'copy', got {buffers!r}")
+        if not (params in ("all", "trainable") or callable(params)):
+            raise ValueError(f"ShardedEMA: params must be 'all', 'trainable' or a callable "
+                             f"(name, tensor) -> bool, got {params!r}")
         self.model = model
         self.decay, self.warmup = float(decay), warmup
         self.update_every, self.start_step = int(update_every), int(start_step)
@@ -147,7 +157,15 @@ class ShardedEMA:
             process_group = dist.group.WORLD
         self._group = process_group
 
-        self._slots = _discover(model, include_buffers, buffers)
+        self.params = params
+        select = (None if params == "all" else
+                  (lambda fqn, p: bool(p.requires_grad)) if params == "trainable" else params)
+        self._slots = _discover(model, include_buffers, buffers, select)
+        self._watch = TrainableWatch(model) if params == "trainable" else None
+        if select is not None and all(slot.buffer for slot in self._slots):
+            raise ValueError(f"ShardedEMA: params={params!r} selects none of the "
+                             f"{sum(1 for _ in model.parameters())} parameters of "
+                             f"{type(model).__name__}")
         names = [fqn for slot in self._slots for fqn, _ in slot.names()]
         if self.STEP_KEY in names:
             raise ValueError(f"ShardedEMA: the model has a tensor named {self.STEP_KEY!r}, the key "
@@ -263,6 +281,7 @@ class ShardedEMA:
             raise RuntimeError("ShardedEMA.update() inside swap(): the model holds the EMA "
                                "weights; update after the swap() block")
         if not torch.compiler.is_compiling():
+            self._check_selection("ShardedEMA.update")
             self._refresh()
         decay = self._scheduled_decay(self._step)
         for g in self._groups:
@@ -449,8 +468,13 @@ class ShardedEMA:
         dist.broadcast(t, group=self._group, group_src=0)
         return int(t.item())
 
+    def _check_selection(self, what: str) -> None:
+        if self._watch is not None:
+            self._watch.check(what)
+
     def _save(self, directory, tensors: Sequence[torch.Tensor], overwrite: bool,
               what: str) -> int:
+        self._check_selection(what)
         rank, world = self._rank_world()
 
         def pieces() -> dict[str, Any]:  # collective for FSDP1 (one all_to_all per unit)
@@ -517,6 +541,8 @@ class ShardedEMA:
         for slot in self._slots:
             kinds[type(slot).__name__.lstrip("_").lower()] += 1
         schedule = f"decay={self.decay}"
+        if self.params != "all":
+            schedule += f", params={self.params!r}"
         if self.warmup:
             schedule += f", warmup={self.warmup}"
         if self.update_every > 1:

@@ -1,0 +1,197 @@
+"""EMA of a parameter subset (``ShardedEMA(params=...)``), LoRA/PEFT fine-tunes and applying the
+EMA to a model (``copy_to``, ``fsdp_ema.load_model_weights``) (#16).
+
+The LoRA model comes from peft (PyPI), wrapped with FSDP2 on 2 gloo ranks; references are an EMA
+recomputed with torch.lerp from the gathered adapter trajectory (exact) and an unsharded replica
+trained in one process (to float32 training noise).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist_utils import PoolManager
+from fsdp_ema import ShardedEMA
+
+peft = pytest.importorskip("peft")  # pinned in requirements.txt; the reference implementation
+
+STEPS = 5
+DECAY = 0.7
+REPLICA = dict(rtol=1e-5, atol=1e-6)
+TARGETS = ["inp", "hidden"]
+
+
+class Base(nn.Module):
+    """7 and 5 rows divide by neither 2 nor 3 ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 7)
+        self.hidden = nn.Linear(7, 5)
+        self.head = nn.Linear(5, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.hidden(torch.relu(self.inp(x)))))
+
+
+def lora_config():
+    return peft.LoraConfig(r=3, lora_alpha=6, target_modules=TARGETS, lora_dropout=0.0)
+
+
+def build_lora(kind: str = "plain", seed: int = 0):
+    """The same base and adapter weights on every rank and in the replica; ``kind`` "fsdp2"
+    shards every adapted layer and the root over all ranks."""
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(Base(), lora_config())
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        for name in TARGETS:
+            fully_shard(getattr(model.base_model.model, name), mesh=mesh)
+        model = fully_shard(model, mesh=mesh)
+    return model
+
+
+def batches(steps=STEPS, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 6, generator=g), torch.randn(16, 1, generator=g))
+            for _ in range(steps)]
+
+
+def train_step(model, opt, x, y):
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def full_trainable(model) -> dict[str, torch.Tensor]:
+    """The full trainable parameters by name (DTensor.full_tensor: independent of fsdp_ema)."""
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters() if p.requires_grad}
+
+
+def lerp_ema(states, decay=DECAY):
+    ema = {n: t.clone() for n, t in states[0].items()}
+    for state in states[1:]:
+        for n, t in state.items():
+            ema[n] = torch.lerp(ema[n], t, 1 - decay)
+    return ema
+
+
+def train_lora_with_ema(kind: str):
+    model = build_lora(kind)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.2,
+                          momentum=0.9)
+    ema = ShardedEMA(model, decay=DECAY, params="trainable")
+    states = [full_trainable(model)]
+    for x, y in batches():
+        train_step(model, opt, x, y)
+        ema.update()
+        states.append(full_trainable(model))
+    return model, ema, states
+
+
+# --- multi-process cases (module level: the ranks import them) ------------------------------------
+
+def run_lora_fsdp2(rank, world):
+    model, ema, states = train_lora_with_ema("fsdp2")
+    sd = ema.state_dict()
+    adapters = sorted(states[0])
+    local = {n: v.to_local().clone() for n, v in sd.items() if n != ShardedEMA.STEP_KEY}
+    full = ema.full_state_dict(rank0_only=False)
+    all_params = ShardedEMA(model, decay=DECAY)
+    return dict(keys=sorted(k for k in sd if k != ShardedEMA.STEP_KEY), adapters=adapters,
+                reference=lerp_ema(states), full=full, local=local, nbytes=ema.nbytes,
+                all_nbytes=all_params.nbytes, repr=repr(ema),
+                local_numel=sum(v.numel() for v in local.values()))
+
+
+@pytest.fixture(scope="module")
+def pools():
+    manager = PoolManager()
+    yield manager
+    manager.close()
+
+
+# --- params="trainable" on a LoRA model under FSDP2 ------------------------------------------------
+
+def test_lora_fsdp2_ema_keeps_only_the_adapters_exact_against_lerp_of_the_trajectory(pools):
+    results = pools.get(2).run(run_lora_fsdp2)
+    _, replica_ema, replica_states = train_lora_with_ema("plain")
+    replica_ref = lerp_ema(replica_states)
+    for res in results:
+        assert res["keys"] == res["adapters"]
+        assert all(".lora_A." in k or ".lora_B." in k for k in res["keys"])
+        assert len(res["keys"]) == 2 * len(TARGETS)
+        for name, ref in res["reference"].items():
+            # The EMA shards gathered equal the torch.lerp EMA of the gathered adapters exactly.
+            assert torch.equal(res["full"][name], ref), name
+            torch.testing.assert_close(res["full"][name], replica_ref[name], **REPLICA)
+        # Memory: the adapters' local shards in float32, far less than an EMA of everything.
+        assert res["nbytes"] == 4 * res["local_numel"]
+        assert res["nbytes"] < res["all_nbytes"] / 2
+        assert "params='trainable'" in res["repr"] and f"nbytes={res['nbytes']}" in res["repr"]
+    assert sum(r["local_numel"] for r in results) == sum(
+        t.numel() for t in results[0]["reference"].values())
+    # The replica's own fsdp_ema (one process) agrees with its lerp reference exactly.
+    for name, v in replica_ema.state_dict().items():
+        if name != ShardedEMA.STEP_KEY:
+            assert torch.equal(v, replica_ref[name]), name
+
+
+# --- params: a callable, and bad inputs -----------------------------------------------------------
+
+def test_params_callable_selects_by_name_and_keeps_buffers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    ema = ShardedEMA(model, decay=0.5, params=lambda name, p: name.startswith("2."))
+    names = sorted(k for k in ema.state_dict() if k != ShardedEMA.STEP_KEY)
+    assert names == ["1.num_batches_tracked", "1.running_mean", "1.running_var", "2.bias",
+                     "2.weight"]
+    expected = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("2.")}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.update()
+    for n, before in expected.items():
+        after = dict(model.named_parameters())[n].detach()
+        assert torch.equal(ema.state_dict()[n], torch.lerp(before, after, 0.5)), n
+    assert ema.nbytes == 4 * (3 * 2 + 2 + 3 + 3) + 8
+
+
+def test_params_selecting_no_parameter_is_an_error():
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    with pytest.raises(ValueError, match=r"params=.*selects none of the 4 parameters"):
+        ShardedEMA(model, params=lambda name, p: False)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"params='trainable' selects none"):
+        ShardedEMA(model, params="trainable")
+    with pytest.raises(ValueError, match=r"params must be 'all', 'trainable' or a callable"):
+        ShardedEMA(model, params="adapters")
+
+
+def test_trainable_set_changed_after_construction_is_an_error_naming_the_parameter(tmp_path):
+    model = build_lora()
+    ema = ShardedEMA(model, params="trainable")
+    ema.update()
+    base = "base_model.model.head.weight"
+    dict(model.named_parameters())[base].requires_grad_(True)
+    before = {k: v.clone() for k, v in ema.state_dict().items()}
+    with pytest.raises(RuntimeError, match=rf"update: parameter '{base}' is trainable now"):
+        ema.update()
+    with pytest.raises(RuntimeError, match=rf"save: parameter '{base}' is trainable now"):
+        ema.save(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+    for k, v in ema.state_dict().items():  # nothing was written
+        assert torch.equal(v, before[k]), k
+    dict(model.named_parameters())[base].requires_grad_(False)
+    lora = "base_model.model.inp.lora_A.default.weight"
+    dict(model.named_parameters())[lora].requires_grad_(False)
+    with pytest.raises(RuntimeError, match=rf"parameter '{lora}' is frozen now"):
+        ema.update()
