@@ -195,3 +195,85 @@ def test_trainable_set_changed_after_construction_is_an_error_naming_the_paramet
     dict(model.named_parameters())[lora].requires_grad_(False)
     with pytest.raises(RuntimeError, match=rf"parameter '{lora}' is frozen now"):
         ema.update()
+
+
+# --- copy_to and load_model_weights ---------------------------------------------------------------
+
+def run_copy_to_and_load_model_weights(rank, world, kind, directory):
+    import fsdp_ema
+    from test_sharded_ema import batches as net_batches
+    from test_sharded_ema import build, full_state
+    from test_sharded_ema import train_step as net_step
+
+    model = build(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ema = ShardedEMA(model, decay=DECAY)
+    for x, y in net_batches(torch.float32, 3):
+        net_step(model, opt, x, y)
+        ema.update()
+    model(torch.randn(4, 6))  # FSDP2/FSDP1 keep the root unsharded after this: copy_to reshards
+    raw = full_state(model, kind)
+    ema.save_shard_weights(directory)
+    expected = ema.full_state_dict(rank0_only=False)
+    ema.copy_to()
+    copied = full_state(model, kind)
+    with ema.swap():
+        pass  # swap after copy_to writes back what copy_to wrote
+    after_swap = full_state(model, kind)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(3))
+    model.eval()
+    with torch.no_grad():
+        out_copied = model(x)
+    model.train()
+    fsdp_ema.load_model_weights(model, directory)
+    reloaded = full_state(model, kind)
+    return dict(raw=raw, expected=expected, copied=copied, after_swap=after_swap,
+                reloaded=reloaded, out_copied=out_copied)
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "fsdp1_flat", "fsdp1_orig", "ddp"])
+def test_copy_to_writes_the_ema_bit_exact_and_load_model_weights_restores(pools, tmp_path, kind):
+    import fsdp_ema
+    from test_sharded_ema import build
+
+    directory = str(tmp_path / "model")
+    results = pools.get(2).run(run_copy_to_and_load_model_weights, kind, directory)
+    for res in results:
+        assert sorted(res["copied"]) == sorted(res["expected"])
+        for name, e in res["expected"].items():
+            assert torch.equal(res["copied"][name], e), name
+            assert torch.equal(res["after_swap"][name], e), name
+            assert torch.equal(res["reloaded"][name], res["raw"][name]), name
+    # The same checkpoint into a plain model in one process (another world size).
+    plain = build("plain", seed=5)
+    fsdp_ema.load_model_weights(plain, directory)
+    for name, t in {**dict(plain.named_parameters()), **dict(plain.named_buffers())}.items():
+        assert torch.equal(t.detach(), results[0]["raw"][name]), name
+    # The EMA weights are in the model: its outputs are the EMA model's outputs.
+    ema_model = build("plain", seed=5)
+    ema_model.load_state_dict(results[0]["expected"])
+    ema_model.eval()
+    with torch.no_grad():
+        ref = ema_model(torch.randn(8, 6, generator=torch.Generator().manual_seed(3)))
+    torch.testing.assert_close(results[0]["out_copied"], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_load_model_weights_refuses_mismatched_names_and_shapes_and_writes_nothing(tmp_path):
+    import fsdp_ema
+
+    torch.manual_seed(0)
+    src = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    ShardedEMA(src).save_shard_weights(tmp_path / "w")
+    other = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 5))
+    before = {n: p.detach().clone() for n, p in other.named_parameters()}
+    with pytest.raises(ValueError, match=r"'1.weight' is \[2, 3\] there but \[5, 3\] here"):
+        fsdp_ema.load_model_weights(other, tmp_path / "w")
+    for n, p in other.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+    bigger = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"missing 2 name\(s\)"):
+        fsdp_ema.load_model_weights(bigger, tmp_path / "w")
+    fsdp_ema.load_model_weights(bigger, tmp_path / "w", strict=False)
+    assert torch.equal(bigger[1].weight.detach(), src[1].weight.detach())
+    with pytest.raises(ValueError, match=r"has no tensor laid out as"):
+        ShardedEMA(src).copy_to(nn.Sequential(nn.Linear(4, 3)))

@@ -322,6 +322,26 @@ class ShardedEMA:
                 torch._foreach_copy_(model, backup)
             self._swapped = False
 
+    @torch.no_grad()
+    def copy_to(self, model: nn.Module | None = None) -> None:
+        """Writes the EMA into the model for good (timm's ``set``, diffusers' ``copy_to``): into
+        the tensors it computes from (as ``swap()`` does, with no copy kept), bit for bit where
+        the dtypes agree (else cast). ``model``: the EMA's own model (default), or another model
+        wrapped and sharded the same way (same names and local shapes) on the same ranks. Only
+        what the EMA keeps is written (see ``params`` and ``include_buffers``)."""
+        if self._swapped:
+            raise RuntimeError("ShardedEMA.copy_to() inside swap(): the model's own weights "
+                               "come back when the block exits; copy after it")
+        self._check_selection("ShardedEMA.copy_to")
+        if model is None or model is self.model:
+            self._reshard()
+            targets = self._refresh()
+        else:
+            from ._apply import matching_tensors
+
+            targets = matching_tensors(model, self._slots, "ShardedEMA.copy_to")
+        torch._foreach_copy_(targets, self._ema)
+
     def _reshard(self) -> None:
         """Frees unsharded parameters, so that the next forward gathers from the shards.
 
