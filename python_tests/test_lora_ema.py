@@ -277,3 +277,88 @@ def test_load_model_weights_refuses_mismatched_names_and_shapes_and_writes_nothi
     assert torch.equal(bigger[1].weight.detach(), src[1].weight.detach())
     with pytest.raises(ValueError, match=r"has no tensor laid out as"):
         ShardedEMA(src).copy_to(nn.Sequential(nn.Linear(4, 3)))
+
+
+# --- PEFT exports ---------------------------------------------------------------------------------
+
+def run_lora_exports(rank, world, adapter_dir, merged_dir):
+    import fsdp_ema
+
+    model, ema, _ = train_lora_with_ema("fsdp2")
+    fsdp_ema.export_peft_adapter(ema, adapter_dir)
+    nbytes = fsdp_ema.export_merged(ema, merged_dir, max_file_bytes=200)  # several files
+    return dict(full=ema.full_state_dict(rank0_only=False), nbytes=nbytes)
+
+
+def base_model():
+    torch.manual_seed(0)  # the base weights build_lora starts from (LoRA init comes after)
+    return Base()
+
+
+def test_peft_adapter_and_merged_exports_load_with_peft_and_match_merge_and_unload(pools,
+                                                                                 tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
+    results = pools.get(2).run(run_lora_exports, str(adapter_dir), str(merged_dir))
+    ema_full = results[0]["full"]
+    assert results[0]["nbytes"] == results[1]["nbytes"]
+
+    # The adapter directory loads with peft; its LoRA weights are the EMA's, bit for bit.
+    assert json.loads((adapter_dir / "adapter_config.json").read_text())["r"] == 3
+    loaded = peft.PeftModel.from_pretrained(base_model(), str(adapter_dir))
+    lora = {n: p for n, p in loaded.named_parameters() if ".lora_" in n}
+    assert sorted(lora) == sorted(ema_full)
+    for name, p in lora.items():
+        assert torch.equal(p.detach(), ema_full[name]), name
+
+    # peft's own merge of the EMA adapters is the reference for the merged export.
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        adapted_out = loaded(x)
+    reference = loaded.merge_and_unload()
+    files = sorted(p.name for p in merged_dir.glob("model-*.safetensors"))
+    assert len(files) > 1 and (merged_dir / "model.safetensors.index.json").is_file()
+    merged = {}
+    for f in files:
+        merged.update(load_file(merged_dir / f))
+    plain = Base()
+    plain.load_state_dict(merged, strict=True)
+    for name, t in reference.state_dict().items():
+        assert torch.equal(merged[name], t), name
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), adapted_out, rtol=1e-5, atol=1e-6)
+        assert torch.equal(plain(x), reference(x))
+    assert results[0]["nbytes"] == sum(t.numel() * t.element_size() for t in merged.values())
+
+
+def test_merged_export_in_bf16_base_matches_peft_merge(tmp_path):
+    import fsdp_ema
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(Base().to(torch.bfloat16), lora_config())
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data = torch.randn_like(p, dtype=torch.float32)  # B != 0, fp32 adapters
+    ema = ShardedEMA(model, params="trainable")
+    fsdp_ema.export_merged(ema, tmp_path / "m")
+    merged = load_file(tmp_path / "m" / "model.safetensors")
+    reference = model.merge_and_unload().state_dict()
+    assert sorted(merged) == sorted(reference)
+    for name, t in reference.items():
+        assert merged[name].dtype == torch.bfloat16 and torch.equal(merged[name], t), name
+
+
+def test_peft_exports_refuse_an_ema_without_the_adapters(tmp_path):
+    import fsdp_ema
+
+    model = build_lora()
+    ema = ShardedEMA(model, params=lambda name, p: "head" in name)
+    with pytest.raises(ValueError, match=r"does not keep 'base_model.model.inp.lora_A"):
+        fsdp_ema.export_peft_adapter(ema, tmp_path / "a")
+    with pytest.raises(ValueError, match=r"holds no peft PeftModel"):
+        fsdp_ema.export_merged(ShardedEMA(Base()), tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -24,6 +24,7 @@ load_library()
 from . import checkpoint  # noqa: E402
 from .sharded_ema import ShardedEMA, Warmup  # noqa: E402
 from ._apply import load_model_weights  # noqa: E402
+from ._peft import export_merged, export_peft_adapter  # noqa: E402
 from .training_state import (latest_checkpoint, load_training_state,  # noqa: E402
                              save_training_state)
 
@@ -48,7 +49,8 @@ def _save_shard_fake(directory, rank, world_size, names, shards, offsets, global
 torch.fx.node.has_side_effect(torch.ops.fsdp_ema.save_shard.default)
 
 __all__ = ["update_", "load_library", "library_path", "checkpoint", "ShardedEMA", "Warmup",
-           "save_training_state", "load_training_state", "latest_checkpoint", "load_model_weights"]
+           "save_training_state", "load_training_state", "latest_checkpoint", "load_model_weights",
+           "export_peft_adapter", "export_merged"]
 
 Decay = Union[float, torch.Tensor]
 
