@@ -350,6 +350,36 @@ class _Flat(_Slot):
             self.handle.reshard(True)
 
 
+class _FlatReplicated(_Flat):
+    """An FSDP1 NO_SHARD unit (what FSDP1 becomes at one rank): every rank holds the whole flat
+    parameter, so each member is a view of it, laid out like a replicated tensor (``_Replicated``:
+    every rank writes its torch.chunk rows of each member; state dicts hold plain tensors)."""
+
+    def members(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return [(m.fqn, flat[m.start:m.start + m.shape.numel()].view(m.shape))
+                for m in self.layout.members]
+
+    def state_items(self, ema):
+        return dict(self.members(ema))
+
+    def pieces(self, t, rank, world_size):
+        out: dict[str, Any] = {}
+        for fqn, view in self.members(t):
+            out.update(replicated_pieces(fqn, view, rank, writers=world_size))
+        return out
+
+    def local_value(self, fqn, value):
+        return _Replicated.local_value(self, fqn, value)
+
+    def file_request(self):
+        return 0, 1
+
+    def assign(self, ema, values):
+        for fqn, view in self.members(ema):
+            if fqn in values:
+                view.copy_(values[fqn])
+
+
 Select = Callable[[str, torch.Tensor], bool]
 
 
@@ -383,7 +413,9 @@ def _discover(model: nn.Module, include_buffers: bool, buffers: str,
         if isinstance(module, FullyShardedDataParallel) and module._handle is not None:
             flat_param = module._handle.flat_param
             seen.add(id(flat_param))
-            slot = _Flat(prefix, module, flat_param, average=True)
+            sharded = module._handle.uses_sharded_strategy
+            slot = (_Flat if sharded else _FlatReplicated)(prefix, module, flat_param,
+                                                           average=True)
             flat_members.update(fqn for fqn, _ in slot.names())
             if _flat_selected(slot, flat_param, select):
                 slots.append(slot)
