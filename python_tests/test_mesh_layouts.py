@@ -74,7 +74,9 @@ def set_weights(model, step: int) -> None:
     full = weights_at(step)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            p.to_local().copy_(distribute_tensor(full[n], p.device_mesh, p.placements).to_local())
+            # src_data_rank=None: every rank splits its own copy (no scatter; uneven strided ok)
+            local = distribute_tensor(full[n], p.device_mesh, p.placements, src_data_rank=None)
+            p.to_local().copy_(local.to_local())
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
@@ -130,7 +132,8 @@ def check_layout_results(results, ref):
             assert torch.equal(res["full"][name], r), name
 
 
-@pytest.mark.parametrize("layout,other", [("hsdp", "tp_rowwise"), ("tp_rowwise", "hsdp")])
+@pytest.mark.parametrize("layout,other", [("hsdp", "tp_rowwise"), ("tp_rowwise", "tp_colwise"),
+                                          ("tp_colwise", "hsdp")])
 def test_2d_mesh_update_swap_state_dict_save_export_gather_exact(pools, tmp_path, layout, other):
     import fsdp_ema
     from safetensors.torch import load_file
@@ -142,6 +145,8 @@ def test_2d_mesh_update_swap_state_dict_save_export_gather_exact(pools, tmp_path
     check_layout_results(results, ref)
     if layout == "tp_rowwise":
         assert "Shard(dim=1)" in results[0]["placements"]["inp.weight"]
+    elif layout == "tp_colwise":  # torchtitan's layout: FSDP2 over a TP Shard(0)
+        assert "_StridedShard" in results[0]["placements"]["inp.weight"]
     else:
         assert "Replicate" in results[0]["placements"]["inp.weight"]
     # The checkpoint and the export, read independently of the ranks.
@@ -157,7 +162,13 @@ def test_2d_mesh_update_swap_state_dict_save_export_gather_exact(pools, tmp_path
 
 
 def run_unsupported(rank, world):
-    model = build("tp_colwise")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = nn.Linear(3, 2)
+    # A Partial (pending-sum) parameter: no rank holds its value.
+    model.weight = nn.Parameter(DTensor.from_local(torch.ones(2, 3), mesh, [Partial()]))
     try:
         ShardedEMA(model)
     except ValueError as e:
@@ -165,9 +176,15 @@ def run_unsupported(rank, world):
     return None
 
 
-def test_tp_colwise_under_fsdp2_strided_shard_is_refused_naming_the_placement(pools):
+def test_an_unsupported_placement_is_refused_naming_the_parameter_and_placement(pools):
+    from fsdp_ema._layouts import check_placements
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     for message in pools.get(4).run(run_unsupported):
-        assert message is not None and "_StridedShard" in message and "'inp.weight'" in message
+        assert message is not None and "'weight'" in message and "Partial" in message
+    # A strided shard that is not FSDP2 over a TP Shard of the same dim (no later Shard(0)).
+    with pytest.raises(ValueError, match=r"'w' has placements .*_StridedShard.* is not supported"):
+        check_placements("w", [_StridedShard(0, split_factor=2)], mesh=None)
 
 
 # --- FSDP1 NO_SHARD (2 ranks) ---------------------------------------------------------------------

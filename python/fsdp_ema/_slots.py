@@ -192,7 +192,7 @@ class _Sharded(_Slot):
         local = param._local_tensor
         self.local_shape = local.shape
         try:
-            check_placements(fqn, self.placements)
+            check_placements(fqn, self.placements, self.mesh)
         except ValueError as e:
             raise ValueError(f"ShardedEMA: {e}") from None
         shape, offsets = compute_local_shape_and_global_offset(self.global_shape, self.mesh,
