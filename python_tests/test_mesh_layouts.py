@@ -187,7 +187,7 @@ def test_an_unsupported_placement_is_refused_naming_the_parameter_and_placement(
         check_placements("w", [_StridedShard(0, split_factor=2)], mesh=None)
 
 
-# --- FSDP1 NO_SHARD (2 ranks) ---------------------------------------------------------------------
+# --- FSDP1 NO_SHARD (2 ranks) and HYBRID_SHARD (4 ranks) -------------------------------------------
 
 def run_fsdp1_strategy(rank, world, strategy, ckpt, export_dir):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -195,9 +195,14 @@ def run_fsdp1_strategy(rank, world, strategy, ckpt, export_dir):
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     torch.manual_seed(0)
+    kwargs = {}
+    if strategy == "HYBRID_SHARD":  # 2 replicas of 2 shards
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kwargs["device_mesh"] = init_device_mesh("cpu", (2, world // 2))
     model = FSDP(Net(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
                  sharding_strategy=getattr(ShardingStrategy, strategy),
-                 device_id=torch.device("cpu"))
+                 device_id=torch.device("cpu"), **kwargs)
 
     def set_full(step):
         full = weights_at(step)
@@ -210,7 +215,8 @@ def run_fsdp1_strategy(rank, world, strategy, ckpt, export_dir):
     for s in range(1, STEPS + 1):
         set_full(s)
         ema.update()
-    sd = {n: v.clone() for n, v in ema.state_dict().items() if n != ShardedEMA.STEP_KEY}
+    sd = ({n: v.clone() for n, v in ema.state_dict().items() if n != ShardedEMA.STEP_KEY}
+          if strategy == "NO_SHARD" else None)
     full = ema.full_state_dict(rank0_only=False)
     ema.save(ckpt)
     ema.export(export_dir)
@@ -236,3 +242,25 @@ def test_fsdp1_no_shard_state_dict_save_load_export_exact(pools, tmp_path):
             assert torch.equal(res["loaded"][name], r), name
     for name, r in ref.items():
         assert torch.equal(saved[name], r) and torch.equal(exported[name], r), name
+
+
+def test_fsdp1_hybrid_shard_save_load_export_exact(pools, tmp_path):
+    import fsdp_ema
+    from safetensors.torch import load_file
+
+    ckpt, export_dir = tmp_path / "ckpt", tmp_path / "export"
+    results = pools.get(4).run(run_fsdp1_strategy, "HYBRID_SHARD", str(ckpt), str(export_dir))
+    ref = reference()
+    saved = fsdp_ema.checkpoint.load(ckpt)
+    exported = load_file(export_dir / "model.safetensors")
+    for res in results:
+        for name, r in ref.items():
+            assert torch.equal(res["full"][name], r), name
+            assert torch.equal(res["loaded"][name], r), name
+    for name, r in ref.items():
+        assert torch.equal(saved[name], r) and torch.equal(exported[name], r), name
+    # What a replica holds, read at the shard group's world size (2): rows of torch.chunk.
+    for rank in range(2):
+        rows = fsdp_ema.checkpoint.load(ckpt, rank=rank, world_size=2)
+        for name, r in ref.items():
+            assert torch.equal(rows[name], torch.chunk(r, 2)[rank]), name

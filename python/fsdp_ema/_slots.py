@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ._full_state import Part, part_cost
@@ -282,6 +283,11 @@ class _Flat(_Slot):
                                f"right now; create the EMA outside forward/summon_full_params")
         self.local_shape = torch.Size([self.layout.shard_numel])
         self.get = lambda: getattr(flat_param, "_local_shard", flat_param)
+        # HYBRID_SHARD: the unit is sharded within its group and replicated across groups; the
+        # first replica writes checkpoint pieces.
+        inter = getattr(module, "_inter_node_pg", None)
+        self.replica = (dist.get_rank(inter) if "HYBRID" in self.layout.strategy
+                        and inter is not None else 0)
 
     def names(self):
         return [(m.fqn, m.shape) for m in self.layout.members]
@@ -293,6 +299,7 @@ class _Flat(_Slot):
         from ._fsdp1 import sharded_tensor
 
         layout, out = self.layout, {}
+        layout.require_sharded("state_dict", hybrid=False)
         for member, chunk in zip(layout.members, layout.to_chunks(ema)):
             if len(member.shape) == 0 or member.shape.numel() == 0:
                 out[member.fqn] = chunk
@@ -303,7 +310,10 @@ class _Flat(_Slot):
 
     def pieces(self, t, rank, world_size):
         layout, out = self.layout, {}
-        for member, chunk in zip(layout.members, layout.to_chunks(t)):
+        chunks = layout.to_chunks(t)  # collective within the unit's group: every replica
+        if self.replica:
+            return out
+        for member, chunk in zip(layout.members, chunks):
             if len(member.shape) == 0 or member.shape.numel() == 0:
                 if layout.rank == 0:
                     out[member.fqn] = chunk if len(member.shape) == 0 else t.new_empty(member.shape)
