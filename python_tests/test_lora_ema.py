@@ -11,10 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from dist_utils import PoolManager
 from fsdp_ema import ShardedEMA
+from torch import nn
 
 peft = pytest.importorskip("peft")  # pinned in requirements.txt; the reference implementation
 
@@ -118,7 +117,7 @@ def pools():
     manager.close()
 
 
-# --- params="trainable" on a LoRA model under FSDP2 ------------------------------------------------
+# --- params="trainable" on a LoRA model under FSDP2 --------------------------------------------
 
 def test_lora_fsdp2_ema_keeps_only_the_adapters_exact_against_lerp_of_the_trajectory(pools):
     results = pools.get(2).run(run_lora_fsdp2)
@@ -284,7 +283,7 @@ def test_load_model_weights_refuses_mismatched_names_and_shapes_and_writes_nothi
 def run_lora_exports(rank, world, adapter_dir, merged_dir):
     import fsdp_ema
 
-    model, ema, _ = train_lora_with_ema("fsdp2")
+    _, ema, _ = train_lora_with_ema("fsdp2")
     fsdp_ema.export_peft_adapter(ema, adapter_dir)
     nbytes = fsdp_ema.export_merged(ema, merged_dir, max_file_bytes=200)  # several files
     return dict(full=ema.full_state_dict(rank0_only=False), nbytes=nbytes)

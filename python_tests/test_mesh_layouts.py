@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from dist_utils import PoolManager
 from fsdp_ema import ShardedEMA
+from torch import nn
 
 DECAY = 0.75  # 1 - decay exact in binary: the op and torch.lerp round alike
 STEPS = 3
@@ -56,8 +55,11 @@ def build(layout: str):
         fully_shard(model.inp, mesh=mesh)
         fully_shard(model, mesh=mesh)
     elif layout in ("tp_rowwise", "tp_colwise"):
-        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                       parallelize_module)
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
 
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
         style = RowwiseParallel if layout == "tp_rowwise" else ColwiseParallel
@@ -187,7 +189,7 @@ def test_an_unsupported_placement_is_refused_naming_the_parameter_and_placement(
         check_placements("w", [_StridedShard(0, split_factor=2)], mesh=None)
 
 
-# --- FSDP1 NO_SHARD (2 ranks) and HYBRID_SHARD (4 ranks) -------------------------------------------
+# --- FSDP1 NO_SHARD (2 ranks) and HYBRID_SHARD (4 ranks) ---------------------------------------
 
 def run_fsdp1_strategy(rank, world, strategy, ckpt, export_dir):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
