@@ -266,3 +266,22 @@ def test_fsdp1_hybrid_shard_save_load_export_exact(pools, tmp_path):
         rows = fsdp_ema.checkpoint.load(ckpt, rank=rank, world_size=2)
         for name, r in ref.items():
             assert torch.equal(rows[name], torch.chunk(r, 2)[rank]), name
+
+
+def run_fsdp1_mixed_unit(rank, world):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    net = Net()
+    net.inp.weight.requires_grad_(False)  # frozen next to trainable ones in the one root unit
+    model = FSDP(net, use_orig_params=True, device_id=torch.device("cpu"))
+    try:
+        ShardedEMA(model, params="trainable")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_fsdp1_unit_mixing_selected_and_unselected_parameters_is_an_error(pools):
+    for message in pools.get(2).run(run_fsdp1_mixed_unit):
+        assert message is not None and "but not 'inp.weight'" in message, message

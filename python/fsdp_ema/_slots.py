@@ -395,11 +395,15 @@ Select = Callable[[str, torch.Tensor], bool]
 
 def _flat_selected(slot: _Flat, flat_param, select: Select | None) -> bool:
     """Whether an FSDP1 unit is kept: a FlatParameter is one tensor, so its members are kept or
-    left out together (``select`` sees each member's name and the FlatParameter)."""
+    left out together (``select`` sees each member's name and its original parameter where
+    FSDP1 keeps it, ``use_orig_params=True``, else the FlatParameter)."""
     if select is None:
         return True
     names = [fqn for fqn, _ in slot.names()]
-    chosen = [fqn for fqn in names if select(fqn, flat_param)]
+    originals = getattr(flat_param, "_params", None)
+    if not isinstance(originals, list) or len(originals) != len(names):
+        originals = [flat_param] * len(names)
+    chosen = [fqn for fqn, p in zip(names, originals) if select(fqn, p)]
     if chosen and len(chosen) != len(names):
         left = sorted(set(names) - set(chosen))
         raise ValueError(
