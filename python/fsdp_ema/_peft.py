@@ -105,9 +105,10 @@ def export_peft_adapter(ema, path: str | os.PathLike, *, adapter_name: str = "de
                     t = full[name]
                     tensors[name.replace(f".{adapter_name}.", ".")] = (
                         t if dtype is None else t.to(dtype)).contiguous()
-            os.makedirs(path, exist_ok=True)
-            save_file(tensors, os.path.join(path, ADAPTER_FILE), metadata={"format": "pt"})
+            # PEFT's own writers: save_pretrained creates the directory and adapter_config.json,
+            # safetensors the weights file (format/'s export writer names model*.safetensors).
             config.save_pretrained(path)
+            save_file(tensors, os.path.join(path, ADAPTER_FILE), metadata={"format": "pt"})
         except Exception as e:  # noqa: BLE001
             error = e
     ema._agree(error, what)
