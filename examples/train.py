@@ -156,17 +156,6 @@ def save_checkpoint(step_dir: Path, ema: ShardedEMA, state: list[torch.Tensor],
     ema.save(step_dir / "ema", overwrite=True)
 
 
-def load_model_weights(model: nn.Module, directory: Path) -> None:
-    """Loads a save_shard_weights directory (any writing world size) into the sharded model: a
-    second ShardedEMA (same dtypes) reads it, swap() puts it into the model, and we keep it."""
-    loader = ShardedEMA(model, decay=1.0, dtype=None)
-    loader.load(directory)
-    with loader.swap():
-        kept = [t.detach().clone() for t in local_tensors(model)]
-    with torch.no_grad():
-        torch._foreach_copy_(local_tensors(model), kept)
-
-
 def local_tensors(model: nn.Module) -> list[torch.Tensor]:
     """What this rank holds of every parameter, as the EMA reads it: FSDP2 DTensors' local
     shards, FSDP1 flat parameters' local slices (``_local_shard`` once FSDP1's lazy init, at the
@@ -284,7 +273,7 @@ def main() -> None:
             say(f"resume: no committed checkpoint under {ckpt_root}; starting from scratch")
         else:
             start, step_dir = found
-            load_model_weights(model, step_dir / "model")
+            fsdp_ema.load_model_weights(model, step_dir / "model")
             ema.load(step_dir / "ema")
             info = fsdp_ema.checkpoint.info(step_dir / "optim")
             names = [f"rank{rank}.{i}" for i in range(2 * len(params))]

@@ -69,13 +69,15 @@ class FlatLayout:
                     f"ShardedEMA: unexpected FSDP1 FlatParameter layout for {member.fqn!r}: "
                     f"this torch version lays out flat parameters differently than expected")
 
-    def require_sharded(self, what: str) -> None:
-        # NO_SHARD replicates the flat parameter and the HYBRID strategies shard it within a
-        # replica group: neither is laid out as dim-0 chunks over the whole world.
-        if not self.sharded or "HYBRID" in self.strategy:
+    def require_sharded(self, what: str, hybrid: bool = True) -> None:
+        # NO_SHARD replicates the flat parameter (its own slot, _FlatReplicated); the HYBRID
+        # strategies shard it within a replica group (the unit's group): chunks, gathers and
+        # checkpoint pieces work within it (``hybrid``), ShardedTensor state dicts do not.
+        if not self.sharded or (not hybrid and "HYBRID" in self.strategy):
             raise NotImplementedError(
                 f"ShardedEMA.{what}: FSDP1 units with sharding strategy {self.strategy} are not "
-                f"supported (update() and swap() are); use FULL_SHARD or SHARD_GRAD_OP, or FSDP2")
+                f"supported (update, swap, save, load and export are); use FULL_SHARD or "
+                f"SHARD_GRAD_OP, or FSDP2")
 
     # --- which rank holds what -----------------------------------------------------------------
 

@@ -53,12 +53,34 @@ def box(t: torch.Tensor, offsets: Sequence[int], shape: Sequence[int]) -> torch.
 
 # --- pieces this rank writes ----------------------------------------------------------------------
 
-def check_placements(name: str, placements: Sequence[Any]) -> None:
-    from torch.distributed.tensor import Replicate, Shard
+def is_shard(p) -> bool:
+    """A placement that splits a tensor dim: ``Shard`` or ``_StridedShard`` (FSDP2 over a TP
+    ``Shard`` of the same dim), which is not a ``Shard`` subclass."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    if not all(isinstance(p, (Shard, Replicate)) for p in placements):
-        raise ValueError(f"{name!r} has placements {tuple(placements)}; only Shard and Replicate "
-                         f"are supported")
+    return isinstance(p, (Shard, _StridedShard))
+
+
+def check_placements(name: str, placements: Sequence[Any], mesh=None) -> None:
+    """Shard and Replicate anywhere; ``_StridedShard(d, split_factor=k)`` only as FSDP2 lays it
+    out over tensor parallelism: a later mesh dim of size ``k`` holds ``Shard(d)``, so each
+    rank's piece is one box of the tensor (rows of one TP chunk), as ``compute_local_shape_and_
+    global_offset`` gives it."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for i, p in enumerate(placements):
+        if isinstance(p, (Shard, Replicate)):
+            continue
+        if isinstance(p, _StridedShard) and mesh is not None:
+            later = [j for j in range(i + 1, len(placements))
+                     if type(placements[j]) is Shard and placements[j].dim == p.dim]
+            if len(later) == 1 and mesh.size(later[0]) == p.split_factor:
+                continue
+        raise ValueError(f"{name!r} has placements {tuple(placements)}: {p} is not supported "
+                         f"(Shard, Replicate, and _StridedShard as FSDP2 over tensor-parallel "
+                         f"Shard of the same dim are)")
 
 
 def dtensor_pieces(name: str, local: torch.Tensor, mesh, placements: Sequence[Any],
@@ -66,18 +88,17 @@ def dtensor_pieces(name: str, local: torch.Tensor, mesh, placements: Sequence[An
     """The piece of a DTensor (local shard ``local`` on ``mesh`` with ``placements``, global
     ``shape``) this rank writes: its box where this rank is the first replica and the box holds
     elements; a 0-dim or empty tensor whole, from mesh coordinate 0 only."""
-    from torch.distributed.tensor import Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # not in the mesh
         return {}
-    check_placements(name, placements)
+    check_placements(name, placements, mesh)
     if len(shape) == 0 or shape.numel() == 0:
         if any(coordinate):
             return {}
         return {name: local if len(shape) == 0 else torch.empty(shape, dtype=local.dtype)}
-    if any(c for c, p in zip(coordinate, placements) if not isinstance(p, Shard)):
+    if any(c for c, p in zip(coordinate, placements) if not is_shard(p)):
         return {}  # another replica writes it
     if local.numel() == 0:
         return {}
@@ -158,7 +179,7 @@ def dtensor_read(mesh, placements: Sequence[Any], shape: torch.Size,
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     coordinate = mesh.get_coordinate()
-    shards = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
+    shards = [i for i, p in enumerate(placements) if is_shard(p)]
     if (len(shape) > 0 and coordinate is not None and len(shards) == 1
             and type(placements[shards[0]]) is Shard and placements[shards[0]].dim == 0):
         k, n = coordinate[shards[0]], mesh.size(shards[0])

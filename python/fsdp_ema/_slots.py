@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ._full_state import Part, part_cost
@@ -100,6 +101,7 @@ class _Slot:
     """
 
     average: bool              # averaged by update_ (else copied)
+    buffer: bool = False       # a buffer (kept whatever ShardedEMA's params selects)
     local_shape: torch.Size
     get: Callable[[], torch.Tensor]  # the live local tensor of the model
 
@@ -191,7 +193,7 @@ class _Sharded(_Slot):
         local = param._local_tensor
         self.local_shape = local.shape
         try:
-            check_placements(fqn, self.placements)
+            check_placements(fqn, self.placements, self.mesh)
         except ValueError as e:
             raise ValueError(f"ShardedEMA: {e}") from None
         shape, offsets = compute_local_shape_and_global_offset(self.global_shape, self.mesh,
@@ -281,6 +283,11 @@ class _Flat(_Slot):
                                f"right now; create the EMA outside forward/summon_full_params")
         self.local_shape = torch.Size([self.layout.shard_numel])
         self.get = lambda: getattr(flat_param, "_local_shard", flat_param)
+        # HYBRID_SHARD: the unit is sharded within its group and replicated across groups; the
+        # first replica writes checkpoint pieces.
+        inter = getattr(module, "_inter_node_pg", None)
+        self.replica = (dist.get_rank(inter) if "HYBRID" in self.layout.strategy
+                        and inter is not None else 0)
 
     def names(self):
         return [(m.fqn, m.shape) for m in self.layout.members]
@@ -292,6 +299,7 @@ class _Flat(_Slot):
         from ._fsdp1 import sharded_tensor
 
         layout, out = self.layout, {}
+        layout.require_sharded("state_dict", hybrid=False)
         for member, chunk in zip(layout.members, layout.to_chunks(ema)):
             if len(member.shape) == 0 or member.shape.numel() == 0:
                 out[member.fqn] = chunk
@@ -302,7 +310,10 @@ class _Flat(_Slot):
 
     def pieces(self, t, rank, world_size):
         layout, out = self.layout, {}
-        for member, chunk in zip(layout.members, layout.to_chunks(t)):
+        chunks = layout.to_chunks(t)  # collective within the unit's group: every replica
+        if self.replica:
+            return out
+        for member, chunk in zip(layout.members, chunks):
             if len(member.shape) == 0 or member.shape.numel() == 0:
                 if layout.rank == 0:
                     out[member.fqn] = chunk if len(member.shape) == 0 else t.new_empty(member.shape)
@@ -349,7 +360,63 @@ class _Flat(_Slot):
             self.handle.reshard(True)
 
 
-def _discover(model: nn.Module, include_buffers: bool, buffers: str) -> list[_Slot]:
+class _FlatReplicated(_Flat):
+    """An FSDP1 NO_SHARD unit (what FSDP1 becomes at one rank): every rank holds the whole flat
+    parameter, so each member is a view of it, laid out like a replicated tensor (``_Replicated``:
+    every rank writes its torch.chunk rows of each member; state dicts hold plain tensors)."""
+
+    def members(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return [(m.fqn, flat[m.start:m.start + m.shape.numel()].view(m.shape))
+                for m in self.layout.members]
+
+    def state_items(self, ema):
+        return dict(self.members(ema))
+
+    def pieces(self, t, rank, world_size):
+        out: dict[str, Any] = {}
+        for fqn, view in self.members(t):
+            out.update(replicated_pieces(fqn, view, rank, writers=world_size))
+        return out
+
+    def local_value(self, fqn, value):
+        return _Replicated.local_value(self, fqn, value)
+
+    def file_request(self):
+        return 0, 1
+
+    def assign(self, ema, values):
+        for fqn, view in self.members(ema):
+            if fqn in values:
+                view.copy_(values[fqn])
+
+
+Select = Callable[[str, torch.Tensor], bool]
+
+
+def _flat_selected(slot: _Flat, flat_param, select: Select | None) -> bool:
+    """Whether an FSDP1 unit is kept: a FlatParameter is one tensor, so its members are kept or
+    left out together (``select`` sees each member's name and its original parameter where
+    FSDP1 keeps it, ``use_orig_params=True``, else the FlatParameter)."""
+    if select is None:
+        return True
+    names = [fqn for fqn, _ in slot.names()]
+    originals = getattr(flat_param, "_params", None)
+    if not isinstance(originals, list) or len(originals) != len(names):
+        originals = [flat_param] * len(names)
+    chosen = [fqn for fqn, p in zip(names, originals) if select(fqn, p)]
+    if chosen and len(chosen) != len(names):
+        left = sorted(set(names) - set(chosen))
+        raise ValueError(
+            f"ShardedEMA: params selects {chosen[0]!r} but not {left[0]!r}, which share "
+            f"{slot.describe()}; an FSDP1 unit is kept whole (wrap them in separate units, use "
+            f"use_orig_params=True with uniform requires_grad per unit, or FSDP2)")
+    return bool(chosen)
+
+
+def _discover(model: nn.Module, include_buffers: bool, buffers: str,
+              select: Select | None = None) -> list[_Slot]:
+    """The slots of ``model``: its parameters that ``select(fqn, tensor)`` keeps (all without
+    it), then, with ``include_buffers``, its persistent buffers."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp._flat_param import FlatParameter
 
@@ -360,23 +427,29 @@ def _discover(model: nn.Module, include_buffers: bool, buffers: str) -> list[_Sl
         if isinstance(module, FullyShardedDataParallel) and module._handle is not None:
             flat_param = module._handle.flat_param
             seen.add(id(flat_param))
-            slot = _Flat(prefix, module, flat_param, average=True)
+            sharded = module._handle.uses_sharded_strategy
+            slot = (_Flat if sharded else _FlatReplicated)(prefix, module, flat_param,
+                                                           average=True)
             flat_members.update(fqn for fqn, _ in slot.names())
-            slots.append(slot)
+            if _flat_selected(slot, flat_param, select):
+                slots.append(slot)
         for name, p in module._parameters.items():
             fqn = _join(prefix, name)
             if p is None or id(p) in seen or isinstance(p, FlatParameter) or fqn in flat_members:
                 continue
             seen.add(id(p))
-            slots.append(_make_slot(fqn, module._parameters, name, p, average=True))
+            if select is None or select(fqn, p):
+                slots.append(_make_slot(fqn, module._parameters, name, p, average=True))
     if include_buffers:
         for prefix, module in modules:
             for name, b in module._buffers.items():
                 if b is None or id(b) in seen or name in module._non_persistent_buffers_set:
                     continue
                 seen.add(id(b))
-                slots.append(_make_slot(_join(prefix, name), module._buffers, name, b,
-                                        average=buffers == "average"))
+                slot = _make_slot(_join(prefix, name), module._buffers, name, b,
+                                  average=buffers == "average")
+                slot.buffer = True
+                slots.append(slot)
     return slots
 
 
@@ -389,3 +462,38 @@ def _make_slot(fqn: str, owner, name: str, tensor: torch.Tensor, average: bool) 
         return _Sharded(fqn, owner, name, tensor, average)
     return _Replicated(fqn, owner, name, tensor, average)
 
+
+
+class TrainableWatch:
+    """The ``requires_grad`` of every parameter of a model when a ``params="trainable"`` EMA was
+    made, to refuse (naming the parameter) an update or save after the trainable set changed:
+    the EMA would silently average frozen weights or miss trained ones."""
+
+    def __init__(self, model: nn.Module):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp._flat_param import FlatParameter
+
+        # (name, dict holding the parameter, key, requires_grad then); the dict is read again
+        # at check time since FSDP swaps the parameter objects it holds.
+        self.entries: list[tuple[str, Mapping[str, Any], str, bool]] = []
+        for prefix, module in _modules(model):
+            if isinstance(module, FullyShardedDataParallel) and module._handle is not None:
+                handle = module._handle
+                holder = {"flat": handle.flat_param}
+                self.entries.append((f"the FSDP1 flat parameter of {prefix or '<root>'!r}", holder,
+                                     "flat", bool(handle.flat_param.requires_grad)))
+            for name, p in module._parameters.items():
+                if p is not None and not isinstance(p, FlatParameter):
+                    self.entries.append((_join(prefix, name), module._parameters, name,
+                                         bool(p.requires_grad)))
+
+    def check(self, what: str) -> None:
+        for fqn, owner, key, was in self.entries:
+            p = owner.get(key)
+            if p is not None and bool(p.requires_grad) != was:
+                now = "trainable" if p.requires_grad else "frozen"
+                raise RuntimeError(
+                    f"{what}: parameter {fqn!r} is {now} now but was "
+                    f"{'trainable' if was else 'frozen'} when the EMA was made with "
+                    f"params='trainable'; make a new ShardedEMA for the new trainable set (and "
+                    f"load_state_dict(..., strict=False) the old one into it)")

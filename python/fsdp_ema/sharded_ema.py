@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import os
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from ._layouts import read_requests
 # Re-exported: the slot classes and helpers keep their old home (fsdp_ema.sharded_ema).
 from ._slots import (_Flat, _Replicated, _Sharded, _Slot, _clean, _discover,  # noqa: F401
                      _global_shape, _join, _make_slot, _modules, _rows)
+from ._slots import TrainableWatch
 
 __all__ = ["ShardedEMA", "Warmup"]
 
@@ -113,6 +114,11 @@ class ShardedEMA:
             the ``t``-th averaging update (``t`` from 1) on the device: ``device_decay(t)`` (0-dim
             int64 tensor -> 0-dim float64 tensor) and ``decay_at(t)`` (float), such as
             ``fsdp_ema.PowerEMA`` (EDM2's power-function EMA). Needs ``start_step=0``.
+        params: which parameters the EMA keeps: ``"all"``, ``"trainable"`` (those with
+            ``requires_grad`` now, e.g. the adapters of a LoRA model; ``update()`` and the saves
+            refuse to run once that set has changed), or a callable ``(clean fqn, parameter) ->
+            bool``. Buffers follow ``include_buffers`` whatever ``params`` is. An FSDP1 unit is
+            one FlatParameter: it is kept or left out whole.
     """
 
     #: Key of the update counter in ``state_dict()``.
@@ -122,7 +128,8 @@ class ShardedEMA:
                  warmup: None | bool | Warmup = None, update_every: int = 1,
                  start_step: int = 0, dtype: torch.dtype | None = torch.float32,
                  include_buffers: bool = True, buffers: str = "average",
-                 process_group: dist.ProcessGroup | None = None, schedule: Any = None):
+                 process_group: dist.ProcessGroup | None = None, schedule: Any = None,
+                 params: str | Callable[[str, torch.Tensor], bool] = "all"):
         if not 0.0 <= float(decay) <= 1.0:
             raise ValueError(f"ShardedEMA: decay must be in [0, 1], got {decay}")
         if warmup is True:
@@ -147,6 +154,9 @@ class ShardedEMA:
                              f"decay_at(t), and no warmup or start_step next to it")
         if buffers not in ("average", "copy"):
             raise ValueError(f"ShardedEMA: buffers must be 'average' or 'copy', got {buffers!r}")
+        if not (params in ("all", "trainable") or callable(params)):
+            raise ValueError(f"ShardedEMA: params must be 'all', 'trainable' or a callable "
+                             f"(name, tensor) -> bool, got {params!r}")
         self.model = model
         self.decay, self.warmup, self.schedule = float(decay), warmup, schedule
         self.update_every, self.start_step = int(update_every), int(start_step)
@@ -155,7 +165,15 @@ class ShardedEMA:
             process_group = dist.group.WORLD
         self._group = process_group
 
-        self._slots = _discover(model, include_buffers, buffers)
+        self.params = params
+        select = (None if params == "all" else
+                  (lambda fqn, p: bool(p.requires_grad)) if params == "trainable" else params)
+        self._slots = _discover(model, include_buffers, buffers, select)
+        self._watch = TrainableWatch(model) if params == "trainable" else None
+        if select is not None and all(slot.buffer for slot in self._slots):
+            raise ValueError(f"ShardedEMA: params={params!r} selects none of the "
+                             f"{sum(1 for _ in model.parameters())} parameters of "
+                             f"{type(model).__name__}")
         names = [fqn for slot in self._slots for fqn, _ in slot.names()]
         if self.STEP_KEY in names:
             raise ValueError(f"ShardedEMA: the model has a tensor named {self.STEP_KEY!r}, the key "
@@ -276,6 +294,7 @@ class ShardedEMA:
             raise RuntimeError("ShardedEMA.update() inside swap(): the model holds the EMA "
                                "weights; update after the swap() block")
         if not torch.compiler.is_compiling():
+            self._check_selection("ShardedEMA.update")
             self._refresh()
         decay = self._scheduled_decay(self._step)
         for g in self._groups:
@@ -319,6 +338,26 @@ class ShardedEMA:
             with torch.no_grad():
                 torch._foreach_copy_(model, backup)
             self._swapped = False
+
+    @torch.no_grad()
+    def copy_to(self, model: nn.Module | None = None) -> None:
+        """Writes the EMA into the model for good (timm's ``set``, diffusers' ``copy_to``): into
+        the tensors it computes from (as ``swap()`` does, with no copy kept), bit for bit where
+        the dtypes agree (else cast). ``model``: the EMA's own model (default), or another model
+        wrapped and sharded the same way (same names and local shapes) on the same ranks. Only
+        what the EMA keeps is written (see ``params`` and ``include_buffers``)."""
+        if self._swapped:
+            raise RuntimeError("ShardedEMA.copy_to() inside swap(): the model's own weights "
+                               "come back when the block exits; copy after it")
+        self._check_selection("ShardedEMA.copy_to")
+        if model is None or model is self.model:
+            self._reshard()
+            targets = self._refresh()
+        else:
+            from ._apply import matching_tensors
+
+            targets = matching_tensors(model, self._slots, "ShardedEMA.copy_to")
+        torch._foreach_copy_(targets, self._ema)
 
     def _reshard(self) -> None:
         """Frees unsharded parameters, so that the next forward gathers from the shards.
@@ -466,9 +505,14 @@ class ShardedEMA:
         dist.broadcast(t, group=self._group, group_src=0)
         return int(t.item())
 
+    def _check_selection(self, what: str) -> None:
+        if self._watch is not None:
+            self._watch.check(what)
+
     def _save(self, directory, tensors: Sequence[torch.Tensor], overwrite: bool,
               what: str, extra: Mapping[str, torch.Tensor] | None = None) -> int:
         """``extra``: whole tensors written by rank 0 next to the EMA's (snapshot metadata)."""
+        self._check_selection(what)
         rank, world = self._rank_world()
 
         def pieces() -> dict[str, Any]:  # collective for FSDP1 (one all_to_all per unit)
@@ -537,6 +581,8 @@ class ShardedEMA:
         for slot in self._slots:
             kinds[type(slot).__name__.lstrip("_").lower()] += 1
         schedule = f"decay={self.decay}"
+        if self.params != "all":
+            schedule += f", params={self.params!r}"
         if self.warmup:
             schedule += f", warmup={self.warmup}"
         if self.schedule is not None:

@@ -1,0 +1,202 @@
+"""Exports of a LoRA EMA for PEFT users (#16): the EMA adapters as a PEFT adapter directory, and
+the merged full weights (base + scale * B @ A per adapted layer) as a consolidated Hugging Face
+safetensors export that loads into the unadapted model.
+
+Collective, like ``ShardedEMA.export``: every rank gathers (``_full_state``), rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from ._apply import reshard_fsdp2
+from ._full_state import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_FILE_BYTES, full_buckets
+from ._slots import _discover, _join, _modules
+
+ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's file names (peft.utils.constants)
+
+
+class _Lora(NamedTuple):
+    prefix: str         # clean name of the LoRA layer
+    scaling: float
+    fan_in_fan_out: bool
+
+
+def _peft_root(model: nn.Module, what: str) -> tuple[str, Any]:
+    """(clean name, PeftModel) of the PeftModel in ``model`` (which may wrap it)."""
+    try:
+        from peft import PeftModel
+    except ImportError as e:
+        raise ImportError(f"{what} needs peft (pip install peft)") from e
+    for prefix, module in _modules(model):
+        if isinstance(module, PeftModel):
+            return prefix, module
+    raise ValueError(f"{what}: {type(model).__name__} holds no peft PeftModel")
+
+
+def _lora_layers(model: nn.Module, adapter: str, what: str) -> dict[str, _Lora]:
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    out = {}
+    for prefix, module in _modules(model):
+        if not isinstance(module, LoraLayer) or adapter not in module.lora_A:
+            continue
+        kind = type(module).__name__  # fully_shard subclasses it (FSDPLinear)
+        if (not isinstance(module, LoraLinear) or module.use_dora.get(adapter, False)
+                or getattr(module, "lora_bias", {}).get(adapter, False)):
+            raise NotImplementedError(
+                f"{what}: LoRA layer {prefix!r} ({type(module).__module__}.{kind}, DoRA "
+                f"{module.use_dora.get(adapter, False)}) is not supported; only plain LoRA on "
+                f"nn.Linear is merged")
+        out[prefix] = _Lora(prefix, float(module.scaling[adapter]), bool(module.fan_in_fan_out))
+    if not out:
+        raise ValueError(f"{what}: the model has no LoRA layer with adapter {adapter!r}")
+    return out
+
+
+def _lora_names(layer: _Lora, adapter: str) -> tuple[str, str]:
+    return (_join(layer.prefix, f"lora_A.{adapter}.weight"),
+            _join(layer.prefix, f"lora_B.{adapter}.weight"))
+
+
+def _ema_adapters(ema, layers: dict[str, _Lora], adapter: str, what: str) -> None:
+    missing = [n for layer in layers.values() for n in _lora_names(layer, adapter)
+               if n not in ema._shapes]
+    if missing:
+        raise ValueError(f"{what}: the EMA does not keep {missing[0]!r} (and "
+                         f"{len(missing) - 1} more LoRA weights); make it with params='trainable' "
+                         f"or params='all'")
+
+
+def export_peft_adapter(ema, path: str | os.PathLike, *, adapter_name: str = "default",
+                        dtype: torch.dtype | None = None) -> None:
+    """Writes the EMA of the LoRA adapters as a PEFT adapter directory: ``path/
+    adapter_model.safetensors`` (PEFT's keys: the adapter name left out) and
+    ``adapter_config.json`` (the model's ``LoraConfig``), which ``PeftModel.from_pretrained(base,
+    path)`` loads. Collective; rank 0 of the EMA's group writes. ``dtype`` casts the weights."""
+    path = os.fspath(path)
+    what = f"fsdp_ema.export_peft_adapter({path!r})"
+    error, layers, config = None, {}, None
+    try:
+        _, peft_model = _peft_root(ema.model, what)
+        if adapter_name not in peft_model.peft_config:
+            raise ValueError(f"{what}: the model has no adapter {adapter_name!r} (it has "
+                             f"{sorted(peft_model.peft_config)})")
+        config = peft_model.peft_config[adapter_name]
+        layers = _lora_layers(ema.model, adapter_name, what)
+        _ema_adapters(ema, layers, adapter_name, what)
+    except Exception as e:  # noqa: BLE001 (raised on every rank by the agreement)
+        error = e
+    ema._agree(error, what)
+    full = ema.full_state_dict(rank0_only=True)
+    error = None
+    if ema._rank_world()[0] == 0:
+        try:
+            from safetensors.torch import save_file
+
+            tensors = {}
+            for layer in layers.values():
+                for name in _lora_names(layer, adapter_name):
+                    t = full[name]
+                    tensors[name.replace(f".{adapter_name}.", ".")] = (
+                        t if dtype is None else t.to(dtype)).contiguous()
+            # PEFT's own writers: save_pretrained creates the directory and adapter_config.json,
+            # safetensors the weights file (format/'s export writer names model*.safetensors).
+            config.save_pretrained(path)
+            save_file(tensors, os.path.join(path, ADAPTER_FILE), metadata={"format": "pt"})
+        except Exception as e:  # noqa: BLE001
+            error = e
+    ema._agree(error, what)
+
+
+@torch.no_grad()
+def export_merged(ema, path: str | os.PathLike, *, adapter_name: str = "default",
+                  max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, overwrite: bool = False) -> int:
+    """Writes the merged full weights of a LoRA model with the EMA adapters as a consolidated
+    Hugging Face safetensors export (as ``ShardedEMA.export``) named as the unadapted model's
+    ``state_dict()``: each adapted layer's weight is ``W + scaling * B @ A`` (``B.T``/``A.T`` for
+    ``fan_in_fan_out``) with the EMA's A and B, computed as peft's ``merge_and_unload`` does and
+    stored in W's dtype; every other tensor is the EMA's where the EMA keeps it, else the
+    model's own. Collective: the base weights are gathered a bucket at a time. Returns the bytes
+    of tensor data written."""
+    path = os.fspath(path)
+    what = f"fsdp_ema.export_merged({path!r})"
+    model = ema.model
+    error, layers, root, parts, names = None, {}, "", [], {}
+    try:
+        root, _ = _peft_root(model, what)
+        layers = _lora_layers(model, adapter_name, what)
+        _ema_adapters(ema, layers, adapter_name, what)
+        reshard_fsdp2(model)
+        slots = _discover(model, True, "copy")
+        lora_names = {n for layer in layers.values() for n in _lora_names(layer, adapter_name)}
+        base_prefix = _join(root, "base_model.model") + "."
+        for slot in slots:
+            for part in slot.full_parts(slot.get()):
+                if part.fqn in lora_names:
+                    continue
+                if ".lora_" in part.fqn:
+                    raise NotImplementedError(f"{what}: {part.fqn!r} belongs to another adapter "
+                                              f"or LoRA kind; only {adapter_name!r} is merged")
+                out = part.fqn.removeprefix(base_prefix)
+                for prefix in _layer_prefixes(part.fqn, layers):
+                    out = (_join(prefix, "") + part.fqn[len(prefix) + len(".base_layer."):]
+                           ).removeprefix(base_prefix)
+                parts.append(part)
+                names[part.fqn] = out
+    except Exception as e:  # noqa: BLE001
+        error = e
+    ema._agree(error, what)
+    adapters = ema.full_state_dict(rank0_only=True)  # the EMA's tensors (the adapters, ...)
+    writer, error = None, None
+    if ema._rank_world()[0] == 0:
+        try:
+            like = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in parts]
+            writer = torch.classes.fsdp_ema.ExportWriter(
+                path, [names[p.fqn] for p in parts], like, None, int(max_file_bytes), overwrite,
+                True)
+        except Exception as e:  # noqa: BLE001
+            error = e
+    ema._agree(error, what)
+    weights = {_join(prefix, "base_layer.weight"): layer for prefix, layer in layers.items()}
+    for bucket in full_buckets(parts, bucket_bytes):
+        if writer is not None and error is None:
+            try:
+                for fqn, t, _ in bucket:
+                    dtype = t.dtype
+                    if fqn in adapters:  # the EMA keeps this base tensor too (params="all")
+                        t = adapters[fqn].to(dtype)
+                    layer = weights.get(fqn)
+                    if layer is not None:
+                        a, b = (adapters[n] for n in _lora_names(layer, adapter_name))
+                        delta = b @ a
+                        delta = (delta.T if layer.fan_in_fan_out else delta) * layer.scaling
+                        # peft: base_layer.weight.data += delta (computed in the promoted dtype).
+                        t = (t.to(delta.device) + delta).to(dtype)
+                    writer.write(names[fqn], t)
+            except Exception as e:  # noqa: BLE001
+                error = e
+        del bucket
+    total = 0
+    if writer is not None:
+        try:
+            if error is None:
+                total = writer.finish()
+        except Exception as e:  # noqa: BLE001
+            error = e
+        if error is not None:
+            writer.abort()
+    ema._agree(error, what)
+    return ema._broadcast(total)
+
+
+def _layer_prefixes(fqn: str, layers: dict[str, _Lora]) -> list[str]:
+    """The LoRA layer whose ``base_layer`` holds ``fqn`` (zero or one)."""
+    head, sep, _ = fqn.partition(".base_layer.")
+    return [head] if sep and head in layers else []
