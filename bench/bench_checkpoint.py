@@ -34,11 +34,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
-import fsdp_ema  # noqa: E402
 from bench_update import shard_sizes  # noqa: E402
-from fsdp_ema import checkpoint as ckpt  # noqa: E402
 from rawio import raw_read, raw_write  # noqa: E402
 from report import finish  # noqa: E402
+
+import fsdp_ema  # noqa: E402, F401  (loads the operator library)
+from fsdp_ema import checkpoint as ckpt  # noqa: E402
 
 warnings.filterwarnings("ignore")
 

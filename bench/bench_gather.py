@@ -36,9 +36,10 @@ def sizes_for(params: int, elements: int) -> list[tuple[int, int]]:
 
 def worker(rank, world, init_file, args, out):
     sys.path.insert(0, str(ROOT / "python"))
-    import fsdp_ema  # noqa: F401
     import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    import fsdp_ema  # noqa: F401
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -78,8 +79,9 @@ def worker(rank, world, init_file, args, out):
 def cuda_main(args):
     """Pack/unpack kernel bandwidth on one GPU (one-rank NCCL group) vs a device copy."""
     sys.path.insert(0, str(ROOT / "python"))
-    import fsdp_ema  # noqa: F401
     import torch.distributed as dist
+
+    import fsdp_ema  # noqa: F401
 
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("nccl", init_method=f"file://{tmp}/init", rank=0, world_size=1,

@@ -32,9 +32,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
-import fsdp_ema  # noqa: E402, F401  (loads the operator library)
 from bench_update import shard_sizes, time_once  # noqa: E402
 from report import finish  # noqa: E402
+
+import fsdp_ema  # noqa: E402, F401  (loads the operator library)
 
 DECAYS = (0.999, 0.99, 0.9999)
 

@@ -18,7 +18,6 @@ The anchors repeat --anchor-repeat times (default 2: one dcp.save of 200k tensor
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import subprocess
@@ -33,8 +32,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
-from fsdp_ema import checkpoint as ckpt  # noqa: E402
 from report import finish  # noqa: E402
+
+from fsdp_ema import checkpoint as ckpt  # noqa: E402
 
 warnings.filterwarnings("ignore")
 CLI = ROOT / "build" / "bin" / "fsdp-ema"
@@ -91,7 +91,7 @@ def ours(directory: Path, state: dict) -> dict:
 
 
 def ranks64(directory: Path, tensors: int = 2000, world: int = 64) -> dict:
-    """An index of `tensors` x `world` pieces: every rank saves its torch.chunk rows of every tensor."""
+    """An index of `tensors` x `world` pieces: each rank saves its torch.chunk rows of each one."""
     full = {f"model.layers.{i // 8}.mlp.{i % 8}.weight": torch.full((world + 3, 2), float(i))
             for i in range(tensors)}
     names = list(full)

@@ -71,8 +71,9 @@ def build(args, dtype: torch.dtype, device: torch.device) -> nn.Module:
 
 
 def methods(model: nn.Module, param_dtype: torch.dtype):
-    import fsdp_ema
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    import fsdp_ema
 
     ours = fsdp_ema.ShardedEMA(model, DECAY, include_buffers=False)
 

@@ -38,10 +38,11 @@ WORLD = 2
 def build(total_bytes: int):
     """An FSDP2 MLP whose fp32 weights + AdamW moments + fp32 EMA take ~total_bytes (4 copies of
     the weights), with AdamW state after one step."""
-    import fsdp_ema
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    import fsdp_ema
 
     width = 2048
     layers = max(1, round(total_bytes / 16 / (width * width + width)))
@@ -80,12 +81,15 @@ def worker(rank, init_file, args, out_queue):
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
-    import fsdp_ema
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict,
-                                                         set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    import fsdp_ema
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,

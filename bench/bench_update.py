@@ -2,8 +2,8 @@
 
 Rows (all update the same 500 EMA tensors of a transformer-like shard-size distribution):
   fsdp_ema.update_       one fused op call for every tensor
-  per-tensor mul_/add_   ``for e, p: e.mul_(d).add_(p, alpha=1 - d)`` (the seed ShardEMAModel recipe)
-  _foreach_lerp_         ``torch._foreach_lerp_(ema, params, 1 - d)`` (timm / torchtitan / swa_utils)
+  per-tensor mul_/add_   ``for e, p: e.mul_(d).add_(p, alpha=1 - d)`` (the seed recipe)
+  _foreach_lerp_         ``torch._foreach_lerp_(ema, params, 1 - d)`` (timm, torchtitan, swa)
                          with bf16 params it needs a cast pass first (``p.float()`` per tensor)
   limit                  the same arithmetic as one plain OpenMP loop over one contiguous buffer
                          (CPU), or a device-to-device copy of the same element count (GPU)
@@ -29,8 +29,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
-import fsdp_ema  # noqa: E402
 from report import finish  # noqa: E402
+
+import fsdp_ema  # noqa: E402
 
 DECAY = 0.999
 

@@ -41,7 +41,8 @@ def main():
     a, b = torch.randn(32, 64) / 4, torch.randn(64, 8) / 8
     def batch(n, g):
         x = torch.randn(n, 32, generator=g)
-        return x.to(device), (torch.sin(x @ a) @ b + 0.5 * torch.randn(n, 8, generator=g)).to(device)
+        y = torch.sin(x @ a) @ b + 0.5 * torch.randn(n, 8, generator=g)
+        return x.to(device), y.to(device)
     x_val, y_val = batch(4096, torch.Generator().manual_seed(1))
 
     model = torch.nn.Sequential(
@@ -79,7 +80,8 @@ def main():
         ema_loss = torch.nn.functional.mse_loss(model(x_val), y_val).item()
         torch._foreach_copy_(params, saved)
 
-    print(f"steps: {args.steps} on {device} in {elapsed:.1f} s ({args.steps / elapsed:.0f} steps/s)")
+    print(f"steps: {args.steps} on {device} in {elapsed:.1f} s "
+          f"({args.steps / elapsed:.0f} steps/s)")
     print(f"compiled graphs for the optimizer + EMA step: {counter.frame_count} "
           f"(decay changed every step; 1 means no recompiles)")
     print(f"final decay: {warmup_decay(step, args.decay).item():.4f}")

@@ -26,9 +26,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
-import fsdp_ema  # noqa: E402
 from png_plot import LinePlot  # noqa: E402
 from train import Transformer, add_model_arguments, loss_fn, make_batch  # noqa: E402
+
+import fsdp_ema  # noqa: E402
 
 TRACKED = (0.03, 0.15, 0.25)
 GRID = (0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.10, 0.12, 0.15, 0.18, 0.21, 0.25, 0.28)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -53,7 +52,6 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import fsdp_ema  # noqa: E402
 from fsdp_ema import ShardedEMA, Warmup  # noqa: E402
-
 
 # FSDP2 warns about any view returned by the root module (our logits); we do no in-place op on it.
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")

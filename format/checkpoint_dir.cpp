@@ -4,11 +4,11 @@
 #include <sys/stat.h>
 
 #include <algorithm>
-#include <optional>
 #include <cstring>
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <unordered_map>
 
@@ -562,8 +562,8 @@ void CheckpointDir::read_slice(std::string_view name, std::span<const int64_t> o
 }
 
 void CheckpointDir::Impl::read_slice_at(size_t ti, std::span<const int64_t> offsets,
-                                        std::span<const int64_t> shape, void* dst,
-                                        size_t dst_bytes, bool verify) const {
+                                        std::span<const int64_t> shape, void* dst, size_t dst_bytes,
+                                        bool verify) const {
   const IndexTensor& t = index.tensors[ti];
   auto ctx = [&] { return path + ": tensor " + json_quote(t.name); };  // on error only
   const size_t ndim = t.shape.size();

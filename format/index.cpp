@@ -451,7 +451,8 @@ StringOrRaw read_string_or_raw(JsonReader& r) {
 // check_piece_file_name (pieces name a handful of files, one per rank).
 template <typename Ctx>
 IndexPiece parse_piece(JsonReader& r, const Ctx& ctx, std::string& checked_file) {
-  if (r.peek() != JsonReader::Kind::kObject) throw FormatError(ctx() + ": every piece must be an object");
+  if (r.peek() != JsonReader::Kind::kObject)
+    throw FormatError(ctx() + ": every piece must be an object");
   std::optional<StringOrRaw> file, checksum;
   std::optional<std::optional<Shape>> offsets, shape;
   r.begin_object();
@@ -481,7 +482,8 @@ IndexPiece parse_piece(JsonReader& r, const Ctx& ctx, std::string& checked_file)
   if (!offsets) throw FormatError(pctx() + ": missing \"offsets\"");
   if (!shape) throw FormatError(pctx() + ": missing \"shape\"");
   if (!*offsets || !*shape) {
-    throw FormatError(pctx() + ": \"offsets\" and \"shape\" must be arrays of non-negative integers");
+    throw FormatError(pctx() +
+                      ": \"offsets\" and \"shape\" must be arrays of non-negative integers");
   }
   p.offsets = std::move(**offsets);
   p.shape = std::move(**shape);
@@ -511,7 +513,8 @@ IndexTensor parse_tensor(JsonReader& r, const std::string& where, std::string na
       shape = r.read_shape();
     } else if (key == "pieces") {
       has_pieces = true;
-      if (r.peek() != JsonReader::Kind::kArray) throw FormatError(ctx() + ": \"pieces\" must be an array");
+      if (r.peek() != JsonReader::Kind::kArray)
+        throw FormatError(ctx() + ": \"pieces\" must be an array");
       r.begin_array();
       while (r.next_element()) t.pieces.push_back(parse_piece(r, ctx, checked_file));
     } else {
@@ -533,7 +536,8 @@ IndexTensor parse_tensor(JsonReader& r, const std::string& where, std::string na
 }
 
 void parse_tensors(JsonReader& r, const std::string& where, CheckpointIndex& index) {
-  if (r.peek() != JsonReader::Kind::kObject) throw FormatError(where + ": \"tensors\" must be an object");
+  if (r.peek() != JsonReader::Kind::kObject)
+    throw FormatError(where + ": \"tensors\" must be an object");
   r.begin_object(/*caller_checks_keys=*/true);
   std::string name;
   std::string checked_file;

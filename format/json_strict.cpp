@@ -103,7 +103,9 @@ const char* JsonReader::kind_name(Kind kind) {
   return "value";
 }
 
-void JsonReader::fail(const std::string& message) const { throw FormatError(what_ + ": " + message); }
+void JsonReader::fail(const std::string& message) const {
+  throw FormatError(what_ + ": " + message);
+}
 
 void JsonReader::syntax_error(const std::string& expected) const {
   fail("invalid JSON: expected " + expected + " at byte " + std::to_string(pos_) + ", found " +

@@ -12,13 +12,13 @@
 #include <utility>
 
 #include "fsdp_ema/format/checkpoint_dir.h"
-#include "fsdp_ema/format/layout.h"
-#include "fsdp_ema/format/names.h"
 #include "fsdp_ema/format/dtype.h"
 #include "fsdp_ema/format/dtype_cast.h"
 #include "fsdp_ema/format/error.h"
 #include "fsdp_ema/format/file_util.h"
 #include "fsdp_ema/format/index.h"
+#include "fsdp_ema/format/layout.h"
+#include "fsdp_ema/format/names.h"
 #include "fsdp_ema/format/shape.h"
 #include "fsdp_ema/format/shard_writer.h"
 

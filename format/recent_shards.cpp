@@ -48,8 +48,7 @@ std::deque<Entry>& entries() {
 
 }  // namespace
 
-void remember_written_shard(const std::string& path, ShardDescription d,
-                            uint64_t header_checksum) {
+void remember_written_shard(const std::string& path, ShardDescription d, uint64_t header_checksum) {
   const auto identity = path_identity(path);
   std::lock_guard lock(mutex());
   auto& e = entries();
@@ -73,8 +72,7 @@ std::optional<ShardDescription> take_written_shard(const std::string& path) {
   }
   if (!found) return std::nullopt;
   const auto identity = path_identity(path);
-  if (!identity || *identity != found->identity ||
-      !header_matches(path, found->header_checksum)) {
+  if (!identity || *identity != found->identity || !header_matches(path, found->header_checksum)) {
     return std::nullopt;
   }
   return std::move(found->description);

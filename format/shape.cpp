@@ -1,8 +1,7 @@
 #include "fsdp_ema/format/shape.h"
 
-#include <charconv>
-
 #include <algorithm>
+#include <charconv>
 #include <limits>
 
 namespace fsdp_ema::format {

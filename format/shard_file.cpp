@@ -37,9 +37,9 @@ using TensorsByName = detail::NameIndex;
 // Reads a metadata value holding a JSON object keyed by tensor name, whose keys must be exactly
 // the file's tensors, in one pass: on_entry(tensor, reader) reads each entry's value.
 template <typename F>
-void for_each_tensor_entry(const std::map<std::string, std::string>& metadata,
-                           std::string_view key, std::vector<TensorInfo>& tensors,
-                           const TensorsByName& by_name, const std::string& file, F&& on_entry) {
+void for_each_tensor_entry(const std::map<std::string, std::string>& metadata, std::string_view key,
+                           std::vector<TensorInfo>& tensors, const TensorsByName& by_name,
+                           const std::string& file, F&& on_entry) {
   const std::string what = file + ": metadata " + std::string(key);
   const std::string& text = metadata.at(std::string(key));
   std::vector<char> seen(tensors.size(), 0);
@@ -135,79 +135,80 @@ ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& fil
   if (has(kMetaDcpShardingInfo)) {
     text_bytes += md.at(std::string(kMetaDcpShardingInfo)).size();
     passes.emplace_back([&] {
-      for_each_tensor_entry(md, kMetaDcpShardingInfo, h.tensors, by_name, file,
-                            [&](TensorInfo& t, JsonReader& r) {
-        auto ctx = [&] {
-          return file + ": tensor " + json_quote(t.name) + ": DCP_SHARDING_INFO";
-        };
-        std::optional<Shape> offsets;
-        bool present = false;
-        if (r.peek() == JsonReader::Kind::kObject) {
-          r.begin_object();
-          std::string k;
-          while (r.next_key(k)) {
-            if (k == "saved_offsets") {
-              present = true;
-              offsets = r.read_shape();
-            } else {
-              r.skip_value();
+      for_each_tensor_entry(
+          md, kMetaDcpShardingInfo, h.tensors, by_name, file, [&](TensorInfo& t, JsonReader& r) {
+            auto ctx = [&] {
+              return file + ": tensor " + json_quote(t.name) + ": DCP_SHARDING_INFO";
+            };
+            std::optional<Shape> offsets;
+            bool present = false;
+            if (r.peek() == JsonReader::Kind::kObject) {
+              r.begin_object();
+              std::string k;
+              while (r.next_key(k)) {
+                if (k == "saved_offsets") {
+                  present = true;
+                  offsets = r.read_shape();
+                } else {
+                  r.skip_value();
+                }
+              }
             }
-          }
-        }
-        if (!present) throw FormatError(ctx() + " entry must be an object with \"saved_offsets\"");
-        if (!offsets || offsets->size() != t.shape.size()) {
-          throw FormatError(ctx() + " saved_offsets must be " + std::to_string(t.shape.size()) +
-                            " non-negative integers (one per dimension of shape " +
-                            shape_to_string(t.shape) + ")");
-        }
-        for (size_t d = 0; d < offsets->size(); ++d) {
-          if ((*offsets)[d] > std::numeric_limits<int64_t>::max() - t.shape[d]) {
-            throw FormatError(ctx() + " saved_offsets " + shape_to_string(*offsets) +
-                              " + shape overflow");
-          }
-        }
-        t.offsets = std::move(*offsets);
-      });
+            if (!present)
+              throw FormatError(ctx() + " entry must be an object with \"saved_offsets\"");
+            if (!offsets || offsets->size() != t.shape.size()) {
+              throw FormatError(ctx() + " saved_offsets must be " + std::to_string(t.shape.size()) +
+                                " non-negative integers (one per dimension of shape " +
+                                shape_to_string(t.shape) + ")");
+            }
+            for (size_t d = 0; d < offsets->size(); ++d) {
+              if ((*offsets)[d] > std::numeric_limits<int64_t>::max() - t.shape[d]) {
+                throw FormatError(ctx() + " saved_offsets " + shape_to_string(*offsets) +
+                                  " + shape overflow");
+              }
+            }
+            t.offsets = std::move(*offsets);
+          });
     });
   }
   if (has(kMetaGlobalShapes)) {
     text_bytes += md.at(std::string(kMetaGlobalShapes)).size();
     globals.resize(n);
     passes.emplace_back([&] {
-      for_each_tensor_entry(md, kMetaGlobalShapes, h.tensors, by_name, file,
-                            [&](TensorInfo& t, JsonReader& r) {
-        auto g = r.read_shape();
-        if (!g || g->size() != t.shape.size()) {
-          throw FormatError(file + ": tensor " + json_quote(t.name) + ": " +
-                            std::string(kMetaGlobalShapes) + " entry must be " +
-                            std::to_string(t.shape.size()) +
-                            " non-negative integers (one per dimension of shape " +
-                            shape_to_string(t.shape) + ")");
-        }
-        globals[static_cast<size_t>(&t - h.tensors.data())] = std::move(*g);
-      });
+      for_each_tensor_entry(
+          md, kMetaGlobalShapes, h.tensors, by_name, file, [&](TensorInfo& t, JsonReader& r) {
+            auto g = r.read_shape();
+            if (!g || g->size() != t.shape.size()) {
+              throw FormatError(file + ": tensor " + json_quote(t.name) + ": " +
+                                std::string(kMetaGlobalShapes) + " entry must be " +
+                                std::to_string(t.shape.size()) +
+                                " non-negative integers (one per dimension of shape " +
+                                shape_to_string(t.shape) + ")");
+            }
+            globals[static_cast<size_t>(&t - h.tensors.data())] = std::move(*g);
+          });
     });
   }
   if (has(kMetaChecksums)) {
     text_bytes += md.at(std::string(kMetaChecksums)).size();
     passes.emplace_back([&] {
-      for_each_tensor_entry(md, kMetaChecksums, h.tensors, by_name, file,
-                            [&](TensorInfo& t, JsonReader& r) {
-        std::optional<uint64_t> c;
-        std::string text;
-        if (r.peek() == JsonReader::Kind::kString) {
-          text = r.read_string();
-          c = parse_checksum(text);
-          if (!c) text = json_quote(text);
-        } else {
-          text = std::string(r.skip_value());
-        }
-        if (!c) {
-          throw FormatError(file + ": tensor " + json_quote(t.name) + ": checksum " + text +
-                            " is not \"xxh3-64:<16 lowercase hex digits>\"");
-        }
-        t.checksum = *c;
-      });
+      for_each_tensor_entry(
+          md, kMetaChecksums, h.tensors, by_name, file, [&](TensorInfo& t, JsonReader& r) {
+            std::optional<uint64_t> c;
+            std::string text;
+            if (r.peek() == JsonReader::Kind::kString) {
+              text = r.read_string();
+              c = parse_checksum(text);
+              if (!c) text = json_quote(text);
+            } else {
+              text = std::string(r.skip_value());
+            }
+            if (!c) {
+              throw FormatError(file + ": tensor " + json_quote(t.name) + ": checksum " + text +
+                                " is not \"xxh3-64:<16 lowercase hex digits>\"");
+            }
+            t.checksum = *c;
+          });
     });
   }
   const auto errors = detail::run_jobs(
@@ -228,11 +229,10 @@ ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& fil
     Shape& g = globals[static_cast<size_t>(&t - h.tensors.data())];
     for (size_t d = 0; d < g.size(); ++d) {
       if (t.offsets[d] + t.shape[d] > g[d]) {
-        throw FormatError(file + ": tensor " + json_quote(t.name) + ": " +
-                          std::string(kMetaGlobalShapes) + ": offsets " +
-                          shape_to_string(t.offsets) + " + shape " + shape_to_string(t.shape) +
-                          " exceed global shape " + shape_to_string(g) + " in dimension " +
-                          std::to_string(d));
+        throw FormatError(
+            file + ": tensor " + json_quote(t.name) + ": " + std::string(kMetaGlobalShapes) +
+            ": offsets " + shape_to_string(t.offsets) + " + shape " + shape_to_string(t.shape) +
+            " exceed global shape " + shape_to_string(g) + " in dimension " + std::to_string(d));
       }
     }
     if (!numel(g)) {
@@ -348,8 +348,8 @@ void check_bool_bytes(const std::string& path, const TensorInfo& t, const std::b
 void check_stored_checksum(const std::string& path, const TensorInfo& t, uint64_t actual) {
   if (actual != *t.checksum) {
     throw FormatError(path + ": tensor " + json_quote(t.name) + ": checksum mismatch: stored " +
-                      format_checksum(*t.checksum) + ", data hashes to " +
-                      format_checksum(actual) + " (corrupted data)");
+                      format_checksum(*t.checksum) + ", data hashes to " + format_checksum(actual) +
+                      " (corrupted data)");
   }
 }
 

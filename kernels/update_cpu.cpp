@@ -37,10 +37,13 @@ Isa detect_isa() {
 UpdateRangeFn pick_kernel() {
   switch (detect_isa()) {
 #if defined(FSDP_EMA_HAVE_X86_KERNELS)
-    case Isa::kAvx512: return &update_cpu_avx512;
-    case Isa::kAvx2: return &update_cpu_avx2;
+    case Isa::kAvx512:
+      return &update_cpu_avx512;
+    case Isa::kAvx2:
+      return &update_cpu_avx2;
 #endif
-    default: return &update_cpu_default;
+    default:
+      return &update_cpu_default;
   }
 }
 
@@ -48,9 +51,12 @@ UpdateRangeFn pick_kernel() {
 
 const char* update_cpu_capability() {
   switch (detect_isa()) {
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    default: return "default";
+    case Isa::kAvx512:
+      return "avx512";
+    case Isa::kAvx2:
+      return "avx2";
+    default:
+      return "default";
   }
 }
 

@@ -114,10 +114,14 @@ void update_typed(void* ema, const void* model, int64_t begin, int64_t end, doub
 template <typename E>
 void update_model_dtype(const UpdatePair& p, int64_t begin, int64_t end, double decay) {
   switch (p.model_dtype) {
-    case Dtype::kFloat32: return update_typed<E, float>(p.ema, p.model, begin, end, decay);
-    case Dtype::kFloat64: return update_typed<E, double>(p.ema, p.model, begin, end, decay);
-    case Dtype::kBFloat16: return update_typed<E, c10::BFloat16>(p.ema, p.model, begin, end, decay);
-    case Dtype::kFloat16: return update_typed<E, c10::Half>(p.ema, p.model, begin, end, decay);
+    case Dtype::kFloat32:
+      return update_typed<E, float>(p.ema, p.model, begin, end, decay);
+    case Dtype::kFloat64:
+      return update_typed<E, double>(p.ema, p.model, begin, end, decay);
+    case Dtype::kBFloat16:
+      return update_typed<E, c10::BFloat16>(p.ema, p.model, begin, end, decay);
+    case Dtype::kFloat16:
+      return update_typed<E, c10::Half>(p.ema, p.model, begin, end, decay);
   }
 }
 
@@ -125,10 +129,14 @@ void update_model_dtype(const UpdatePair& p, int64_t begin, int64_t end, double 
 
 void FSDP_EMA_CPU_KERNEL_NAME(const UpdatePair& p, int64_t begin, int64_t end, double decay) {
   switch (p.ema_dtype) {
-    case Dtype::kFloat32: return update_model_dtype<float>(p, begin, end, decay);
-    case Dtype::kFloat64: return update_model_dtype<double>(p, begin, end, decay);
-    case Dtype::kBFloat16: return update_model_dtype<c10::BFloat16>(p, begin, end, decay);
-    case Dtype::kFloat16: return update_model_dtype<c10::Half>(p, begin, end, decay);
+    case Dtype::kFloat32:
+      return update_model_dtype<float>(p, begin, end, decay);
+    case Dtype::kFloat64:
+      return update_model_dtype<double>(p, begin, end, decay);
+    case Dtype::kBFloat16:
+      return update_model_dtype<c10::BFloat16>(p, begin, end, decay);
+    case Dtype::kFloat16:
+      return update_model_dtype<c10::Half>(p, begin, end, decay);
   }
 }
 

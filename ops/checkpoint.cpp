@@ -55,8 +55,7 @@ SaveRequest validate_save(const char* op, int64_t rank, int64_t world_size,
     const at::Tensor& t = shards[i];
     TORCH_CHECK(t.defined(), op, "shards[", i, "] is an undefined tensor");
     TORCH_CHECK(!names[i].empty(), op, "names[", i, "] is empty");
-    TORCH_CHECK(seen.insert(names[i]).second, op, "names[", i, "] '", names[i],
-                "' appears twice");
+    TORCH_CHECK(seen.insert(names[i]).second, op, "names[", i, "] '", names[i], "' appears twice");
     // Built only on error: a save holds 100,000+ tensors.
     auto what = [&] { return "shards[" + std::to_string(i) + "] ('" + names[i] + "')"; };
     format::TensorToWrite w;
@@ -106,8 +105,8 @@ at::Tensor save_shard(c10::string_view directory, int64_t rank, int64_t world_si
     // next chunk overlaps the write of the previous one (see format::FillFn).
     const at::Tensor bytes = t.reshape({-1}).view(at::kByte);
     req.tensors[i].fill = [bytes](uint64_t offset, uint64_t length, void* dst) {
-      at::Tensor host = at::from_blob(dst, {static_cast<int64_t>(length)},
-                                      at::TensorOptions().dtype(at::kByte));
+      at::Tensor host =
+          at::from_blob(dst, {static_cast<int64_t>(length)}, at::TensorOptions().dtype(at::kByte));
       host.copy_(bytes.narrow(0, static_cast<int64_t>(offset), static_cast<int64_t>(length)));
     };
   }
@@ -155,8 +154,7 @@ load_shard(c10::string_view path, bool verify, std::optional<at::Device> device,
     for (const format::TensorInfo& info : file->tensors()) {
       names.push_back(info.name);
       offsets.insert(offsets.end(), info.offsets.begin(), info.offsets.end());
-      global_shapes.insert(global_shapes.end(), info.global_shape.begin(),
-                           info.global_shape.end());
+      global_shapes.insert(global_shapes.end(), info.global_shape.begin(), info.global_shape.end());
       const auto options = at::TensorOptions().dtype(to_scalar_type(info.dtype));
       at::Tensor t;
       if (zero_copy && info.nbytes > 0) {
@@ -164,8 +162,8 @@ load_shard(c10::string_view path, bool verify, std::optional<at::Device> device,
         const auto element = static_cast<uintptr_t>(format::dtype_size(info.dtype));
         if (reinterpret_cast<uintptr_t>(bytes.data()) % element == 0) {
           // A view of the private (copy-on-write) mapping; the tensor keeps the file mapped.
-          t = at::from_blob(const_cast<std::byte*>(bytes.data()), info.shape, [file](void*) {},
-                            options);
+          t = at::from_blob(
+              const_cast<std::byte*>(bytes.data()), info.shape, [file](void*) {}, options);
         }
       }
       if (!t.defined()) {
@@ -185,14 +183,15 @@ format::RowRange rank_rows(const format::IndexTensor& tensor, int64_t rank, int6
   return format::chunk_rows(tensor.shape[0], rank, world_size);
 }
 
-void verify_pieces(const format::CheckpointDir& dir,
-                   const std::vector<std::pair<const format::IndexTensor*, format::RowRange>>& plan) {
+void verify_pieces(
+    const format::CheckpointDir& dir,
+    const std::vector<std::pair<const format::IndexTensor*, format::RowRange>>& plan) {
   std::vector<std::pair<const format::IndexTensor*, size_t>> pieces;
   for (const auto& [tensor, rows] : plan) {
     for (size_t k = 0; k < tensor->pieces.size(); ++k) {
       const format::IndexPiece& piece = tensor->pieces[k];
-      const bool hit = tensor->shape.empty() ||
-                       (piece.offsets[0] < rows.end && piece.offsets[0] + piece.shape[0] > rows.begin);
+      const bool hit = tensor->shape.empty() || (piece.offsets[0] < rows.end &&
+                                                 piece.offsets[0] + piece.shape[0] > rows.begin);
       if (hit) pieces.emplace_back(tensor, k);
     }
   }
@@ -217,7 +216,8 @@ at::Tensor read_rows(const std::shared_ptr<const format::CheckpointDir>& dir,
     const auto bytes = file.data(file.tensor(tensor.name));
     if (reinterpret_cast<uintptr_t>(bytes.data()) % format::dtype_size(tensor.dtype) != 0) break;
     if (verify) dir->verify_piece(tensor.name, k);
-    return at::from_blob(const_cast<std::byte*>(bytes.data()), shape, [dir](void*) {}, options);
+    return at::from_blob(
+        const_cast<std::byte*>(bytes.data()), shape, [dir](void*) {}, options);
   }
   // Straight to the CPU allocator: at::empty is a dispatcher call, paid 100,000+ times here.
   at::Tensor t = at::detail::empty_cpu(shape, to_scalar_type(tensor.dtype), /*pin_memory=*/false,

@@ -70,8 +70,9 @@ at::Tensor read_rows(const std::shared_ptr<const format::CheckpointDir>& dir,
 
 // Checks, in parallel, every stored piece that intersects the requested rows of each tensor
 // (each piece at most once per CheckpointDir), so that later reads need not hash sequentially.
-void verify_pieces(const format::CheckpointDir& dir,
-                   const std::vector<std::pair<const format::IndexTensor*, format::RowRange>>& plan);
+void verify_pieces(
+    const format::CheckpointDir& dir,
+    const std::vector<std::pair<const format::IndexTensor*, format::RowRange>>& plan);
 
 // JSON: {"layout", "world_size", "tensors": {name: {"dtype", "torch_dtype", "shape"}},
 // "metadata"}; "torch_dtype" is the torch attribute name ("float32").

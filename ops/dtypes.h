@@ -14,11 +14,16 @@ inline bool is_supported_dtype(c10::ScalarType t) {
 
 inline kernels::Dtype to_kernel_dtype(c10::ScalarType t) {
   switch (t) {
-    case c10::kFloat: return kernels::Dtype::kFloat32;
-    case c10::kDouble: return kernels::Dtype::kFloat64;
-    case c10::kBFloat16: return kernels::Dtype::kBFloat16;
-    case c10::kHalf: return kernels::Dtype::kFloat16;
-    default: TORCH_CHECK(false, "fsdp_ema: unsupported dtype ", t);
+    case c10::kFloat:
+      return kernels::Dtype::kFloat32;
+    case c10::kDouble:
+      return kernels::Dtype::kFloat64;
+    case c10::kBFloat16:
+      return kernels::Dtype::kBFloat16;
+    case c10::kHalf:
+      return kernels::Dtype::kFloat16;
+    default:
+      TORCH_CHECK(false, "fsdp_ema: unsupported dtype ", t);
   }
 }
 

@@ -37,8 +37,8 @@ Plan plan_load_into(const std::shared_ptr<const format::CheckpointDir>& dir,
   TORCH_CHECK(world_size >= 1, kOp, "world_size must be >= 1, got ", world_size);
   TORCH_CHECK(rank >= 0 && rank < world_size, kOp, "rank must be in [0, world_size), got rank ",
               rank, " with world_size ", world_size);
-  TORCH_CHECK(names.size() == out.size(), kOp, "names has ", names.size(),
-              " entries but out has ", out.size());
+  TORCH_CHECK(names.size() == out.size(), kOp, "names has ", names.size(), " entries but out has ",
+              out.size());
 
   // Every destination against what is stored, before anything is read.
   std::vector<std::pair<const format::IndexTensor*, format::RowRange>> plan;

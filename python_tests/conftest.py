@@ -6,7 +6,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-import fsdp_ema  # noqa: E402  (loads the operator library)
+import fsdp_ema  # noqa: E402, F401  (loads the operator library)
 
 DEVICES = [
     "cpu",

@@ -33,9 +33,10 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results) -> None:
     for path in (str(_HERE), str(_PYTHON)):
         if path not in sys.path:
             sys.path.insert(0, path)
-    import fsdp_ema  # noqa: F401  (registers the operators)
     import torch
     import torch.distributed as dist
+
+    import fsdp_ema  # noqa: F401  (registers the operators)
 
     torch.set_num_threads(1)  # the ranks share a few cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,

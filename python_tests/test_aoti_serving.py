@@ -9,9 +9,10 @@ import re
 import subprocess
 from pathlib import Path
 
-import fsdp_ema
 import pytest
 import torch
+
+import fsdp_ema
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE = Path(os.environ.get("FSDP_EMA_BUILD", ROOT / "build")) / "examples" / "build" / "serve"

@@ -15,17 +15,16 @@ with nothing lost or half-changed.
 from __future__ import annotations
 
 import base64
-import json
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import PoolManager
 from torch import nn
 
 import fsdp_ema
-from dist_utils import PoolManager
 from fsdp_ema import ShardedEMA
 from fsdp_ema import checkpoint as ckpt
 from fsdp_ema import training_state as ts

@@ -75,7 +75,8 @@ def update_cases():
             lambda: d(0.9), "ema[0] overlaps model[0] in memory")
         add("ema", "overlap-self", lambda: [t(1).expand(4)], lambda: [t(4)], lambda: d(0.9),
             "ema[0] has internally overlapping memory")
-        add("decay", "above-1", lambda: [t(4)], lambda: [t(4)], lambda: d(1.5), "decay must be in [0, 1], got 1.5")
+        add("decay", "above-1", lambda: [t(4)], lambda: [t(4)], lambda: d(1.5),
+            "decay must be in [0, 1], got 1.5")
         add("decay", "negative", lambda: [t(4)], lambda: [t(4)], lambda: d(-0.1),
             "decay must be in [0, 1], got -0.1")
         add("decay", "nan", lambda: [t(4)], lambda: [t(4)], lambda: d(float("nan")),
@@ -161,12 +162,13 @@ CASES.update({
     "save_shard-directory-is-file": (lambda e: S(e, directory=str(e["file"])),
                                      "afile' cannot be opened", False),
     # commit_checkpoint(directory, world_size, overwrite, fsync)
-    "commit-world_size-zero": (lambda e: (ops.commit_checkpoint, [str(e["part"]), 0, False,
-                                                                  False]), "world_size must be >= 1, got 0",
-                                 False),
+    "commit-world_size-zero": (lambda e: (ops.commit_checkpoint,
+                                          [str(e["part"]), 0, False, False]),
+                               "world_size must be >= 1, got 0", False),
     "commit-world_size-missing-rank": (lambda e: (ops.commit_checkpoint,
                                                   [str(e["part"]), 3, False, False]),
-                                       "missing shard file shard-00001-of-00003.safetensors", False),
+                                       "missing shard file shard-00001-of-00003.safetensors",
+                                       False),
     "commit-directory-missing": (lambda e: (ops.commit_checkpoint,
                                             [str(e["root"] / "nodir"), 1, False, False]),
                                  "nodir' cannot be opened", False),

@@ -2,15 +2,13 @@
 
 import json
 import os
-import shutil
 import warnings
 from pathlib import Path
-from typing import List
 
 import pytest
 import torch
 
-import fsdp_ema
+import fsdp_ema  # noqa: F401  (loads the operator library)
 from fsdp_ema import checkpoint as ckpt
 
 ALL_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
@@ -96,8 +94,10 @@ def test_round_trip_many_tensors_and_info(tmp_path):
 
 
 def test_load_shard_maps_the_file_and_is_aligned(tmp_path):
-    tensors = {"f64": make_tensor((3,), torch.float64, 0), "f32": make_tensor((5,), torch.float32, 1),
-               "bf16": make_tensor((3,), torch.bfloat16, 2), "u8": make_tensor((3,), torch.uint8, 3)}
+    tensors = {"f64": make_tensor((3,), torch.float64, 0),
+               "f32": make_tensor((5,), torch.float32, 1),
+               "bf16": make_tensor((3,), torch.bfloat16, 2),
+               "u8": make_tensor((3,), torch.uint8, 3)}
     ckpt.save(tmp_path, tensors)
     shard = ckpt.load_shard(tmp_path / ckpt.shard_file_name(0, 1))
     for name, (t, _, _) in shard.items():

@@ -110,6 +110,7 @@ TIMEOUT_S = 5
 
 def _rank(rank, init, what, directory, results):
     import faulthandler
+
     import torch.distributed as dist
     faulthandler.dump_traceback_later(12, exit=True)  # a hang shows where, then ends the rank
     torch.set_num_threads(1)

@@ -8,7 +8,6 @@ kernel with every source and destination alignment.
 
 import pytest
 import torch
-
 from cuda_utils import nccl_group
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -7,8 +7,8 @@ EMA computed independently with torch.lerp. Skips without a CUDA device.
 import pytest
 import torch
 import torch.nn.functional as F
-
 from cuda_utils import nccl_group
+
 from fsdp_ema import ShardedEMA
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import PoolManager
+from test_sharded_ema import DECAY, REPLAY, _train_with_ema, assemble, local_entries, reference_ema
 
 import fsdp_ema
-from dist_utils import PoolManager
-from test_sharded_ema import REPLAY, DECAY, _train_with_ema, assemble, local_entries, \
-    reference_ema
 
 STEPS = 3
 KINDS = ["fsdp2", "fsdp1_orig", "fsdp1_flat", "plain"]

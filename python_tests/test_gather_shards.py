@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from dist_utils import PoolManager
 
 

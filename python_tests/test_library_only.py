@@ -9,9 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import fsdp_ema
 import pytest
 import torch
+
+import fsdp_ema
 
 _PROGRAM = Path(__file__).resolve().parent / "library_only_program.py"
 
@@ -21,7 +22,8 @@ def run_check(name: str, tmp_path: Path) -> None:
     # The package must not even be importable by accident.
     env["PYTHONPATH"] = ""
     proc = subprocess.run([sys.executable, str(_PROGRAM), fsdp_ema.library_path(), name,
-                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=600, check=False)
+                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=600,
+                          check=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     assert f"ok {name}" in proc.stdout
 

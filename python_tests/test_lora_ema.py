@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import PoolManager
-from fsdp_ema import ShardedEMA
 from torch import nn
+
+from fsdp_ema import ShardedEMA
 
 peft = pytest.importorskip("peft")  # pinned in requirements.txt; the reference implementation
 
@@ -199,10 +200,11 @@ def test_trainable_set_changed_after_construction_is_an_error_naming_the_paramet
 # --- copy_to and load_model_weights ---------------------------------------------------------------
 
 def run_copy_to_and_load_model_weights(rank, world, kind, directory):
-    import fsdp_ema
     from test_sharded_ema import batches as net_batches
     from test_sharded_ema import build, full_state
     from test_sharded_ema import train_step as net_step
+
+    import fsdp_ema
 
     model = build(kind)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -232,8 +234,9 @@ def run_copy_to_and_load_model_weights(rank, world, kind, directory):
 
 @pytest.mark.parametrize("kind", ["fsdp2", "fsdp1_flat", "fsdp1_orig", "ddp"])
 def test_copy_to_writes_the_ema_bit_exact_and_load_model_weights_restores(pools, tmp_path, kind):
-    import fsdp_ema
     from test_sharded_ema import build
+
+    import fsdp_ema
 
     directory = str(tmp_path / "model")
     results = pools.get(2).run(run_copy_to_and_load_model_weights, kind, directory)
@@ -334,8 +337,9 @@ def test_peft_adapter_and_merged_exports_load_with_peft_and_match_merge_and_unlo
 
 
 def test_merged_export_in_bf16_base_matches_peft_merge(tmp_path):
-    import fsdp_ema
     from safetensors.torch import load_file
+
+    import fsdp_ema
 
     torch.manual_seed(0)
     model = peft.get_peft_model(Base().to(torch.bfloat16), lora_config())

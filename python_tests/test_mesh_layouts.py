@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import PoolManager
-from fsdp_ema import ShardedEMA
 from torch import nn
+
+from fsdp_ema import ShardedEMA
 
 DECAY = 0.75  # 1 - decay exact in binary: the op and torch.lerp round alike
 STEPS = 3
@@ -137,8 +138,9 @@ def check_layout_results(results, ref):
 @pytest.mark.parametrize("layout,other", [("hsdp", "tp_rowwise"), ("tp_rowwise", "tp_colwise"),
                                           ("tp_colwise", "hsdp")])
 def test_2d_mesh_update_swap_state_dict_save_export_gather_exact(pools, tmp_path, layout, other):
-    import fsdp_ema
     from safetensors.torch import load_file
+
+    import fsdp_ema
 
     ckpt, export_dir = tmp_path / "ckpt", tmp_path / "export"
     pool = pools.get(4)
@@ -179,8 +181,9 @@ def run_unsupported(rank, world):
 
 
 def test_an_unsupported_placement_is_refused_naming_the_parameter_and_placement(pools):
-    from fsdp_ema._layouts import check_placements
     from torch.distributed.tensor.placement_types import _StridedShard
+
+    from fsdp_ema._layouts import check_placements
 
     for message in pools.get(4).run(run_unsupported):
         assert message is not None and "'weight'" in message and "Partial" in message
@@ -228,8 +231,9 @@ def run_fsdp1_strategy(rank, world, strategy, ckpt, export_dir):
 
 
 def test_fsdp1_no_shard_state_dict_save_load_export_exact(pools, tmp_path):
-    import fsdp_ema
     from safetensors.torch import load_file
+
+    import fsdp_ema
 
     ckpt, export_dir = tmp_path / "ckpt", tmp_path / "export"
     results = pools.get(2).run(run_fsdp1_strategy, "NO_SHARD", str(ckpt), str(export_dir))
@@ -247,8 +251,9 @@ def test_fsdp1_no_shard_state_dict_save_load_export_exact(pools, tmp_path):
 
 
 def test_fsdp1_hybrid_shard_save_load_export_exact(pools, tmp_path):
-    import fsdp_ema
     from safetensors.torch import load_file
+
+    import fsdp_ema
 
     ckpt, export_dir = tmp_path / "ckpt", tmp_path / "export"
     results = pools.get(4).run(run_fsdp1_strategy, "HYBRID_SHARD", str(ckpt), str(export_dir))

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from dist_utils import PoolManager
 from torch import nn
 
 import fsdp_ema
-from dist_utils import PoolManager
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = Path(os.environ.get("FSDP_EMA_BUILD", ROOT / "build")) / "bin" / "fsdp-ema"

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from dist_utils import PoolManager
 from torch import nn
 
 import fsdp_ema
-from dist_utils import PoolManager
 from fsdp_ema import ShardedEMA, Warmup
 
 CLI = Path(__file__).resolve().parents[1] / "build" / "bin" / "fsdp-ema"

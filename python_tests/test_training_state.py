@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from dist_utils import PoolManager
 from torch import nn
 
 import fsdp_ema
-from dist_utils import PoolManager
 from fsdp_ema import ShardedEMA, Warmup, training_state
 
 CLI = Path(__file__).resolve().parents[1] / "build" / "bin" / "fsdp-ema"
@@ -100,8 +100,11 @@ def train(model, opt, sched, ema, rank, first, last):
 
 def full_state(model, opt, sched, ema):
     """Every value as full tensors (gathered; independent of fsdp_ema's checkpoint code)."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     options = StateDictOptions(full_state_dict=True)
     out = {f"model.{k}": v.clone() for k, v in get_model_state_dict(model, options=options).items()}

@@ -29,7 +29,8 @@ def main():
     args = parser.parse_args()
     torch.ops.load_library(args.library)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.jit.* is deprecated", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*torch.jit.* is deprecated",
+                                category=FutureWarning)
         scripted = torch.jit.script(EmaModule())
         assert "fsdp_ema::update_" in str(scripted.forward.graph)
         scripted.save(args.out)

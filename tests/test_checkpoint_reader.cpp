@@ -20,8 +20,8 @@ namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
 fs::path scratch_dir(const std::string& name) {
-  const fs::path dir = fs::temp_directory_path() / ("fsdp_ema_reader_" + name + "_" +
-                                                    std::to_string(::getpid()));
+  const fs::path dir =
+      fs::temp_directory_path() / ("fsdp_ema_reader_" + name + "_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
   return dir;
@@ -54,12 +54,10 @@ void write_sharded(const fs::path& dir, const std::map<std::string, at::Tensor>&
       for (int64_t d = 1; d < t.dim(); ++d) offsets.push_back(0);
       for (const auto s : t.sizes()) global_shapes.push_back(s);
     }
-    EXPECT_GT(fsdp_ema::save_shard(dir.string(), rank, world, names, shards, offsets,
-                                   global_shapes),
-              0);
+    EXPECT_GT(
+        fsdp_ema::save_shard(dir.string(), rank, world, names, shards, offsets, global_shapes), 0);
   }
-  EXPECT_EQ(fsdp_ema::commit_checkpoint(dir.string(), world),
-            static_cast<int64_t>(tensors.size()));
+  EXPECT_EQ(fsdp_ema::commit_checkpoint(dir.string(), world), static_cast<int64_t>(tensors.size()));
 }
 
 std::map<std::string, at::Tensor> reference() {

@@ -24,10 +24,10 @@ inline at::Tensor reference_update(const at::Tensor& ema, const at::Tensor& mode
 inline void expect_ema_close(const at::Tensor& actual, const at::Tensor& expected) {
   ASSERT_EQ(actual.sizes(), expected.sizes());
   if (actual.numel() == 0) return;
-  const double eps = actual.scalar_type() == at::kDouble   ? 2.3e-16
-                     : actual.scalar_type() == at::kFloat  ? 1.2e-7
-                     : actual.scalar_type() == at::kHalf   ? 9.8e-4
-                                                           : 7.9e-3;
+  const double eps = actual.scalar_type() == at::kDouble  ? 2.3e-16
+                     : actual.scalar_type() == at::kFloat ? 1.2e-7
+                     : actual.scalar_type() == at::kHalf  ? 9.8e-4
+                                                          : 7.9e-3;
   const auto a = actual.cpu().to(at::kDouble);
   const auto b = expected.cpu().to(at::kDouble);
   const double err = ((a - b).abs() - (b.abs() * eps + eps)).max().item<double>();

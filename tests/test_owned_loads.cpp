@@ -14,8 +14,8 @@ namespace {
 namespace fs = std::filesystem;
 
 fs::path save_one(const std::string& name, const at::Tensor& t) {
-  const fs::path dir = fs::temp_directory_path() /
-                       ("fsdp_ema_owned_" + name + "_" + std::to_string(::getpid()));
+  const fs::path dir =
+      fs::temp_directory_path() / ("fsdp_ema_owned_" + name + "_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
   std::vector<int64_t> offsets(static_cast<size_t>(t.dim()), 0);

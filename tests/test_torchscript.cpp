@@ -15,8 +15,7 @@ TEST(TorchScript, ScriptedModuleCallsUpdateFromCpp) {
   torch::jit::Module module = torch::jit::load(path);
   const at::Tensor weight = at::arange(6, at::kFloat).reshape({2, 3});
   // forward(decay tensor 0.5, decay float 0.5): ema = weight * (1 - 0.5 * 0.5) from zeros.
-  const at::Tensor out =
-      module.forward({at::scalar_tensor(0.5), 0.5}).toTensor();
+  const at::Tensor out = module.forward({at::scalar_tensor(0.5), 0.5}).toTensor();
   EXPECT_TRUE(at::allclose(out, weight * 0.75));
   // The module's own buffer was updated in place.
   for (const auto& buffer : module.named_buffers()) {

@@ -13,7 +13,8 @@ namespace {
 using fsdp_ema::testing::expect_ema_close;
 using fsdp_ema::testing::reference_update;
 
-const std::vector<std::vector<int64_t>> kSizes = {{}, {0}, {1}, {7}, {3, 5}, {1023}, {4097}, {70001}};
+const std::vector<std::vector<int64_t>> kSizes = {{},     {0},    {1},    {7},
+                                                  {3, 5}, {1023}, {4097}, {70001}};
 
 struct Case {
   std::vector<at::Tensor> ema;
@@ -102,7 +103,8 @@ TEST_P(UpdateDevices, MisalignedAndStridedTensors) {
   std::vector<at::Tensor> model = {base_m.slice(0, 2, 4099), grid_m.t().slice(1, 0, 16)};
   const at::Tensor untouched = grid_e.clone();
   std::vector<at::Tensor> expected;
-  for (size_t i = 0; i < ema.size(); ++i) expected.push_back(reference_update(ema[i], model[i], 0.8));
+  for (size_t i = 0; i < ema.size(); ++i)
+    expected.push_back(reference_update(ema[i], model[i], 0.8));
   fsdp_ema::update_(ema, model, 0.8);
   for (size_t i = 0; i < ema.size(); ++i) expect_ema_close(ema[i], expected[i]);
   // Columns outside the strided view keep their values.

@@ -32,8 +32,7 @@ std::vector<at::Tensor> valid_ema(at::DeviceType d) {
 std::vector<BadCall> bad_calls() {
   using V = std::vector<at::Tensor>;
   return {
-      {"ListLengths",
-       [](V& ema, auto d) { fsdp_ema::update_(ema, V{}, 0.5); },
+      {"ListLengths", [](V& ema, auto d) { fsdp_ema::update_(ema, V{}, 0.5); },
        "ema has 1 tensors but model has 0"},
       {"Numel",
        [](V& ema, auto d) {
@@ -58,7 +57,8 @@ std::vector<BadCall> bad_calls() {
          fsdp_ema::update_(ema, V{at::ones({5}, at::TensorOptions(d).dtype(at::kInt))}, 0.5);
        },
        "model[0] has dtype Int"},
-      {"DecayAboveOne", [](V& ema, auto d) { fsdp_ema::update_(ema, V{at::ones({5}, f32(d))}, 1.5); },
+      {"DecayAboveOne",
+       [](V& ema, auto d) { fsdp_ema::update_(ema, V{at::ones({5}, f32(d))}, 1.5); },
        "decay must be in [0, 1], got 1.5"},
       {"DecayNegative",
        [](V& ema, auto d) { fsdp_ema::update_(ema, V{at::ones({5}, f32(d))}, -0.25); },
@@ -67,9 +67,7 @@ std::vector<BadCall> bad_calls() {
        [](V& ema, auto d) { fsdp_ema::update_(ema, V{at::ones({5}, f32(d))}, std::nan("")); },
        "decay must be in [0, 1], got nan"},
       {"DecayTensorShape",
-       [](V& ema, auto d) {
-         fsdp_ema::update_(ema, V{at::ones({5}, f32(d))}, at::full({1}, 0.5));
-       },
+       [](V& ema, auto d) { fsdp_ema::update_(ema, V{at::ones({5}, f32(d))}, at::full({1}, 0.5)); },
        "decay must be a 0-dim tensor, got shape [1]"},
       {"DecayTensorDtype",
        [](V& ema, auto d) {
@@ -93,12 +91,11 @@ std::vector<BadCall> bad_calls() {
          const at::Tensor shared = at::zeros({10}, f32(d));
          ema.push_back(shared.slice(0, 2, 5));
          ema.push_back(shared.slice(0, 4, 7));
-         fsdp_ema::update_(ema, V{at::ones({5}, f32(d)), at::ones({3}, f32(d)), at::ones({3}, f32(d))},
-                           0.5);
+         fsdp_ema::update_(
+             ema, V{at::ones({5}, f32(d)), at::ones({3}, f32(d)), at::ones({3}, f32(d))}, 0.5);
        },
        "overlaps ema[1] in memory"},
-      {"EmaIsItsOwnModel",
-       [](V& ema, auto d) { fsdp_ema::update_(ema, V{ema[0]}, 0.5); },
+      {"EmaIsItsOwnModel", [](V& ema, auto d) { fsdp_ema::update_(ema, V{ema[0]}, 0.5); },
        "ema[0] overlaps model[0] in memory"},
       {"StridedEmaOverlapsModel",
        [](V& ema, auto d) {
@@ -116,8 +113,7 @@ std::vector<BadCall> bad_calls() {
   };
 }
 
-class UpdateRejects
-    : public ::testing::TestWithParam<std::tuple<at::DeviceType, size_t>> {};
+class UpdateRejects : public ::testing::TestWithParam<std::tuple<at::DeviceType, size_t>> {};
 
 TEST_P(UpdateRejects, BadInputNamesArgumentAndWritesNothing) {
   const auto [device, index] = GetParam();
@@ -140,14 +136,14 @@ TEST_P(UpdateRejects, BadInputNamesArgumentAndWritesNothing) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Table, UpdateRejects,
-    ::testing::Combine(::testing::Values(at::kCPU, at::kCUDA),
-                       ::testing::Range(size_t{0}, bad_calls().size())),
-    [](const auto& info) {
-      return std::string(std::get<0>(info.param) == at::kCPU ? "CPU_" : "CUDA_") +
-             bad_calls().at(std::get<1>(info.param)).name;
-    });
+INSTANTIATE_TEST_SUITE_P(Table, UpdateRejects,
+                         ::testing::Combine(::testing::Values(at::kCPU, at::kCUDA),
+                                            ::testing::Range(size_t{0}, bad_calls().size())),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) == at::kCPU ? "CPU_"
+                                                                                  : "CUDA_") +
+                                  bad_calls().at(std::get<1>(info.param)).name;
+                         });
 
 TEST(UpdateRejects, EmptyListWithDecayTensor) {
   std::vector<at::Tensor> none;
@@ -159,9 +155,9 @@ TEST(UpdateRejects, MixedDevicesAcrossPairs) {
   if (!fsdp_ema::testing::cuda_available()) GTEST_SKIP() << "no CUDA device";
   std::vector<at::Tensor> ema = {at::zeros({3}, f32(at::kCUDA)), at::zeros({3})};
   std::vector<at::Tensor> model = {at::ones({3}, f32(at::kCUDA)), at::ones({3})};
-  EXPECT_THAT([&] { fsdp_ema::update_(ema, model, 0.5); },
-              ::testing::ThrowsMessage<c10::Error>(
-                  HasSubstr("ema[1] is on cpu but ema[0] is on cuda:0")));
+  EXPECT_THAT(
+      [&] { fsdp_ema::update_(ema, model, 0.5); },
+      ::testing::ThrowsMessage<c10::Error>(HasSubstr("ema[1] is on cpu but ema[0] is on cuda:0")));
   EXPECT_EQ(ema[0].sum().item<double>(), 0.0);
 }
 

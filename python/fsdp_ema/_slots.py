@@ -18,8 +18,16 @@ import torch.distributed as dist
 from torch import nn
 
 from ._full_state import Part, part_cost
-from ._layouts import (box, check_placements, chunk_rows, dtensor_pieces, dtensor_read,
-                       is_dtensor, replicated_pieces, rows_piece)
+from ._layouts import (
+    box,
+    check_placements,
+    chunk_rows,
+    dtensor_pieces,
+    dtensor_read,
+    is_dtensor,
+    replicated_pieces,
+    rows_piece,
+)
 
 # Attributes through which wrappers hold the wrapped module; they are not part of clean names.
 _WRAPPER_ATTRS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})

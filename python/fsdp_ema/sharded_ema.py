@@ -26,13 +26,25 @@ from torch import nn
 from . import checkpoint as _ckpt
 from ._collective import agreed, save_collective
 from ._dist import check_dtype_kind, comm_device, raise_if_any_rank_failed
-from ._full_state import (DEFAULT_BUCKET_BYTES, DEFAULT_MAX_FILE_BYTES, Part, full_buckets)
+from ._full_state import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_FILE_BYTES, Part, full_buckets
 from ._full_state import export as _export
 from ._layouts import read_requests
+
 # Re-exported: the slot classes and helpers keep their old home (fsdp_ema.sharded_ema).
-from ._slots import (_Flat, _Replicated, _Sharded, _Slot, _clean, _discover,  # noqa: F401
-                     _global_shape, _join, _make_slot, _modules, _rows)
-from ._slots import TrainableWatch
+from ._slots import (  # noqa: F401
+    TrainableWatch,
+    _clean,
+    _discover,
+    _Flat,
+    _global_shape,
+    _join,
+    _make_slot,
+    _modules,
+    _Replicated,
+    _rows,
+    _Sharded,
+    _Slot,
+)
 
 __all__ = ["ShardedEMA", "Warmup"]
 

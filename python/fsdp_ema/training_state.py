@@ -30,11 +30,19 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as _ckpt
-from ._collective import rank_world as _rank_world
 from ._collective import agreed, save_collective
+from ._collective import rank_world as _rank_world
 from ._dist import check_dtype_kind
-from ._layouts import (ReadRequest, dtensor_read, is_dtensor, is_sharded_tensor, pieces_of,
-                       read_requests, sharded_tensor_read, torch_dtype)
+from ._layouts import (
+    ReadRequest,
+    dtensor_read,
+    is_dtensor,
+    is_sharded_tensor,
+    pieces_of,
+    read_requests,
+    sharded_tensor_read,
+    torch_dtype,
+)
 
 __all__ = ["save_training_state", "load_training_state", "latest_checkpoint",
            "read_training_state_json", "META_TENSOR", "INDEX_NAME", "SIDECAR_NAME"]
@@ -498,8 +506,10 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     keep theirs. Everything is read and checked on every rank before anything is written: a
     failure on any rank raises on every rank and leaves every object (and the RNGs) as it was.
     """
-    from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     directory = os.fspath(directory)
     what = f"load_training_state({directory!r})"

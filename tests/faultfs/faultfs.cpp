@@ -3,12 +3,12 @@
 // further write fails with ENOSPC, as on a full disk. The variable is read at every call, so a
 // test can arm it inside a running process.
 #include <dlfcn.h>
+#include <sys/types.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
-#include <sys/types.h>
 
 namespace {
 

@@ -9,8 +9,8 @@
 #include <nlohmann/json.hpp>
 
 #include "fsdp_ema/format/checkpoint_dir.h"
-#include "fsdp_ema/format/layout.h"
 #include "fsdp_ema/format/export.h"
+#include "fsdp_ema/format/layout.h"
 #include "fsdp_ema/format/shard_file.h"
 #include "tests/format/fixture_model.h"
 #include "tests/format/test_util.h"

@@ -10,11 +10,10 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <utility>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "fsdp_ema/format/checkpoint_dir.h"
 #include "fsdp_ema/format/dtype_cast.h"
@@ -39,8 +38,14 @@ uint16_t reference_bf16(DType from, const std::byte* src) {
   float f = 0;
   double d = 0;
   switch (from) {
-    case DType::kF32: std::memcpy(&f, src, 4); d = f; break;
-    case DType::kF64: std::memcpy(&d, src, 8); f = static_cast<float>(d); break;
+    case DType::kF32:
+      std::memcpy(&f, src, 4);
+      d = f;
+      break;
+    case DType::kF64:
+      std::memcpy(&d, src, 8);
+      f = static_cast<float>(d);
+      break;
     case DType::kF16: {  // widening is exact: decode the fields
       uint16_t h;
       std::memcpy(&h, src, 2);
@@ -63,7 +68,9 @@ uint16_t reference_bf16(DType from, const std::byte* src) {
       std::memcpy(&b, src, 2);
       return b;
     }
-    default: ADD_FAILURE() << "not a floating dtype"; return 0;
+    default:
+      ADD_FAILURE() << "not a floating dtype";
+      return 0;
   }
   const uint32_t bits = std::bit_cast<uint32_t>(f);
   if (std::isnan(f)) return static_cast<uint16_t>((bits >> 16) | 0x0040);

@@ -1,10 +1,9 @@
 // The save fast paths of issue #11: checksum digits patched into the header written once, and
 // the commit's use of the descriptions this process wrote (format/recent_shards.h). Each must
 // give exactly what the slow path (a second serialization, a parse of the file) gives.
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-
-#include <fcntl.h>
 #include <sys/stat.h>
 
 #include <fstream>
@@ -32,10 +31,15 @@ using testing::TempDir;
 // the digits: quotes, backslashes, control characters, multi-byte UTF-8, and a name that looks
 // like a checksum itself.
 std::vector<RefTensor> awkward_tensors() {
-  const std::vector<std::string> names = {
-      "plain.weight",  "quo\"te",         "back\\slash", "new\nline\ttab\x01",
-      "caf\xC3\xA9",   "\xE5\x90\x8D\xE5\x89\x8D", "xxh3-64:0000000000000000",
-      "\\\"\\\"\\\\",  "z.last"};
+  const std::vector<std::string> names = {"plain.weight",
+                                          "quo\"te",
+                                          "back\\slash",
+                                          "new\nline\ttab\x01",
+                                          "caf\xC3\xA9",
+                                          "\xE5\x90\x8D\xE5\x89\x8D",
+                                          "xxh3-64:0000000000000000",
+                                          "\\\"\\\"\\\\",
+                                          "z.last"};
   std::vector<RefTensor> refs;
   uint32_t seed = 7;
   for (const std::string& n : names) refs.push_back(make_ref(n, DType::kF32, {3, 2}, seed++));

@@ -25,8 +25,8 @@ namespace fsdp_ema::format {
 namespace {
 
 using ::testing::AllOf;
-using ::testing::HasSubstr;
 using testing::error_of;
+using ::testing::HasSubstr;
 using testing::raw_safetensors;
 using testing::TempDir;
 
@@ -50,9 +50,9 @@ std::string one_tensor_index(const std::string& shape, const std::string& pieces
 }
 
 std::string piece(int64_t r, int64_t c, int64_t rows, int64_t cols) {
-  return R"({"file": "a.safetensors", "offsets": [)" + std::to_string(r) + "," +
-         std::to_string(c) + R"(], "shape": [)" + std::to_string(rows) + "," +
-         std::to_string(cols) + R"(], "checksum": ")" + sum_text(1) + "\"}";
+  return R"({"file": "a.safetensors", "offsets": [)" + std::to_string(r) + "," + std::to_string(c) +
+         R"(], "shape": [)" + std::to_string(rows) + "," + std::to_string(cols) +
+         R"(], "checksum": ")" + sum_text(1) + "\"}";
 }
 
 TEST(Scale, HeaderOfManyTensorsParsesInLinearTime) {
@@ -76,7 +76,8 @@ TEST(Scale, HeaderOfManyTensorsParsesInLinearTime) {
 
 TEST(Scale, DuplicateKeyIsFoundAmongManyEntries) {
   std::string json = "{";
-  for (int i = 0; i < 50'000; ++i) json += "\"k" + std::to_string(i) + "\":" + std::to_string(i) + ",";
+  for (int i = 0; i < 50'000; ++i)
+    json += "\"k" + std::to_string(i) + "\":" + std::to_string(i) + ",";
   json += "\"k123\":1}";
   EXPECT_THAT(error_of([&] { parse_safetensors_header(json, 8 + json.size(), "dup"); }),
               HasSubstr("duplicate key \"k123\""));
@@ -113,14 +114,16 @@ TEST(Scale, LargeGridIndexIsAcceptedAndOverlapsAreNamed) {
   }
   const std::string shape = "[" + std::to_string(2 * kSide) + "," + std::to_string(3 * kSide) + "]";
   CheckpointIndex index;
-  const double s = seconds_of([&] { index = parse_index_json(one_tensor_index(shape, pieces), "i"); });
+  const double s =
+      seconds_of([&] { index = parse_index_json(one_tensor_index(shape, pieces), "i"); });
   EXPECT_EQ(index.tensors.at(0).pieces.size(), static_cast<size_t>(kSide * kSide));
   EXPECT_LT(s, kBoundSeconds);
 
   // Bricks (rows of uneven pieces offset from the row above) are grid-aligned enough to accept.
-  const std::string bricks = piece(0, 0, 1, 2) + "," + piece(0, 2, 1, 2) + "," +
-                             piece(1, 0, 1, 1) + "," + piece(1, 1, 1, 2) + "," + piece(1, 3, 1, 1);
-  EXPECT_EQ(parse_index_json(one_tensor_index("[2,4]", bricks), "i").tensors.at(0).pieces.size(), 5u);
+  const std::string bricks = piece(0, 0, 1, 2) + "," + piece(0, 2, 1, 2) + "," + piece(1, 0, 1, 1) +
+                             "," + piece(1, 1, 1, 2) + "," + piece(1, 3, 1, 1);
+  EXPECT_EQ(parse_index_json(one_tensor_index("[2,4]", bricks), "i").tensors.at(0).pieces.size(),
+            5u);
 
   // One cell painted twice names both pieces; a hole is a coverage error.
   const std::string overlap = piece(0, 0, 2, 2) + "," + piece(1, 1, 1, 1) + "," + piece(0, 2, 2, 2);
@@ -193,7 +196,8 @@ TEST_F(Hardening, SymlinkedIndexIsRefused) {
   const std::string real = dir_.subdir("real");
   write_checkpoint(real, 16);
   const std::string linked = dir_.subdir("linked");
-  std::filesystem::copy_file(real + "/" + shard_file_name(0, 1), linked + "/" + shard_file_name(0, 1));
+  std::filesystem::copy_file(real + "/" + shard_file_name(0, 1),
+                             linked + "/" + shard_file_name(0, 1));
   ASSERT_EQ(::symlink((real + "/" + std::string(kIndexFileName)).c_str(),
                       (linked + "/" + std::string(kIndexFileName)).c_str()),
             0);

@@ -31,12 +31,15 @@ def main():
     for name in sorted(os.listdir(fixture)):
         with open(os.path.join(fixture, name), "rb") as f:
             seeds["ours_" + name.replace(".safetensors", "").replace(".", "_")] = f.read()
-    with open(os.path.join(DATA, "dcp_hf_sharded", "shard-00004-model-00001-of-00001.safetensors"), "rb") as f:
+    dcp_shard = os.path.join(DATA, "dcp_hf_sharded", "shard-00004-model-00001-of-00001.safetensors")
+    with open(dcp_shard, "rb") as f:
         seeds["dcp_shard"] = f.read()
     with open(os.path.join(DATA, "python_safetensors.safetensors"), "rb") as f:
         seeds["python_safetensors"] = f.read()
 
-    t = lambda dt, shape, b, e: {"dtype": dt, "shape": shape, "data_offsets": [b, e]}
+    def t(dt, shape, b, e):
+        return {"dtype": dt, "shape": shape, "data_offsets": [b, e]}
+
     seeds["two_tensors"] = safetensors({"a": t("F32", [2], 0, 8), "b": t("U8", [3], 8, 11)},
                                        bytes(11))
     seeds["empty_header"] = safetensors({})
@@ -61,8 +64,9 @@ def main():
     seeds["truncated"] = seeds["two_tensors"][:20]
     seeds["overflow_shape"] = safetensors({"a": t("F64", [1 << 40, 1 << 30], 0, 8)}, bytes(8))
     # Indices.
-    piece = lambda f, o, s: {"file": f, "offsets": o, "shape": s,
-                             "checksum": "xxh3-64:00000000000000ff"}
+    def piece(f, o, s):
+        return {"file": f, "offsets": o, "shape": s, "checksum": "xxh3-64:00000000000000ff"}
+
     index = {"format": "fsdp_ema", "format_version": 1, "world_size": 2, "metadata": {"k": "v"},
              "tensors": {"w": {"dtype": "F32", "shape": [4, 2], "pieces": [
                  piece("shard-00000-of-00002.safetensors", [0, 0], [2, 2]),

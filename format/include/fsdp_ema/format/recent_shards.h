@@ -20,8 +20,7 @@ inline constexpr size_t kRecentShardsKept = 8;
 
 // Records `d`, the description of the shard file just written at `path`, whose first
 // 8 + header-length bytes hash (checksum_of) to `header_checksum`.
-void remember_written_shard(const std::string& path, ShardDescription d,
-                            uint64_t header_checksum);
+void remember_written_shard(const std::string& path, ShardDescription d, uint64_t header_checksum);
 
 // The description recorded for `path`, removed from the record, if the file there is still the
 // one written; nullopt otherwise.

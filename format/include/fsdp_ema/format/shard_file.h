@@ -31,7 +31,7 @@ inline constexpr int64_t kShardFormatVersion = 1;
 
 // A parsed header plus what its metadata says about each tensor.
 struct ShardHeader {
-  SafetensorsHeader raw;             // container fields; its entries moved into `tensors`
+  SafetensorsHeader raw;            // container fields; its entries moved into `tensors`
   std::vector<TensorInfo> tensors;  // file order
   bool fsdp_ema = false;            // has our metadata ("fsdp_ema_format_version")
   std::optional<int64_t> rank;
