@@ -18,6 +18,7 @@
 
 #include "fsdp_ema/format/checkpoint_dir.h"
 #include "fsdp_ema/format/dtype.h"
+#include "ops/checkpoint_read.h"
 #include "ops/format_bridge.h"
 
 namespace fsdp_ema::ops {
@@ -55,24 +56,6 @@ std::vector<at::Tensor> load_tensors(c10::string_view directory,
                                      const std::vector<std::string>& names, int64_t rank,
                                      int64_t world_size, bool verify,
                                      std::optional<at::Device> device, bool mmap);
-
-// The dim-0 rows of `tensor` that rank `rank` of `world_size` holds (torch.chunk). A 0-dim tensor
-// has no rows to split: every rank gets all of it, as FSDP replicates it ({0, 1}).
-format::RowRange rank_rows(const format::IndexTensor& tensor, int64_t rank, int64_t world_size);
-
-// The dim-0 rows [rows.begin, rows.end) of `tensor` (all of it for a 0-dim tensor) as a CPU
-// tensor the caller owns (read and verified in one pass). With mmap (opt-in), when one stored
-// piece holds exactly those rows, the result is instead a zero-copy view of a private mapping of
-// the file that keeps `dir` open (see load_shard for the risk).
-at::Tensor read_rows(const std::shared_ptr<const format::CheckpointDir>& dir,
-                     const format::IndexTensor& tensor, format::RowRange rows, bool verify,
-                     bool mmap);
-
-// Checks, in parallel, every stored piece that intersects the requested rows of each tensor
-// (each piece at most once per CheckpointDir), so that later reads need not hash sequentially.
-void verify_pieces(
-    const format::CheckpointDir& dir,
-    const std::vector<std::pair<const format::IndexTensor*, format::RowRange>>& plan);
 
 // JSON: {"layout", "world_size", "tensors": {name: {"dtype", "torch_dtype", "shape"}},
 // "metadata"}; "torch_dtype" is the torch attribute name ("float32").

@@ -11,6 +11,7 @@
 #include "fsdp_ema/format/error.h"
 #include "fsdp_ema/format/shard_file.h"
 #include "ops/checkpoint.h"
+#include "ops/checkpoint_read.h"
 #include "ops/format_bridge.h"
 
 namespace fsdp_ema::ops {

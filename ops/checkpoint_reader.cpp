@@ -11,6 +11,7 @@
 #include "fsdp_ema/format/checkpoint_dir.h"
 #include "fsdp_ema/format/error.h"
 #include "ops/checkpoint.h"
+#include "ops/checkpoint_read.h"
 
 namespace fsdp_ema {
 namespace {

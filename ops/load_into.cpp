@@ -14,6 +14,7 @@
 #include <memory>
 
 #include "ops/checkpoint.h"
+#include "ops/checkpoint_read.h"
 #include "ops/checkpoint_meta.h"
 #include "ops/format_bridge.h"
 
