@@ -22,6 +22,7 @@ from ._library import library_path, load_library
 load_library()
 
 from . import checkpoint  # noqa: E402
+from ._async import SaveHandle  # noqa: E402
 from .sharded_ema import ShardedEMA, Warmup  # noqa: E402
 from .training_state import (latest_checkpoint, load_training_state,  # noqa: E402
                              save_training_state)
@@ -47,7 +48,7 @@ def _save_shard_fake(directory, rank, world_size, names, shards, offsets, global
 torch.fx.node.has_side_effect(torch.ops.fsdp_ema.save_shard.default)
 
 __all__ = ["update_", "load_library", "library_path", "checkpoint", "ShardedEMA", "Warmup",
-           "save_training_state", "load_training_state", "latest_checkpoint"]
+           "save_training_state", "load_training_state", "latest_checkpoint", "SaveHandle"]
 
 Decay = Union[float, torch.Tensor]
 

@@ -450,7 +450,7 @@ class ShardedEMA:
         return int(t.item())
 
     def _save(self, directory, tensors: Sequence[torch.Tensor], overwrite: bool,
-              what: str) -> int:
+              what: str, async_: bool = False, if_busy: str = "wait"):
         rank, world = self._rank_world()
 
         def pieces() -> dict[str, Any]:  # collective for FSDP1 (one all_to_all per unit)
@@ -459,28 +459,43 @@ class ShardedEMA:
                 out.update(slot.pieces(t.detach(), rank, world))
             return out
 
+        saver = None
+        if async_:
+            from ._async import AsyncSaver
+
+            saver = self.__dict__.setdefault("_async_saver", AsyncSaver())
         return save_collective(directory, pieces, group=self._group, device=self._device,
-                               what=f"{what}({os.fspath(directory)!r})", overwrite=overwrite)
+                               what=f"{what}({os.fspath(directory)!r})", overwrite=overwrite,
+                               async_saver=saver, if_busy=if_busy)
 
     @torch.no_grad()
-    def save(self, directory: str | os.PathLike, *, overwrite: bool = False) -> int:
+    def save(self, directory: str | os.PathLike, *, overwrite: bool = False,
+             async_: bool = False, if_busy: str = "wait"):
         """Writes the EMA weights as a sharded checkpoint directory (``fsdp_ema.checkpoint``
         format: one safetensors file per rank, the index written last by rank 0 once every rank
         has written its file). Collective. A failure on any rank raises on every rank and leaves
         no index. Names are clean FQNs; the step is not saved (use ``state_dict()`` for that).
-        Returns the bytes of this rank's file."""
-        return self._save(directory, self._ema, overwrite, "ShardedEMA.save")
+        Returns the bytes of this rank's file.
+
+        ``async_=True`` returns a ``SaveHandle`` once the EMA is staged into host buffers this
+        EMA reuses between saves (``update()`` may run right away); the file is written and
+        committed on a background thread, and ``handle.result()`` returns the bytes or raises on
+        every rank. One save in flight per EMA: a new one waits for it, or with
+        ``if_busy="raise"`` raises on every rank (see docs/SHARDED_EMA.md)."""
+        return self._save(directory, self._ema, overwrite, "ShardedEMA.save", async_, if_busy)
 
     @torch.no_grad()
-    def save_shard_weights(self, directory: str | os.PathLike, *,
-                           overwrite: bool = False) -> int:
+    def save_shard_weights(self, directory: str | os.PathLike, *, overwrite: bool = False,
+                           async_: bool = False, if_busy: str = "wait"):
         """Writes the model's own weights (same tensors as the EMA, same format)."""
-        return self._save(directory, self._refresh(), overwrite, "ShardedEMA.save_shard_weights")
+        return self._save(directory, self._refresh(), overwrite, "ShardedEMA.save_shard_weights",
+                          async_, if_busy)
 
     def save_ema_shard_weights(self, directory: str | os.PathLike, *,
-                               overwrite: bool = False) -> int:
+                               overwrite: bool = False, async_: bool = False,
+                               if_busy: str = "wait"):
         """Alias of ``save`` (the name of the common ShardEMAModel recipe)."""
-        return self.save(directory, overwrite=overwrite)
+        return self.save(directory, overwrite=overwrite, async_=async_, if_busy=if_busy)
 
     @torch.no_grad()
     def load(self, directory: str | os.PathLike, *, strict: bool = True,
