@@ -109,6 +109,10 @@ class ShardedEMA:
         buffers: ``"average"`` or ``"copy"`` for floating buffers.
         process_group: the group that checkpoints are written by; default: the default group
             when torch.distributed is initialized, else a single process.
+        device: None (the EMA beside the weights) or ``"cpu"``: for weights on an accelerator,
+            the EMA lives in pinned host memory; ``update()`` copies the local shards to pinned
+            staging on a side stream and a worker thread runs the fused CPU update, overlapped
+            with the next step (``synchronize()`` and every read of the EMA wait for it).
     """
 
     #: Key of the update counter in ``state_dict()``.
@@ -118,7 +122,8 @@ class ShardedEMA:
                  warmup: None | bool | Warmup = None, update_every: int = 1,
                  start_step: int = 0, dtype: torch.dtype | None = torch.float32,
                  include_buffers: bool = True, buffers: str = "average",
-                 process_group: dist.ProcessGroup | None = None):
+                 process_group: dist.ProcessGroup | None = None,
+                 device: str | torch.device | None = None, _offload: bool | None = None):
         if not 0.0 <= float(decay) <= 1.0:
             raise ValueError(f"ShardedEMA: decay must be in [0, 1], got {decay}")
         if warmup is True:
@@ -139,6 +144,9 @@ class ShardedEMA:
                              f"{dtype}")
         if buffers not in ("average", "copy"):
             raise ValueError(f"ShardedEMA: buffers must be 'average' or 'copy', got {buffers!r}")
+        if device is not None and torch.device(device) != torch.device("cpu"):
+            raise ValueError(f"ShardedEMA: device must be None (beside the weights) or 'cpu' "
+                             f"(host memory), got {device!r}")
         self.model = model
         self.decay, self.warmup = float(decay), warmup
         self.update_every, self.start_step = int(update_every), int(start_step)
@@ -163,10 +171,24 @@ class ShardedEMA:
                 if t.is_meta:
                     raise ValueError(f"ShardedEMA: {slot.describe()} is on the meta device; create "
                                      f"the EMA after the weights are materialized")
-            self._ema = [
-                t.detach().to(dtype=(self.dtype or t.dtype) if slot.average else t.dtype,
-                              copy=True).contiguous()
-                for slot, t in zip(self._slots, model_tensors)]
+            # device="cpu": host memory, updated on a worker thread (_offload), for weights on
+            # an accelerator (or on the CPU when _offload forces that path, for tests).
+            offload = device is not None and (
+                _offload if _offload is not None
+                else any(t.device.type != "cpu" for t in model_tensors))
+            if offload:
+                from ._offload import HostOffload
+
+                self._ema = [HostOffload.host_ema(t, (self.dtype or t.dtype) if slot.average
+                                                  else t.dtype)
+                             for slot, t in zip(self._slots, model_tensors)]
+            else:
+                self._ema = [
+                    t.detach().to(dtype=(self.dtype or t.dtype) if slot.average else t.dtype,
+                                  copy=True).contiguous()
+                    for slot, t in zip(self._slots, model_tensors)]
+            self._host = HostOffload(model_tensors, [s.average for s in self._slots]) if (
+                offload) else None
         by_device: dict[torch.device, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
         for i, (slot, t) in enumerate(zip(self._slots, self._ema)):
             by_device[t.device][0 if slot.average else 1].append(i)
@@ -200,10 +222,12 @@ class ShardedEMA:
                     f"{slot.describe()} has a local shard of shape {list(t.shape)} here, it had "
                     f"{list(slot.local_shape)}; make a new ShardedEMA for the new sharding (and "
                     f"load_state_dict() or load() the old one into it)")
-            if t.device != ema.device:
+            if t.device != ema.device and self._host is None:
                 raise RuntimeError(f"ShardedEMA: {slot.describe()} moved from {ema.device} to "
                                    f"{t.device} since the EMA was made")
         self._model_tensors = tensors
+        if self._host is not None:
+            self._host.rebind(tensors)
         for g in self._groups:
             g.model_average = [tensors[i] for i in g.average]
             g.model_copy = [tensors[i] for i in g.copy]
@@ -265,6 +289,12 @@ class ShardedEMA:
         if not torch.compiler.is_compiling():
             self._refresh()
         decay = self._scheduled_decay(self._step)
+        if self._host is not None:  # EMA in host memory: staged copy, worker-thread update
+            self._host.update(self._ema, self._model_tensors, decay,
+                              self.decay_at(int(self._step)) != 1.0)
+            self._step.add_(1)
+            self._last_decay = decay
+            return
         for g in self._groups:
             # The op reads a CPU decay on the host (no sync); only a device decay for a group
             # on another device needs a copy (CPU-offloaded shards next to device buffers).
@@ -277,6 +307,12 @@ class ShardedEMA:
         self._step.add_(1)
         self._last_decay = decay
 
+    def synchronize(self) -> None:
+        """Waits for the update in flight of an EMA in host memory (``device="cpu"``) and
+        re-raises its error; a no-op otherwise. Every read of the EMA calls it."""
+        if self._host is not None:
+            self._host.synchronize()
+
     @contextlib.contextmanager
     def swap(self) -> Iterator[nn.Module]:
         """Context manager: the model holds the EMA weights inside, its own weights after.
@@ -287,6 +323,7 @@ class ShardedEMA:
         """
         if self._swapped:
             raise RuntimeError("ShardedEMA.swap() is already active")
+        self.synchronize()
         self._reshard()
         with torch.no_grad():
             model = self._refresh()
@@ -322,6 +359,7 @@ class ShardedEMA:
         (sharing the EMA's memory), ShardedTensors (dim-0 chunks) for FSDP1 parameters, plain
         tensors otherwise. ``torch.distributed.checkpoint`` saves it and reloads it at any world
         size. Collective for FSDP1 models (one all_to_all per FSDP unit)."""
+        self.synchronize()
         out: dict[str, Any] = {}
         for slot, ema in zip(self._slots, self._ema):
             out.update(slot.state_items(ema))
@@ -349,6 +387,7 @@ class ShardedEMA:
         full tensor, a DTensor or a ShardedTensor (FSDP1 layout), e.g. after ``dcp.load`` into
         ``state_dict()`` at any world size. ``STEP_KEY``, if present, sets the step. Collective
         for FSDP1 models. With ``strict``, the names must match exactly; shapes always must."""
+        self.synchronize()
         available = {k: _global_shape(v) for k, v in state_dict.items() if k != self.STEP_KEY}
         self._check_names(available, strict, "load_state_dict")
         for slot, ema in zip(self._slots, self._ema):
@@ -364,6 +403,7 @@ class ShardedEMA:
         if int(bucket_bytes) != bucket_bytes or bucket_bytes <= 0:
             raise ValueError(f"ShardedEMA.{what}: bucket_bytes must be a positive integer, got "
                              f"{bucket_bytes}")
+        self.synchronize()
         # Planned without communication, so a refusal raises on every rank before any gather.
         return [part for slot, ema in zip(self._slots, self._ema)
                 for part in slot.full_parts(ema)]
@@ -451,6 +491,7 @@ class ShardedEMA:
 
     def _save(self, directory, tensors: Sequence[torch.Tensor], overwrite: bool,
               what: str, async_: bool = False, if_busy: str = "wait"):
+        self.synchronize()
         rank, world = self._rank_world()
 
         def pieces() -> dict[str, Any]:  # collective for FSDP1 (one all_to_all per unit)
@@ -503,6 +544,7 @@ class ShardedEMA:
         """Loads EMA weights from a checkpoint directory written at any world size (``save``,
         ``save_shard_weights``, ``fsdp_ema.checkpoint`` or DCP's HuggingFace writer). Each rank
         reads only the rows it keeps where the layout allows. Collective."""
+        self.synchronize()
         directory = os.fspath(directory)
         what = f"ShardedEMA.load({directory!r})"
         # Everything that can fail (reading the index, names, shapes, dtypes, data, checksums)
