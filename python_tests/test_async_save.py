@@ -2,8 +2,8 @@
 ``async_=True``.
 
 What is checked: the files hold the values at the time of the call although training modifies
-the tensors while the background thread writes (the write is slowed down so that it surely
-overlaps); a failure on one rank (in the background write, or in the caller's pieces) raises on
+the tensors before the background thread writes (the write waits for an event set after the
+training steps, so the overlap is certain); a failure on one rank (in the background write, or in the caller's pieces) raises on
 every rank's handle and commits nothing; one save in flight per object (a second waits, or with
 ``if_busy="raise"`` raises on every rank); the staging buffers are the same memory from one save
 to the next. The training's own collectives (full state dicts) run while the background thread
@@ -64,15 +64,17 @@ def state_keys(state):
 def run_training_state_async(rank, world, kind, directory):
     model, opt, sched, ema = build(kind)
     train(model, opt, sched, ema, rank, 0, 2)
-    with slow_writes(delay=0.5):
+    gate = threading.Event()  # the background write starts only once training has moved on
+    with slow_writes(gate=gate):
         handle = fsdp_ema.save_training_state(directory, model=model, optimizer=opt, ema=ema,
                                               extra={"step": 2}, async_=True)
         assert isinstance(handle, fsdp_ema.SaveHandle)
         # Collectives of the training (all-gathers) while the background thread agrees.
         at_call = state_keys(full_state(model, opt, sched, ema))
-        assert not handle.done()
         train(model, opt, sched, ema, rank, 2, 5)  # modifies every tensor in place
         after = state_keys(full_state(model, opt, sched, ema))
+        assert not handle.done()
+        gate.set()
         nbytes = handle.result(timeout=60)
     assert nbytes > 0 and handle.done()
     differ = [k for k in at_call if not torch.equal(at_call[k], after[k])]
@@ -87,13 +89,15 @@ def run_ema_async_reuse(rank, world, d1, d2, d3):
     and the staging buffers are the same memory each time."""
     model, opt, sched, ema = build("fsdp2_fp32")
     ptrs, expected = [], []
-    with slow_writes(delay=0.2):
-        for d in (d1, d2, d3):
+    for d in (d1, d2, d3):
+        gate = threading.Event()
+        with slow_writes(gate=gate):
             train(model, opt, sched, ema, rank, 0, 1)
             expected.append({k: v.clone() for k, v in ema.full_state_dict().items()})
             handle = ema.save(d, async_=True)
             ptrs.append({k: b.data_ptr() for k, b in ema._async_saver.staging.buffers.items()})
-            train(model, opt, sched, ema, rank, 1, 3)
+            train(model, opt, sched, ema, rank, 1, 3)  # before the write starts
+            gate.set()
             handle.result(timeout=60)
     loaded = [ckpt.load(d) for d in (d1, d2, d3)] if rank == 0 else None
     return {"ptrs": ptrs, "expected": expected, "loaded": loaded}
@@ -219,12 +223,14 @@ def test_checkpoint_save_async_snapshots_and_reuses(tmp_path):
     ptrs = []
     for i in range(2):
         expected = {k: v.clone() for k, v in tensors.items()}
-        with slow_writes(delay=0.2):
+        gate = threading.Event()
+        with slow_writes(gate=gate):
             handle = ckpt.save(tmp_path / f"c{i}", tensors, async_=True)
             ptrs.append({k: b.data_ptr()
                          for k, b in _async.default_saver("save").staging.buffers.items()})
             for v in tensors.values():
                 v.add_(1)
+            gate.set()
             assert handle.result(timeout=60) > 0
         assert_bit_equal(ckpt.load(tmp_path / f"c{i}"), expected, f"save {i}")
     assert ptrs[0] == ptrs[1] and len(ptrs[0]) == 3
@@ -256,11 +262,13 @@ def test_single_process_ema_async_save(tmp_path):
         model.weight.add_(1)
     ema.update()
     expected = {k: v.clone() for k, v in ema.full_state_dict().items()}
-    with slow_writes(delay=0.2):
+    gate = threading.Event()
+    with slow_writes(gate=gate):
         handle = ema.save(tmp_path / "e", async_=True)
         for _ in range(3):
             with torch.no_grad():
                 model.weight.add_(1)
             ema.update()
+        gate.set()
         handle.result(timeout=60)
     assert_bit_equal(ckpt.load(tmp_path / "e"), expected, "ema")
