@@ -249,6 +249,90 @@ def test_sigkill_during_multi_file_save(tmp_path):
         print("  ", o)
 
 
+# The same crash, during an asynchronous save: the child stages the tensors, keeps modifying
+# them (as training does) while the background thread writes the file and the index, and is
+# killed from outside at random points or while the temporary file is being written.
+ASYNC_SERVER = TENSORS_CODE + textwrap.dedent("""
+    import os, sys
+    import torch
+    torch.set_num_threads(1)
+    from fsdp_ema import checkpoint as ckpt
+    tensors = {k: v for d in make_shards(1) for k, v in d.items()}
+    print("ready", flush=True)
+    for line in sys.stdin:
+        _, directory = line.split()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                handle = ckpt.save(directory, tensors, async_=True)
+                while not handle.done():
+                    for t in tensors.values():
+                        t.add_(1.0)
+                handle.result()
+            finally:
+                os._exit(0)
+        print("pid", pid, flush=True)
+        _, status = os.waitpid(pid, 0)
+        print("exit", status, flush=True)
+""")
+
+
+def test_sigkill_during_async_save(tmp_path):
+    ns = {}
+    exec(TENSORS_CODE, ns)
+    expected = {k: v for d in ns["make_shards"](1) for k, v in d.items()}
+    server = subprocess.Popen([sys.executable, "-c", ASYNC_SERVER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT)
+    outcomes = []
+    try:
+        assert read_line(server, 120) == ["ready"]
+
+        def run(mode, arg):
+            d = tmp_path / f"a{len(outcomes):02d}"
+            server.stdin.write(f"save {d}\n")
+            server.stdin.flush()
+            pid = int(read_line(server)[1])
+            t0 = time.monotonic()
+            if mode == "tmp":  # while the background thread writes the temporary file
+                prefix = "." + ckpt.shard_file_name(0, 1)
+                while time.monotonic() - t0 < 10:
+                    try:
+                        if any(n.startswith(prefix) for n in os.listdir(d)):
+                            break
+                    except FileNotFoundError:
+                        pass
+                kill(pid)
+            elif mode == "delay":
+                time.sleep(arg)
+                kill(pid)
+            # A generous wait: a SIGKILL lands only once an fsync in flight returns, which on a
+            # disk shared with other jobs can take seconds.
+            _, status = read_line(server, 120)
+            total = time.monotonic() - t0
+            killed = os.WIFSIGNALED(int(status))
+            # Complete and equal to the tensors at the call (not the ones modified after), or
+            # refused: never a partial checkpoint that loads.
+            state = check_crashed_dir(d, expected)
+            outcomes.append((mode, round(arg, 4), killed) + state)
+            return total
+
+        full = run("none", 0)
+        assert outcomes[-1][3] == "complete" and not outcomes[-1][2]
+        for _ in range(3):
+            run("tmp", 0)
+        rng = random.Random(4321)
+        for _ in range(8):
+            run("delay", rng.uniform(0, full))
+    finally:
+        server.stdin.close()
+        server.wait(timeout=30)
+    crashes = [o for o in outcomes if o[2]]
+    assert len(crashes) >= 3, outcomes
+    assert any(o[0] == "tmp" and o[3] == "refused" for o in crashes), outcomes
+    print(f"\nRELIABILITY async crash: runs={len(outcomes)} sigkills={len(crashes)} "
+          f"refused={sum(o[3] == 'refused' for o in crashes)} full_save_s={full:.3f} lost=0")
+
+
 # --------------------------------------------------------------------------------------------
 # 2. Exhaustive single-byte flips and truncations of a small checkpoint
 # --------------------------------------------------------------------------------------------

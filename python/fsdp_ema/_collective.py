@@ -7,6 +7,9 @@ agree (the barrier: every rank's file is durable past it), rank 0 commits, all a
 any rank raises on every rank and leaves no index. Every file-system rule (creating the directory,
 the lock, stale temporaries, what an overwrite replaces, the commit) is format/'s, reached through
 the ops (``fsdp_ema/format/layout.h``). Reads go through ``_layouts.read_requests``.
+
+An asynchronous save (``async_saver``) runs the same sequence: the pieces are staged on the
+caller's thread, the check, write and commit steps on the background thread of ``_async``.
 """
 
 from __future__ import annotations
@@ -56,34 +59,70 @@ def agreed(fn: Callable[[], T], *, group, device: torch.device, what: str) -> T:
 
 def save_collective(directory: str | os.PathLike, pieces: Callable[[], Mapping[str, Any]], *,
                     group, device: torch.device, what: str, overwrite: bool,
-                    collective_pieces: bool = True) -> int:
+                    collective_pieces: bool = True, prepare: Callable[[], None] | None = None,
+                    after_commit: Callable[[], None] | None = None, fsync: bool = True,
+                    async_saver=None, if_busy: str = "wait"):
     """Collective: check, agree, write, agree, commit on rank 0, agree. Returns the bytes of this
-    rank's file.
+    rank's file, or with ``async_saver`` (an ``_async.AsyncSaver``) a ``SaveHandle`` for them.
 
     ``pieces()`` gives this rank's ``save_shard`` input. With ``collective_pieces`` it runs after
     the first agreement on every rank (it may run collectives: FSDP1's exchange); without, it runs
     with the check, before it, so that its failure on one rank stops every rank before any file
-    is written."""
+    is written. ``prepare()`` runs in the check, after the directory exists (sidecar files);
+    ``after_commit()`` once the commit is agreed (its error is the caller's to soften).
+
+    Asynchronously, ``pieces()`` runs and its tensors are staged on the caller's thread (so the
+    caller may modify its tensors as soon as this returns), and the same check, write and commit
+    steps run on the background thread over its own process group; a failure of ``pieces()`` or
+    of the staging is carried into the check's agreement, so it raises on every rank's handle."""
     directory = os.fspath(directory)
     rank, world = rank_world(group)
-    run = functools.partial(agreed, group=group, device=device, what=what)
 
-    def check() -> Mapping[str, Any] | None:
-        check_fresh(directory, overwrite)
-        return None if collective_pieces else pieces()
+    def sequence(run_group, ready, staged_error=None, staged_event=None) -> int:
+        run = functools.partial(agreed, group=run_group, device=device, what=what)
 
-    def write() -> int:
-        # An overwrite keeps the old checkpoint whole until the new index lands (the new files go
-        # under names the old index does not reference; the commit removes the old ones after).
-        shards = ready if ready is not None else pieces()
-        return _ckpt.save_shard(directory, shards, rank=rank, world_size=world,
-                                overwrite=overwrite)
+        def check() -> Mapping[str, Any] | None:
+            if staged_error is not None:
+                raise staged_error
+            check_fresh(directory, overwrite)
+            if staged_event is not None:
+                from ._async import wait_staged
 
-    def commit() -> None:
-        if rank == 0:
-            _ckpt.commit(directory, world, overwrite=overwrite)
+                wait_staged(staged_event)
+            shards = ready if ready is not None or collective_pieces else pieces()
+            if prepare is not None:
+                prepare()
+            return shards
 
-    ready = run(check)
-    nbytes = run(write)  # also the barrier: every rank's file is durable past here
-    run(commit)
-    return nbytes
+        def write() -> int:
+            # An overwrite keeps the old checkpoint whole until the new index lands (the new
+            # files go under names the old index does not reference; the commit removes the old
+            # ones after).
+            shards = ready if ready is not None else pieces()
+            return _ckpt.save_shard(directory, shards, rank=rank, world_size=world,
+                                    overwrite=overwrite, fsync=fsync)
+
+        def commit() -> None:
+            if rank == 0:
+                _ckpt.commit(directory, world, overwrite=overwrite, fsync=fsync)
+
+        ready = run(check)
+        nbytes = run(write)  # also the barrier: every rank's file is durable past here
+        run(commit)
+        if after_commit is not None:
+            after_commit()
+        return nbytes
+
+    if async_saver is None:
+        return sequence(group, None)
+
+    async_saver.check_busy(if_busy, group, what)
+    staged, event, error = None, None, None
+    try:
+        shards = pieces()
+        with _ckpt._gc_paused():
+            staged, event = async_saver.staging.stage(shards)
+    except Exception as e:  # noqa: BLE001 (agreed, and re-raised on every rank's handle)
+        error = e
+    return async_saver.submit(
+        group, what, lambda bg: sequence(bg, staged if error is None else {}, error, event))

@@ -79,7 +79,8 @@ def _flatten(shards: Mapping[str, Shard]):
 
 
 def save_shard(directory: str | os.PathLike, shards: Mapping[str, Shard], *, rank: int = 0,
-               world_size: int = 1, fsync: bool = True, overwrite: bool = False) -> int:
+               world_size: int = 1, fsync: bool = True, overwrite: bool = False,
+               async_: bool = False, if_busy: str = "wait"):
     """Writes this rank's file atomically; returns its size in bytes.
 
     ``shards`` maps a name to a whole tensor, or to ``(local_shard, global_offsets,
@@ -87,7 +88,15 @@ def save_shard(directory: str | os.PathLike, shards: Mapping[str, Shard], *, ran
     rank only: the commit refuses pieces that overlap. A committed directory is refused unless
     ``overwrite``: then the file goes under a name the committed index does not reference, and
     the old checkpoint stays loadable until ``commit(..., overwrite=True)`` replaces its index.
+
+    ``async_=True`` stages the tensors into host buffers (reused by the next async
+    ``save_shard``) and returns a ``SaveHandle`` whose ``result()`` is the size once the file is
+    durable; call ``commit`` only after it (every rank's). One in flight: a new one waits, or
+    raises with ``if_busy="raise"``.
     """
+    if async_:
+        return _save_async("save_shard", directory, shards, rank=rank, world_size=world_size,
+                           fsync=fsync, overwrite=overwrite, if_busy=if_busy, and_commit=False)
     torch.ops.fsdp_ema.prepare_checkpoint(os.fspath(directory))  # creates it if missing
     with _gc_paused():
         names, tensors, offsets, global_shapes = _flatten(shards)
@@ -104,13 +113,45 @@ def commit(directory: str | os.PathLike, world_size: int, *, overwrite: bool = F
 
 
 def save(directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor], *,
-         overwrite: bool = False, fsync: bool = True) -> int:
+         overwrite: bool = False, fsync: bool = True, async_: bool = False,
+         if_busy: str = "wait"):
     """Single-process save: one shard file plus the index. Returns the bytes of the shard file.
     With ``overwrite`` a committed checkpoint in ``directory`` is replaced atomically: a reader
-    sees the old one whole until the new index lands, then the new one."""
+    sees the old one whole until the new index lands, then the new one.
+
+    ``async_=True``: returns a ``SaveHandle`` once the tensors are staged (the caller may modify
+    them right away); the file and the index are written on a background thread."""
+    if async_:
+        return _save_async("save", directory, tensors, rank=0, world_size=1, fsync=fsync,
+                           overwrite=overwrite, if_busy=if_busy, and_commit=True)
     nbytes = save_shard(directory, tensors, rank=0, world_size=1, fsync=fsync, overwrite=overwrite)
     commit(directory, 1, overwrite=overwrite, fsync=fsync)
     return nbytes
+
+
+def _save_async(name: str, directory, shards, *, rank: int, world_size: int, fsync: bool,
+                overwrite: bool, if_busy: str, and_commit: bool):
+    """Stages ``shards`` on this thread; writes (and with ``and_commit`` commits) in the background.
+    Local: no collective (several ranks' ``save_shard`` are joined by the caller's commit)."""
+    from ._async import default_saver
+
+    saver = default_saver(name)
+    what = f"fsdp_ema.checkpoint.{name}({os.fspath(directory)!r})"
+    saver.check_busy(if_busy, None, what)
+    with _gc_paused():
+        staged, event = saver.staging.stage(shards)
+
+    def job(_group) -> int:
+        from ._async import wait_staged
+
+        wait_staged(event)
+        nbytes = save_shard(directory, staged, rank=rank, world_size=world_size, fsync=fsync,
+                            overwrite=overwrite)
+        if and_commit:
+            commit(directory, world_size, overwrite=overwrite, fsync=fsync)
+        return nbytes
+
+    return saver.submit(None, what, job)
 
 
 def load_shard(path: str | os.PathLike, *, verify: bool = True, device=None, mmap: bool = False):

@@ -131,6 +131,10 @@ class ShardedEMA:
             refuse to run once that set has changed), or a callable ``(clean fqn, parameter) ->
             bool``. Buffers follow ``include_buffers`` whatever ``params`` is. An FSDP1 unit is
             one FlatParameter: it is kept or left out whole.
+        device: None (the EMA beside the weights) or ``"cpu"``: for weights on an accelerator,
+            the EMA lives in pinned host memory; ``update()`` copies the local shards to pinned
+            staging on a side stream and a worker thread runs the fused CPU update, overlapped
+            with the next step (``synchronize()`` and every read of the EMA wait for it).
     """
 
     #: Key of the update counter in ``state_dict()``.
@@ -141,7 +145,8 @@ class ShardedEMA:
                  start_step: int = 0, dtype: torch.dtype | None = torch.float32,
                  include_buffers: bool = True, buffers: str = "average",
                  process_group: dist.ProcessGroup | None = None, schedule: Any = None,
-                 params: str | Callable[[str, torch.Tensor], bool] = "all"):
+                 params: str | Callable[[str, torch.Tensor], bool] = "all",
+                 device: str | torch.device | None = None, _offload: bool | None = None):
         if not 0.0 <= float(decay) <= 1.0:
             raise ValueError(f"ShardedEMA: decay must be in [0, 1], got {decay}")
         if warmup is True:
@@ -169,6 +174,9 @@ class ShardedEMA:
         if not (params in ("all", "trainable") or callable(params)):
             raise ValueError(f"ShardedEMA: params must be 'all', 'trainable' or a callable "
                              f"(name, tensor) -> bool, got {params!r}")
+        if device is not None and torch.device(device) != torch.device("cpu"):
+            raise ValueError(f"ShardedEMA: device must be None (beside the weights) or 'cpu' "
+                             f"(host memory), got {device!r}")
         self.model = model
         self.decay, self.warmup, self.schedule = float(decay), warmup, schedule
         self.update_every, self.start_step = int(update_every), int(start_step)
@@ -201,10 +209,24 @@ class ShardedEMA:
                 if t.is_meta:
                     raise ValueError(f"ShardedEMA: {slot.describe()} is on the meta device; create "
                                      f"the EMA after the weights are materialized")
-            self._ema = [
-                t.detach().to(dtype=(self.dtype or t.dtype) if slot.average else t.dtype,
-                              copy=True).contiguous()
-                for slot, t in zip(self._slots, model_tensors)]
+            # device="cpu": host memory, updated on a worker thread (_offload), for weights on
+            # an accelerator (or on the CPU when _offload forces that path, for tests).
+            offload = device is not None and (
+                _offload if _offload is not None
+                else any(t.device.type != "cpu" for t in model_tensors))
+            if offload:
+                from ._offload import HostOffload
+
+                self._ema = [HostOffload.host_ema(t, (self.dtype or t.dtype) if slot.average
+                                                  else t.dtype)
+                             for slot, t in zip(self._slots, model_tensors)]
+            else:
+                self._ema = [
+                    t.detach().to(dtype=(self.dtype or t.dtype) if slot.average else t.dtype,
+                                  copy=True).contiguous()
+                    for slot, t in zip(self._slots, model_tensors)]
+            self._host = HostOffload(model_tensors, [s.average for s in self._slots]) if (
+                offload) else None
         by_device: dict[torch.device, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
         for i, (slot, t) in enumerate(zip(self._slots, self._ema)):
             by_device[t.device][0 if slot.average else 1].append(i)
@@ -238,10 +260,12 @@ class ShardedEMA:
                     f"{slot.describe()} has a local shard of shape {list(t.shape)} here, it had "
                     f"{list(slot.local_shape)}; make a new ShardedEMA for the new sharding (and "
                     f"load_state_dict() or load() the old one into it)")
-            if t.device != ema.device:
+            if t.device != ema.device and self._host is None:
                 raise RuntimeError(f"ShardedEMA: {slot.describe()} moved from {ema.device} to "
                                    f"{t.device} since the EMA was made")
         self._model_tensors = tensors
+        if self._host is not None:
+            self._host.rebind(tensors)
         for g in self._groups:
             g.model_average = [tensors[i] for i in g.average]
             g.model_copy = [tensors[i] for i in g.copy]
@@ -309,6 +333,12 @@ class ShardedEMA:
             self._check_selection("ShardedEMA.update")
             self._refresh()
         decay = self._scheduled_decay(self._step)
+        if self._host is not None:  # EMA in host memory: staged copy, worker-thread update
+            self._host.update(self._ema, self._model_tensors, decay,
+                              self.decay_at(int(self._step)) != 1.0)
+            self._step.add_(1)
+            self._last_decay = decay
+            return
         for g in self._groups:
             # The op reads a CPU decay on the host (no sync); only a device decay for a group
             # on another device needs a copy (CPU-offloaded shards next to device buffers).
@@ -325,6 +355,12 @@ class ShardedEMA:
         if g.ema_copy:
             torch._foreach_copy_(g.ema_copy, g.model_copy)
 
+    def synchronize(self) -> None:
+        """Waits for the update in flight of an EMA in host memory (``device="cpu"``) and
+        re-raises its error; a no-op otherwise. Every read of the EMA calls it."""
+        if self._host is not None:
+            self._host.synchronize()
+
     @contextlib.contextmanager
     def swap(self) -> Iterator[nn.Module]:
         """Context manager: the model holds the EMA weights inside, its own weights after.
@@ -335,6 +371,7 @@ class ShardedEMA:
         """
         if self._swapped:
             raise RuntimeError("ShardedEMA.swap() is already active")
+        self.synchronize()
         self._reshard()
         with torch.no_grad():
             model = self._refresh()
@@ -361,6 +398,7 @@ class ShardedEMA:
         if self._swapped:
             raise RuntimeError("ShardedEMA.copy_to() inside swap(): the model's own weights "
                                "come back when the block exits; copy after it")
+        self.synchronize()  # an EMA in host memory: its update in flight lands first
         self._check_selection("ShardedEMA.copy_to")
         if model is None or model is self.model:
             self._reshard()
@@ -390,6 +428,7 @@ class ShardedEMA:
         (sharing the EMA's memory), ShardedTensors (dim-0 chunks) for FSDP1 parameters, plain
         tensors otherwise. ``torch.distributed.checkpoint`` saves it and reloads it at any world
         size. Collective for FSDP1 models (one all_to_all per FSDP unit)."""
+        self.synchronize()
         out: dict[str, Any] = {}
         for slot, ema in zip(self._slots, self._ema):
             out.update(slot.state_items(ema))
@@ -417,6 +456,7 @@ class ShardedEMA:
         full tensor, a DTensor or a ShardedTensor (FSDP1 layout), e.g. after ``dcp.load`` into
         ``state_dict()`` at any world size. ``STEP_KEY``, if present, sets the step. Collective
         for FSDP1 models. With ``strict``, the names must match exactly; shapes always must."""
+        self.synchronize()
         available = {k: _global_shape(v) for k, v in state_dict.items() if k != self.STEP_KEY}
         self._check_names(available, strict, "load_state_dict")
         for slot, ema in zip(self._slots, self._ema):
@@ -432,6 +472,7 @@ class ShardedEMA:
         if int(bucket_bytes) != bucket_bytes or bucket_bytes <= 0:
             raise ValueError(f"ShardedEMA.{what}: bucket_bytes must be a positive integer, got "
                              f"{bucket_bytes}")
+        self.synchronize()
         # Planned without communication, so a refusal raises on every rank before any gather.
         return [part for slot, ema in zip(self._slots, self._ema)
                 for part in slot.full_parts(ema)]
@@ -522,8 +563,10 @@ class ShardedEMA:
             self._watch.check(what)
 
     def _save(self, directory, tensors: Sequence[torch.Tensor], overwrite: bool,
-              what: str, extra: Mapping[str, torch.Tensor] | None = None) -> int:
+              what: str, extra: Mapping[str, torch.Tensor] | None = None,
+              async_: bool = False, if_busy: str = "wait"):
         """``extra``: whole tensors written by rank 0 next to the EMA's (snapshot metadata)."""
+        self.synchronize()
         self._check_selection(what)
         rank, world = self._rank_world()
 
@@ -535,28 +578,43 @@ class ShardedEMA:
                 out.update({name: t.detach().cpu() for name, t in extra.items()})
             return out
 
+        saver = None
+        if async_:
+            from ._async import AsyncSaver
+
+            saver = self.__dict__.setdefault("_async_saver", AsyncSaver())
         return save_collective(directory, pieces, group=self._group, device=self._device,
-                               what=f"{what}({os.fspath(directory)!r})", overwrite=overwrite)
+                               what=f"{what}({os.fspath(directory)!r})", overwrite=overwrite,
+                               async_saver=saver, if_busy=if_busy)
 
     @torch.no_grad()
-    def save(self, directory: str | os.PathLike, *, overwrite: bool = False) -> int:
+    def save(self, directory: str | os.PathLike, *, overwrite: bool = False,
+             async_: bool = False, if_busy: str = "wait"):
         """Writes the EMA weights as a sharded checkpoint directory (``fsdp_ema.checkpoint``
         format: one safetensors file per rank, the index written last by rank 0 once every rank
         has written its file). Collective. A failure on any rank raises on every rank and leaves
         no index. Names are clean FQNs; the step is not saved (use ``state_dict()`` for that).
-        Returns the bytes of this rank's file."""
-        return self._save(directory, self._ema, overwrite, "ShardedEMA.save")
+        Returns the bytes of this rank's file.
+
+        ``async_=True`` returns a ``SaveHandle`` once the EMA is staged into host buffers this
+        EMA reuses between saves (``update()`` may run right away); the file is written and
+        committed on a background thread, and ``handle.result()`` returns the bytes or raises on
+        every rank. One save in flight per EMA: a new one waits for it, or with
+        ``if_busy="raise"`` raises on every rank (see docs/SHARDED_EMA.md)."""
+        return self._save(directory, self._ema, overwrite, "ShardedEMA.save", async_, if_busy)
 
     @torch.no_grad()
-    def save_shard_weights(self, directory: str | os.PathLike, *,
-                           overwrite: bool = False) -> int:
+    def save_shard_weights(self, directory: str | os.PathLike, *, overwrite: bool = False,
+                           async_: bool = False, if_busy: str = "wait"):
         """Writes the model's own weights (same tensors as the EMA, same format)."""
-        return self._save(directory, self._refresh(), overwrite, "ShardedEMA.save_shard_weights")
+        return self._save(directory, self._refresh(), overwrite, "ShardedEMA.save_shard_weights",
+                          async_, if_busy)
 
     def save_ema_shard_weights(self, directory: str | os.PathLike, *,
-                               overwrite: bool = False) -> int:
+                               overwrite: bool = False, async_: bool = False,
+                               if_busy: str = "wait"):
         """Alias of ``save`` (the name of the common ShardEMAModel recipe)."""
-        return self.save(directory, overwrite=overwrite)
+        return self.save(directory, overwrite=overwrite, async_=async_, if_busy=if_busy)
 
     @torch.no_grad()
     def load(self, directory: str | os.PathLike, *, strict: bool = True,
@@ -564,6 +622,7 @@ class ShardedEMA:
         """Loads EMA weights from a checkpoint directory written at any world size (``save``,
         ``save_shard_weights``, ``fsdp_ema.checkpoint`` or DCP's HuggingFace writer). Each rank
         reads only the rows it keeps where the layout allows. Collective."""
+        self.synchronize()
         directory = os.fspath(directory)
         what = f"ShardedEMA.load({directory!r})"
         # Everything that can fail (reading the index, names, shapes, dtypes, data, checksums)

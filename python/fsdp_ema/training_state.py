@@ -349,7 +349,8 @@ def _optim_key(fqn: str, key: str) -> str:
 
 def save_training_state(directory: str | os.PathLike, *, model=None, optimizer=None, ema=None,
                         extra: Mapping[str, Any] | None = None, rng: bool = True,
-                        keep_last: int | None = None, overwrite: bool = False) -> int:
+                        keep_last: int | None = None, overwrite: bool = False,
+                        async_: bool = False, if_busy: str = "wait"):
     """Writes a training-state checkpoint into ``directory``. Collective: every rank calls it.
 
     Args:
@@ -366,9 +367,14 @@ def save_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
             training-state checkpoints among ``directory``'s siblings (by name order; the new
             one is never removed).
         overwrite: replace a committed checkpoint in ``directory`` (else an error).
+        async_: return a ``SaveHandle`` once the state is staged into host buffers (reused
+            between saves); the files are written, committed (and older ones rotated) on a
+            background thread. ``handle.result()`` returns the bytes or raises on every rank.
+        if_busy: with a save of this function still in flight, ``"wait"`` for it or
+            ``"raise"`` (on every rank).
 
     A failure on any rank raises on every rank and leaves ``directory`` uncommitted (no index).
-    Returns the bytes of this rank's shard file.
+    Returns the bytes of this rank's shard file (or the handle for them).
     """
     directory = os.fspath(directory)
     what = f"save_training_state({directory!r})"
@@ -423,20 +429,33 @@ def save_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
         doc["extra"] = _encode(dict(extra or {}))
         if rank == 0:
             shards[META_TENSOR] = _json_tensor(doc)
-            torch.ops.fsdp_ema.write_sidecar(directory, SIDECAR_NAME,
-                                             json.dumps(doc, indent=1, sort_keys=True), True)
+            sidecar.append(json.dumps(doc, indent=1, sort_keys=True))
         return shards
 
-    nbytes = save_collective(directory, pieces, group=group, device=torch.device("cpu"),
-                             what=what, overwrite=overwrite, collective_pieces=False)
-    if rank == 0 and keep_last is not None:
-        # The save is committed: a rotation that fails is a warning, never this save's error.
-        try:
-            _rotate(directory, int(keep_last))
-        except Exception as e:  # noqa: BLE001
-            warnings.warn(f"{what}: committed, but removing older checkpoints failed: {e}",
-                          RuntimeWarning, stacklevel=2)
-    return nbytes
+    sidecar: list[str] = []
+
+    def prepare() -> None:  # in the check, once the directory exists
+        if sidecar:
+            torch.ops.fsdp_ema.write_sidecar(directory, SIDECAR_NAME, sidecar[0], True)
+
+    def after_commit() -> None:
+        if rank == 0 and keep_last is not None:
+            # The save is committed: a rotation that fails is a warning, never this save's error.
+            try:
+                _rotate(directory, int(keep_last))
+            except Exception as e:  # noqa: BLE001
+                warnings.warn(f"{what}: committed, but removing older checkpoints failed: {e}",
+                              RuntimeWarning, stacklevel=5)
+
+    saver = None
+    if async_:
+        from ._async import default_saver
+
+        saver = default_saver("save_training_state")
+    return save_collective(directory, pieces, group=group, device=torch.device("cpu"),
+                           what=what, overwrite=overwrite, collective_pieces=False,
+                           prepare=prepare, after_commit=after_commit, async_saver=saver,
+                           if_busy=if_busy)
 
 
 # --- rotation and lookup (the directory work is format/'s: committed_checkpoints,
