@@ -49,13 +49,14 @@ def worker(rank, init_file, args, out_queue):
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
-    import fsdp_ema
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
     )
+
+    import fsdp_ema
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,

@@ -14,8 +14,8 @@
 #include <memory>
 
 #include "ops/checkpoint.h"
-#include "ops/checkpoint_read.h"
 #include "ops/checkpoint_meta.h"
+#include "ops/checkpoint_read.h"
 #include "ops/format_bridge.h"
 
 namespace fsdp_ema::ops {

@@ -10,6 +10,7 @@ optimizer's in-place write right after update() (no synchronize) does not leak i
 import pytest
 import torch
 from cuda_utils import nccl_group
+
 from fsdp_ema import ShardedEMA
 from fsdp_ema import checkpoint as ckpt
 

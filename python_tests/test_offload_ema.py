@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import PoolManager
+from torch import nn
+
 from fsdp_ema import ShardedEMA, Warmup
 from fsdp_ema import checkpoint as ckpt
-from torch import nn
 
 
 class Net(nn.Module):

@@ -23,10 +23,10 @@ load_library()
 
 from . import checkpoint  # noqa: E402
 from ._apply import load_model_weights  # noqa: E402
+from ._async import SaveHandle  # noqa: E402
 from ._peft import export_merged, export_peft_adapter  # noqa: E402
 from .posthoc import posthoc, posthoc_plan  # noqa: E402
 from .power_ema import PowerEMA, ShardedPowerEMA  # noqa: E402
-from ._async import SaveHandle  # noqa: E402
 from .sharded_ema import ShardedEMA, Warmup  # noqa: E402
 from .training_state import latest_checkpoint, load_training_state, save_training_state  # noqa: E402
 
