@@ -563,7 +563,7 @@ class ShardedEMA:
             self._watch.check(what)
 
     def _save(self, directory, tensors: Sequence[torch.Tensor], overwrite: bool,
-              what: str, extra: Mapping[str, torch.Tensor] | None = None,
+              what: str, extra: Mapping[str, torch.Tensor] | None = None, *,
               async_: bool = False, if_busy: str = "wait"):
         """``extra``: whole tensors written by rank 0 next to the EMA's (snapshot metadata)."""
         self.synchronize()
@@ -601,14 +601,15 @@ class ShardedEMA:
         committed on a background thread, and ``handle.result()`` returns the bytes or raises on
         every rank. One save in flight per EMA: a new one waits for it, or with
         ``if_busy="raise"`` raises on every rank (see docs/SHARDED_EMA.md)."""
-        return self._save(directory, self._ema, overwrite, "ShardedEMA.save", async_, if_busy)
+        return self._save(directory, self._ema, overwrite, "ShardedEMA.save", async_=async_,
+                          if_busy=if_busy)
 
     @torch.no_grad()
     def save_shard_weights(self, directory: str | os.PathLike, *, overwrite: bool = False,
                            async_: bool = False, if_busy: str = "wait"):
         """Writes the model's own weights (same tensors as the EMA, same format)."""
         return self._save(directory, self._refresh(), overwrite, "ShardedEMA.save_shard_weights",
-                          async_, if_busy)
+                          async_=async_, if_busy=if_busy)
 
     def save_ema_shard_weights(self, directory: str | os.PathLike, *,
                                overwrite: bool = False, async_: bool = False,
