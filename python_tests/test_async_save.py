@@ -1,13 +1,14 @@
 """Asynchronous saves (#17): ShardedEMA.save, save_training_state and the checkpoint helpers with
 ``async_=True``.
 
-What is checked: the files hold the values at the time of the call although training modifies
-the tensors before the background thread writes (the write waits for an event set after the
-training steps, so the overlap is certain); a failure on one rank (in the background write, or
-in the caller's pieces) raises on every rank's handle and commits nothing; one save in flight
-per object (a second waits, or with ``if_busy="raise"`` raises on every rank); the staging
-buffers are the same memory from one save to the next. The training's own collectives (full state dicts) run while the background thread
-agrees, on its own process group. Ranks: a dist_utils.WorkerPool of 2 gloo ranks.
+What is checked: the files hold the values at the time of the call although training modifies the
+tensors before the background thread writes (the write waits for an event set after the training
+steps, so the overlap is certain); a failure on one rank (in the background write, or in the
+caller's pieces) raises on every rank's handle and commits nothing; one save in flight per object
+(a second waits, or with ``if_busy="raise"`` raises on every rank); the staging buffers are the
+same memory from one save to the next. The training's own collectives (full state dicts) run while
+the background thread agrees, on its own process group. Ranks: a dist_utils.WorkerPool of 2 gloo
+ranks.
 """
 
 from __future__ import annotations
