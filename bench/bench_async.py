@@ -1,6 +1,7 @@
 """Asynchronous training-state saves (issue 17): how long a save blocks a training loop, and how
 much it slows the loop down in all, for fsdp_ema.save_training_state (sync and ``async_=True``),
-dcp.save and dcp.async_save, at 2 ranks (gloo, CPU, 1 thread per rank), in one run.
+dcp.save and dcp.async_save, at 2 ranks (gloo, CPU, 1 thread per rank) or on GPUs (--device cuda:
+NCCL, one GPU per rank, pinned staging), in one run.
 
 The state: an FSDP2 MLP whose fp32 weights + AdamW moments + fp32 ShardedEMA take --megabytes
 over the ranks (default 1024). The loop: --steps steps of a fixed compute (matmuls on their own
@@ -11,20 +12,22 @@ step 1; async saves are waited for after the last step. Per save:
 - slowdown: loop time with the save minus the loop time without one, paired in each repeat
   (for async saves: the background write's competition for the CPU, plus any final wait).
 
-Anchor: a plain memcpy of this rank's state bytes (one ``copy_`` into a warm buffer). DCP's
+Anchor: a plain memcpy of this rank's state bytes (one ``copy_`` into a warm buffer; on a GPU, a
+device-to-host copy into a warm pinned buffer, synchronized). On a GPU, *blocked* is the host's
+time in the call: ours enqueues its copies on the current stream and returns, so the device
+still spends the copy's time, in stream order before the next step's kernels (the *slowdown*
+column shows it). DCP's
 async_save gets a DefaultStager kept across saves (its buffers are cached; pinned where CUDA
 exists, else pageable) and a gloo process group of its own, as ours has; the "default stager"
 row is dcp.async_save without one (a new stager each save). Methods run interleaved, every
 repeat in the same order after one warm-up round; min and median over --repeat repeats.
 
-    python bench/bench_async.py [--megabytes 1024] [--repeat 5] [--steps 40]
+    python bench/bench_async.py [--megabytes 1024] [--repeat 5] [--steps 40] [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import shutil
 import statistics
 import sys
@@ -34,12 +37,12 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_training_state import WORLD, build  # noqa: E402
+from bench_training_state import build  # noqa: E402
+from ranks import init_group, spawn  # noqa: E402
 
 METHODS = ["none", "ours sync", "ours async", "dcp.save", "dcp.async_save",
            "dcp.async_save (default stager)"]
@@ -59,18 +62,19 @@ def worker(rank, init_file, args, out_queue):
     import fsdp_ema
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=600))
-    model, opt, ema = build(int(args.megabytes * 2**20))
+    world = args.ranks
+    cuda = args.device == "cuda"
+    device = init_group(rank, init_file, world, args.device)
+    model, opt, ema = build(int(args.megabytes * 2**20), world, args.device)
     locals_ = [p._local_tensor for p in model.parameters()]
     moments = [opt.state[p][k] for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")]
     local = sum(t.numel() * t.element_size() for t in locals_) * 4
-    total = torch.tensor(local)
+    total = torch.tensor(local, device=device)
     dist.all_reduce(total)
 
     # The fixed compute of a step, on tensors of its own.
     g = torch.Generator().manual_seed(rank)
-    a, b = torch.randn(256, 256, generator=g), torch.randn(256, 256, generator=g)
+    a, b = (torch.randn(args.width, args.width, generator=g).to(device) for _ in range(2))
 
     def step():
         x = a
@@ -80,7 +84,6 @@ def worker(rank, init_file, args, out_queue):
             if t.numel():
                 t[0].add_(1e-6)
 
-    cuda = torch.cuda.is_available()
     stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                           use_async_staging=False, use_non_blocking_copy=cuda))
     dcp_group = dist.new_group(backend="gloo")
@@ -131,13 +134,15 @@ def worker(rank, init_file, args, out_queue):
             step()
         if wait is not None:
             wait()
+        if cuda:
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         dist.barrier()
         return blocked, elapsed
 
     # Anchor: a plain memcpy of this rank's state bytes into a warm buffer.
-    src = torch.empty(local, dtype=torch.uint8).fill_(1)
-    dst = torch.empty_like(src).fill_(0)
+    src = torch.empty(local, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty(local, dtype=torch.uint8, pin_memory=cuda).fill_(0)
     memcpy = []
     raw = {m: {"blocked": [], "loop": []} for m in METHODS}
     for rep in range(args.repeat + 1):  # round 0 warms up (groups, staging buffers)
@@ -147,7 +152,9 @@ def worker(rank, init_file, args, out_queue):
                 raw[method]["blocked"].append(blocked)
                 raw[method]["loop"].append(elapsed)
         t = time.perf_counter()
-        dst.copy_(src)
+        dst.copy_(src, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
         if rep:
             memcpy.append(time.perf_counter() - t)
     dist.barrier()
@@ -155,10 +162,11 @@ def worker(rank, init_file, args, out_queue):
         shutil.rmtree(work, ignore_errors=True)
     # Per rank figures; the slowest rank's blocked time is what the loop of a synchronous job
     # waits for, so report the max over the ranks of each repeat.
-    gathered = [None] * WORLD
+    gathered = [None] * world
     dist.all_gather_object(gathered, {"raw": raw, "memcpy": memcpy})
     if rank == 0:
-        out_queue.put({"bytes": int(total), "local": local, "ranks": gathered})
+        out_queue.put({"bytes": int(total), "local": local, "ranks": gathered,
+                       "device": torch.cuda.get_device_name(device) if cuda else "CPU"})
     dist.barrier()
     stager.close()
     dist.destroy_process_group()
@@ -174,24 +182,24 @@ def main():
                         help="weights + AdamW moments + EMA over all ranks (default 1024)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--matmuls", type=int, default=40, help="256x256 matmuls per step")
+    parser.add_argument("--matmuls", type=int, default=40, help="matmuls per step")
+    parser.add_argument("--width", type=int, default=None,
+                        help="the step's matmuls are width x width (default 256; 4096 on CUDA)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="default 2 on the CPU; on CUDA min(2, GPUs)")
     parser.add_argument("--dir", type=Path, default=ROOT / "build" / "bench-disk")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     from report import finish
 
-    ctx = mp.get_context("spawn")
-    tmp = tempfile.TemporaryDirectory(prefix="fsdp_ema_bench_init_")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, os.path.join(tmp.name, "init"), args, queue))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = queue.get()
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        raise SystemExit("a rank failed")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device")
+    if args.ranks is None:
+        args.ranks = min(2, torch.cuda.device_count()) if args.device == "cuda" else 2
+    if args.width is None:
+        args.width = 4096 if args.device == "cuda" else 256
+    results = spawn(worker, args, args.ranks)
     ranks = results["ranks"]
     n = len(ranks[0]["memcpy"])
 
@@ -200,7 +208,9 @@ def main():
 
     memcpy = [max(r["memcpy"][i] for r in ranks) for i in range(n)]
     none = worst("none", "loop")
-    print(f"torch {torch.__version__}, {WORLD} ranks (gloo, CPU, 1 thread each), FSDP2 MLP: "
+    where = ("gloo, CPU, 1 thread each" if args.device == "cpu" else
+             f"NCCL, one {results['device']} each, pinned staging")
+    print(f"torch {torch.__version__}, {args.ranks} ranks ({where}), FSDP2 MLP: "
           f"weights + AdamW exp_avg/exp_avg_sq + fp32 EMA = {results['bytes'] / 2**20:.0f} MiB "
           f"({results['local'] / 2**20:.0f} MiB per rank), written to {args.dir}")
     print(f"loop: {args.steps} steps, no save: min {min(none):.3f} s, median "

@@ -14,7 +14,6 @@ cache (nothing drops caches on a shared machine); ours verifies every checksum.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import shutil
 import statistics
@@ -25,19 +24,19 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
 import rawio  # noqa: E402
+from ranks import init_group, spawn  # noqa: E402
 
 WORLD = 2
 
 
-def build(total_bytes: int):
-    """An FSDP2 MLP whose fp32 weights + AdamW moments + fp32 EMA take ~total_bytes (4 copies of
-    the weights), with AdamW state after one step."""
+def build(total_bytes: int, world: int = WORLD, device: str = "cpu"):
+    """An FSDP2 MLP on ``device`` whose fp32 weights + AdamW moments + fp32 EMA take ~total_bytes
+    over ``world`` ranks (4 copies of the weights), with AdamW state after one step."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -47,8 +46,8 @@ def build(total_bytes: int):
     width = 2048
     layers = max(1, round(total_bytes / 16 / (width * width + width)))
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-    mesh = init_device_mesh("cpu", (WORLD,))
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
+    mesh = init_device_mesh(device, (world,))
     for m in model:
         fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -92,8 +91,7 @@ def worker(rank, init_file, args, out_queue):
     import fsdp_ema
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=600))
+    init_group(rank, init_file, WORLD)
     model, opt, ema = build(int(args.megabytes * 2**20))
     local = sum(t.numel() * t.element_size() for t in
                 [p._local_tensor for p in model.parameters()]) * 4
@@ -185,18 +183,7 @@ def main():
     args = parser.parse_args()
     from report import finish
 
-    ctx = mp.get_context("spawn")
-    tmp = tempfile.TemporaryDirectory(prefix="fsdp_ema_bench_init_")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, os.path.join(tmp.name, "init"), args, queue))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = queue.get()
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        raise SystemExit("a rank failed")
+    results = spawn(worker, args, WORLD)
     size = results["bytes"]
     print(f"torch {torch.__version__}, {WORLD} ranks (gloo, CPU, 1 thread each), FSDP2 MLP: "
           f"weights + AdamW exp_avg/exp_avg_sq + fp32 EMA = {size / 2**20:.0f} MiB")

@@ -4,7 +4,7 @@
 # torch, run only the CUDA tests (ctest and pytest) and the CUDA benchmarks, and write at most 8
 # files to OUT_DIR. The third-party headers, CMake configs and GoogleTest libraries come from
 # gpu-deps/ (scripts/stage_gpu_deps.sh, carried by the device tool). Budget: the step timeouts
-# below sum to 450 s (480 with every kill grace), under the 8 minutes one run may take.
+# below sum to 520 s (560 with every kill grace), under the 10 minutes one run may take.
 #
 #   bash scripts/gpu_check.sh OUT_DIR             # on the GPU machine
 #   bash scripts/gpu_check.sh --dry-run OUT_DIR   # here, no GPU: the same configure and build
@@ -32,7 +32,7 @@ TORCH_WHEEL_VERSION="2.11.0"  # the GPU machine's torch (2.11.0+cu130)
 SUMMARY="$OUT/summary.txt"
 # This run's files only (the logs below are appended to step by step).
 rm -f "$OUT"/{machine.txt,summary.txt,build.log,ctest.log,pytest.log} \
-  "$OUT"/{bench_update.log,bench_update.json,bench_gather.log}
+  "$OUT"/{bench_kernels.log,bench_update.json,bench_io.log}
 : >"$SUMMARY"
 status=0
 
@@ -90,7 +90,8 @@ else
   BUILD="$ROOT/build-gpu"
   JOBS="$(nproc)"
   NICE=()
-  T_CONFIGURE=35 T_BUILD=160 T_CTEST=40 T_PYTEST=160 T_BENCH_UPDATE=35 T_BENCH_GATHER=20
+  T_CONFIGURE=35 T_BUILD=160 T_CTEST=40 T_PYTEST=140 T_BENCH_UPDATE=35 T_BENCH_GATHER=20
+  T_BENCH_ASYNC=45 T_BENCH_HOST_EMA=45
   PY="${FSDP_EMA_PYTHON:-$(command -v python3)}"
   torch_version="$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
   TORCH_ARGS=(-DPython3_EXECUTABLE="$PY")
@@ -277,12 +278,18 @@ else
   run pytest "$T_PYTEST" "$OUT/pytest.log" "$PY" -m pytest -q -rfE -p no:cacheprovider \
     "${timeout_arg[@]}" -k cuda "$ROOT/python_tests" || status=1
   tail -n 5 "$OUT/pytest.log"
-  run bench_update "$T_BENCH_UPDATE" "$OUT/bench_update.log" "$PY" "$ROOT/bench/bench_update.py" \
+  KLOG="$OUT/bench_kernels.log" IOLOG="$OUT/bench_io.log"
+  run bench_update "$T_BENCH_UPDATE" "$KLOG" "$PY" "$ROOT/bench/bench_update.py" \
     --device cuda --repeat 10 --json "$OUT/bench_update.json" || status=1
-  grep -E "PASS|MISS|launches" "$OUT/bench_update.log" | tee -a "$SUMMARY"
-  run bench_gather "$T_BENCH_GATHER" "$OUT/bench_gather.log" "$PY" "$ROOT/bench/bench_gather.py" \
+  run bench_gather "$T_BENCH_GATHER" "$KLOG" "$PY" "$ROOT/bench/bench_gather.py" \
     --device cuda || status=1
-  grep -E "PASS|MISS" "$OUT/bench_gather.log" | tee -a "$SUMMARY"
+  grep -E "PASS|MISS|launches" "$KLOG" | tee -a "$SUMMARY"
+  # Issue 17's GPU rows: async saves with pinned staging, and the host-memory EMA's step time.
+  run bench_async "$T_BENCH_ASYNC" "$IOLOG" "$PY" "$ROOT/bench/bench_async.py" --device cuda \
+    --megabytes 512 --repeat 3 --steps 8 --matmuls 10 --dir "$BUILD/bench-disk" || status=1
+  run bench_host_ema "$T_BENCH_HOST_EMA" "$IOLOG" "$PY" "$ROOT/bench/bench_host_ema.py" \
+    --repeat 3 --steps 8 || status=1
+  grep -E "PASS|MISS" "$IOLOG" | tee -a "$SUMMARY"
 fi
 
 say "gpu_check: overall exit $status ($(ls "$OUT" | wc -l) files in $OUT)"
