@@ -74,6 +74,15 @@ def test_offloaded_ema_under_fsdp2_local_shards():
         want = ref.full_state_dict(rank0_only=False)
         for k in want:
             assert torch.equal(got[k].cpu(), want[k].cpu()), k
+        # state_dict() is a view of the host EMA (no device copy), so dcp.load into it
+        # reaches the EMA.
+        before = torch.cuda.memory_allocated()
+        sd = off.state_dict()
+        assert torch.cuda.memory_allocated() == before
+        views = {k: v for k, v in sd.items() if k != ShardedEMA.STEP_KEY}
+        assert views and all(v._local_tensor.device.type == "cpu" for v in views.values())
+        assert {v._local_tensor.data_ptr() for v in views.values()} <= {
+            t.data_ptr() for t in off._ema}
 
 
 def test_async_save_of_cuda_tensors_uses_pinned_staging(tmp_path):

@@ -147,6 +147,23 @@ def run_fsdp2(rank, world):
         off.update()
     # The worker staged the local shards (plain tensors, not DTensors).
     assert all(type(t) is torch.Tensor for t in off._host.staging)
+    # The view state_dict() builds for a host EMA on an accelerator mesh (there the devices
+    # differ; here the same construction is checked on the CPU) is the DTensor from_local makes,
+    # over the EMA tensor itself: uneven shards (7 rows over 2 ranks) keep their global shape.
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_ema._slots import dtensor_view
+
+    off.synchronize()  # the last update may still be running on the worker thread
+    for slot, ema in zip(off._slots, off._ema):
+        want = DTensor.from_local(ema, slot.mesh, slot.placements, run_check=False,
+                                  shape=slot.global_shape,
+                                  stride=torch.empty(slot.global_shape, device="meta").stride())
+        got = dtensor_view(ema, slot.mesh, slot.placements, slot.global_shape, want.stride())
+        assert got._local_tensor is ema
+        assert (got.shape, got.stride(), got.placements, got.dtype) == (
+            want.shape, want.stride(), want.placements, want.dtype), slot.fqn
+        assert torch.equal(got.full_tensor(), want.full_tensor()), slot.fqn
     return ({k: v.clone() for k, v in off.full_state_dict().items()},
             {k: v.clone() for k, v in ref.full_state_dict().items()})
 

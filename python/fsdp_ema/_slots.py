@@ -100,6 +100,18 @@ def _rows(value, fqn: str, shape: torch.Size, rank: int, world_size: int) -> tor
     return value[begin:end]
 
 
+
+def dtensor_view(local: torch.Tensor, mesh, placements, shape: torch.Size, stride) -> Any:
+    """A DTensor over ``local`` itself, whatever its device (as FSDP2 builds its CPU-offloaded
+    parameters): unlike ``DTensor.from_local`` it never moves ``local`` to the mesh's device, so
+    it holds no device memory and a ``dcp.load`` into it writes ``local``."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, tuple(placements),
+                       tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
 class _Slot:
     """One tensor the EMA keeps, on this rank.
 
@@ -231,6 +243,11 @@ class _Sharded(_Slot):
         # Explicit shape and stride: from_local would infer a wrong global shape from an uneven
         # local shard (and on some ranks an empty one).
         stride = torch.empty(self.global_shape, device="meta").stride()
+        if ema.device.type != self.mesh.device_type:
+            # A host-memory EMA (device="cpu") of weights on an accelerator mesh: from_local would
+            # move it to the mesh's device; the state dict stays a view of the EMA instead.
+            return {self.fqn: dtensor_view(ema, self.mesh, self.placements, self.global_shape,
+                                           stride)}
         return {self.fqn: DTensor.from_local(ema, self.mesh, self.placements, run_check=False,
                                              shape=self.global_shape, stride=stride)}
 
