@@ -238,18 +238,24 @@ class _Sharded(_Slot):
         return repr(self.fqn)
 
     def state_items(self, ema):
-        from torch.distributed.tensor import DTensor
-
-        # Explicit shape and stride: from_local would infer a wrong global shape from an uneven
-        # local shard (and on some ranks an empty one).
         stride = torch.empty(self.global_shape, device="meta").stride()
         if ema.device.type != self.mesh.device_type:
             # A host-memory EMA (device="cpu") of weights on an accelerator mesh: from_local would
             # move it to the mesh's device; the state dict stays a view of the EMA instead.
             return {self.fqn: dtensor_view(ema, self.mesh, self.placements, self.global_shape,
                                            stride)}
-        return {self.fqn: DTensor.from_local(ema, self.mesh, self.placements, run_check=False,
-                                             shape=self.global_shape, stride=stride)}
+        return {self.fqn: self._on_mesh(ema)}
+
+    def _on_mesh(self, ema):
+        """The EMA as a DTensor on the mesh's device (a device copy of a host EMA), for
+        collectives over the mesh."""
+        from torch.distributed.tensor import DTensor
+
+        # Explicit shape and stride: from_local would infer a wrong global shape from an uneven
+        # local shard (and on some ranks an empty one).
+        stride = torch.empty(self.global_shape, device="meta").stride()
+        return DTensor.from_local(ema, self.mesh, self.placements, run_check=False,
+                                  shape=self.global_shape, stride=stride)
 
     def pieces(self, t, rank, world_size):
         return dtensor_pieces(self.fqn, t, self.mesh, self.placements, self.global_shape)
@@ -291,7 +297,7 @@ class _Sharded(_Slot):
             group = self.mesh.get_group(dim)
             return [Part(self.fqn, shape, ema.dtype, "rows", ema, group,
                          part_cost(shape, ema.dtype, self.chunk[1]))]
-        return [Part(self.fqn, shape, ema.dtype, "dtensor", self.state_items(ema)[self.fqn])]
+        return [Part(self.fqn, shape, ema.dtype, "dtensor", self._on_mesh(ema))]
 
 
 class _Flat(_Slot):
