@@ -160,6 +160,40 @@ def run_one_in_flight(rank, world, d1, d2):
             "committed": [os.path.exists(os.path.join(d, INDEX)) for d in (d1, d2)]}
 
 
+def run_destroy_during_save(rank, world, directory, after, init_file):
+    """destroy_process_group() while a save is in flight: the handle raises a clear error on
+    every rank and nothing is committed; after a new init_process_group, async saves work again
+    (a new background group, not the destroyed one)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    _model, _opt, _sched, ema = build("fsdp2_fp32")
+    gate = threading.Event()
+    with slow_writes(gate=gate) as writes:
+        handle = ema.save(directory, async_=True)
+        # Both background threads past the first agreement, held before the write: no
+        # collective of theirs is running when the groups go (destroying a group under a
+        # running gloo collective can leave that thread blocked: what the docs warn of).
+        deadline = time.monotonic() + 30
+        while writes.calls == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        dist.barrier()
+        dist.destroy_process_group()
+        gate.set()
+        try:
+            handle.result(timeout=60)
+            message = None
+        except RuntimeError as e:
+            message = str(e)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    _model, _opt, _sched, ema = build("fsdp2_fp32")
+    nbytes = ema.save(after, async_=True).result(timeout=60)
+    return {"message": message, "index": os.path.exists(os.path.join(directory, INDEX)),
+            "after": nbytes > 0 and os.path.exists(os.path.join(after, INDEX))}
+
+
 # --- tests ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -214,6 +248,17 @@ def test_one_save_in_flight_waits_or_raises(pool, tmp_path):
         assert res["refused"] is not None and "still in flight" in res["refused"]
         assert res["first_done"] and res["waited"] >= 0.2
         assert res["committed"] == [True, True]
+
+
+def test_destroying_the_group_during_a_save_fails_it_clearly(pool, tmp_path):
+    results = pool.run(run_destroy_during_save, str(tmp_path / "ckpt"), str(tmp_path / "after"),
+                       str(tmp_path / "reinit"))
+    for res in results:
+        assert res["message"] is not None
+        assert "process group was destroyed" in res["message"]
+        assert "nothing was committed" in res["message"]
+        assert not res["index"]  # shard files may be there, uncommitted: no reader takes them
+        assert res["after"]
 
 
 # --- single process: the checkpoint helpers ------------------------------------------------------

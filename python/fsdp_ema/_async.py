@@ -69,6 +69,9 @@ class _Writer:
 
     def __init__(self, group: dist.ProcessGroup | None):
         self.group = group
+        # The default group this writer's group was made under: destroy_process_group() destroys
+        # every group, so a writer made before it must not be reused after a new init.
+        self.world = dist.group.WORLD if group is not None else None
         self._cv = threading.Condition()
         self._jobs: list[tuple[SaveHandle, Callable[[], Any]]] = []
         self._pending = 0
@@ -91,10 +94,21 @@ class _Writer:
             try:
                 handle._future.set_result(job())
             except BaseException as e:  # noqa: BLE001 (the handle re-raises it)
+                if self.stale():
+                    err = RuntimeError(
+                        f"{handle.what}: the process group was destroyed before this "
+                        f"asynchronous save finished, so nothing was committed; call the "
+                        f"handle's result() before dist.destroy_process_group()")
+                    err.__cause__ = e
+                    e = err
                 handle._future.set_exception(e)
             with self._cv:
                 self._pending -= 1
                 self._cv.notify_all()
+
+    def stale(self) -> bool:
+        """Whether the process groups this writer was made under are gone."""
+        return self.world is not None and dist.group.WORLD is not self.world
 
     def drain(self) -> None:
         with self._cv:
@@ -115,7 +129,7 @@ def _writer(group: dist.ProcessGroup | None) -> _Writer:
         key = tuple(dist.get_process_group_ranks(group))
     with _WRITERS_LOCK:
         w = _WRITERS.get(key)
-        if w is None:
+        if w is None or w.stale():
             background = None
             if key is not None:
                 background = dist.new_group(list(key), backend="gloo",
