@@ -22,7 +22,6 @@ rounds cancels out of each ratio).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -32,7 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_update import shard_sizes, time_once  # noqa: E402
+from bench_update import shard_sizes  # noqa: E402
+from harness import interleaved_times, parse_args, size_parser  # noqa: E402
 from report import finish  # noqa: E402
 
 import fsdp_ema  # noqa: E402, F401  (loads the operator library)
@@ -72,15 +72,9 @@ def run_case(args, model_dtype: torch.dtype, k: int, sizes: list[int]) -> dict:
           f"cast + {k} x _foreach_lerp_"), foreach_lerp,
          cast_bytes + elements * k * (lerp_model + 8)),
     ]
-    fns = {name: fn for name, fn, _ in rows}
     with torch.no_grad():
-        for fn in fns.values():
-            for _ in range(args.warmup):
-                fn()
-        times = {name: [] for name in fns}
-        for _ in range(args.repeat):
-            for name, fn in fns.items():
-                times[name].append(time_once(fn, device))
+        times = interleaved_times({name: fn for name, fn, _ in rows}, device, args.warmup,
+                                  args.repeat)
     results = {name: {"min": min(times[name]), "median": statistics.median(times[name]),
                       "bytes": nbytes, "times": times[name]} for name, _, nbytes in rows}
     return {"elements": elements, "tensors": len(sizes), "k": k, "msize": msize,
@@ -124,24 +118,11 @@ def report(case: str, r: dict) -> list[tuple[str, bool, str]]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--elements", type=int, default=None,
-                        help="elements per profile (default 50M on CPU, 500M on CUDA)")
-    parser.add_argument("--tensors", type=int, default=500)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=15)
+    parser = size_parser(__doc__, "elements per profile (default 50M on CPU, 500M on CUDA)",
+                         warmup=2, repeat=15)
     parser.add_argument("--ks", default="2,3")
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
-    args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("--device cuda: no CUDA device")
-    if args.elements is None:
-        args.elements = 50_000_000 if args.device == "cpu" else 500_000_000
+    args = parse_args(parser, cpu_elements=50_000_000, cuda_elements=500_000_000)
     sizes = shard_sizes(args.elements, args.tensors)
-    print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
-          f"fsdp_ema CPU kernel ISA {torch.ops.fsdp_ema.cpu_capability()}"
-          + (f", GPU {torch.cuda.get_device_name()}" if args.device == "cuda" else ""))
     results, checks = {}, []
     for label, dtype in (("fp32 params", torch.float32), ("bf16 params", torch.bfloat16)):
         for k in (int(x) for x in args.ks.split(",")):

@@ -16,12 +16,10 @@ compare honestly; speedups compare wall time for the same update.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
+from harness import interleaved_times, parse_args, size_parser  # noqa: E402
 from report import finish  # noqa: E402
 
 import fsdp_ema  # noqa: E402
@@ -58,31 +57,6 @@ def shard_sizes(target_elements: int, count: int = 500, world_size: int = 2) -> 
         else:
             hi = mid
     return [math.ceil(n / world_size) for n in model_sizes(lo)]
-
-
-def time_once(fn, device: str) -> float:
-    if device == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def timed_interleaved(fns: dict, device: str, warmup: int, repeat: int) -> dict:
-    """Median seconds per function, measured round-robin so machine noise hits every row alike."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            times[name].append(time_once(fn, device))
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def count_kernel_launches(fn) -> int:
@@ -155,9 +129,10 @@ def run_case(args, model_dtype: torch.dtype, sizes: list[int]) -> dict:
         dst = torch.empty_like(src)
         rows.append(("limit (device-to-device copy)", lambda: dst.copy_(src), elements * 8))
     with torch.no_grad():
-        seconds = timed_interleaved({name: fn for name, fn, _ in rows}, device, args.warmup,
-                                    args.repeat)
-    results = {name: {"seconds": seconds[name], "bytes": nbytes} for name, _, nbytes in rows}
+        times = interleaved_times({name: fn for name, fn, _ in rows}, device, args.warmup,
+                                  args.repeat)
+    results = {name: {"seconds": statistics.median(times[name]), "bytes": nbytes}
+               for name, _, nbytes in rows}
     if device == "cuda":
         results["fsdp_ema.update_"]["kernel_launches"] = count_kernel_launches(ours)
         # The launch bound holds up to 800 tensors (one table-fill launch + the update).
@@ -208,25 +183,12 @@ def report(case: str, r: dict) -> list[tuple[str, bool, str]]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--elements", type=int, default=None,
-                        help="EMA elements in total (default 50M on CPU, 1B on CUDA)")
-    parser.add_argument("--tensors", type=int, default=500)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeat", type=int, default=20)
+    parser = size_parser(__doc__, "EMA elements in total (default 50M on CPU, 1B on CUDA)",
+                         warmup=3, repeat=20)
     parser.add_argument("--limit-library", type=Path,
                         default=ROOT / "build" / "lib" / "libfsdp_ema_bench_limit.so")
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
-    args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("--device cuda: no CUDA device")
-    if args.elements is None:
-        args.elements = 50_000_000 if args.device == "cpu" else 1_000_000_000
+    args = parse_args(parser, cpu_elements=50_000_000, cuda_elements=1_000_000_000)
     sizes = shard_sizes(args.elements, args.tensors)
-    print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
-          f"fsdp_ema CPU kernel ISA {torch.ops.fsdp_ema.cpu_capability()}"
-          + (f", GPU {torch.cuda.get_device_name()}" if args.device == "cuda" else ""))
     results, checks = {}, []
     for label, dtype in (("fp32 EMA / fp32 params", torch.float32),
                          ("fp32 EMA / bf16 params", torch.bfloat16)):

@@ -11,19 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from load_state import mixed_state
 
 from fsdp_ema import checkpoint as ckpt
 
 
 def reference():
-    g = torch.Generator().manual_seed(11)
-    return {
-        "w": torch.randn(301, 70, generator=g),
-        "b": torch.randn(70, generator=g).to(torch.bfloat16),
-        "m": torch.rand(50, generator=g) > 0.5,
-        "step": torch.tensor(12, dtype=torch.int64),
-        "empty": torch.zeros(0, 3),
-    }
+    return mixed_state(11, 301, empty=True)
 
 
 def sentinels(like: dict) -> dict:

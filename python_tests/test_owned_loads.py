@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from load_state import mixed_state
 
 from fsdp_ema import checkpoint as ckpt
 
@@ -23,13 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def reference():
-    g = torch.Generator().manual_seed(3)
-    return {
-        "w": torch.randn(300, 70, generator=g),
-        "b": torch.randn(70, generator=g).to(torch.bfloat16),
-        "m": torch.rand(50, generator=g) > 0.5,
-        "step": torch.tensor(12, dtype=torch.int64),
-    }
+    return mixed_state(3, 300)
 
 
 def shard_path(directory):

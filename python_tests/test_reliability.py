@@ -4,6 +4,7 @@ docs/RELIABILITY.md says what these tests guarantee and records the counts of th
 (each test prints a ``RELIABILITY ...`` line; run pytest with ``-s`` to see them).
 """
 
+import contextlib
 import json
 import os
 import random
@@ -61,38 +62,52 @@ TENSORS_CODE = textwrap.dedent("""
 """)
 WORLD = 3
 
-# A fork server: imports torch once (a fresh interpreter costs seconds here), then for each
-# "save <dir> <stop>" line forks a child that saves the three ranks' files in sequence and
-# commits. stop >= 0 makes the child SIGKILL itself after that many steps (0: before anything,
-# 1..3: after shard 0..2 was written, 4: after the commit); stop < 0 runs to the end (the test
-# kills it from outside). The server prints "pid <pid>", then "exit <wait status>".
-SERVER = TENSORS_CODE + textwrap.dedent("""
-    import os, signal, sys
+# The loop of a fork server: the server imports torch once (a fresh interpreter costs seconds
+# here) and builds its tensors, then serve(child) prints "ready" and for each request line
+# ("save <args>...") forks a child that runs child(<args>...) and exits; the server prints
+# "pid <pid>", then "exit <wait status>".
+FORK_SERVER_CODE = textwrap.dedent("""
+    import os, sys
+
+    def serve(child):
+        print("ready", flush=True)
+        for line in sys.stdin:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    child(*line.split()[1:])
+                finally:
+                    os._exit(0)
+            print("pid", pid, flush=True)
+            _, status = os.waitpid(pid, 0)
+            print("exit", status, flush=True)
+""")
+
+# For each "save <dir> <stop>" the child saves the three ranks' files in sequence and commits.
+# stop >= 0 makes the child SIGKILL itself after that many steps (0: before anything, 1..3: after
+# shard 0..2 was written, 4: after the commit); stop < 0 runs to the end (the test kills it from
+# outside).
+SERVER = TENSORS_CODE + FORK_SERVER_CODE + textwrap.dedent("""
+    import signal
     import torch
     torch.set_num_threads(1)
     from fsdp_ema import checkpoint as ckpt
     shards = make_shards(1)
-    print("ready", flush=True)
-    for line in sys.stdin:
-        _, directory, stop = line.split()
+
+    def save(directory, stop):
         stop = int(stop)
-        pid = os.fork()
-        if pid == 0:
-            try:
-                def step(k):
-                    if k == stop:
-                        os.kill(os.getpid(), signal.SIGKILL)
-                step(0)
-                for r in range(3):
-                    ckpt.save_shard(directory, shards[r], rank=r, world_size=3)
-                    step(r + 1)
-                ckpt.commit(directory, 3)
-                step(4)
-            finally:
-                os._exit(0)
-        print("pid", pid, flush=True)
-        _, status = os.waitpid(pid, 0)
-        print("exit", status, flush=True)
+
+        def step(k):
+            if k == stop:
+                os.kill(os.getpid(), signal.SIGKILL)
+        step(0)
+        for r in range(3):
+            ckpt.save_shard(directory, shards[r], rank=r, world_size=3)
+            step(r + 1)
+        ckpt.commit(directory, 3)
+        step(4)
+
+    serve(save)
 """)
 
 
@@ -109,6 +124,44 @@ def read_line(proc, timeout=30.0):
     line = proc.stdout.readline()
     assert line, "fork server died"
     return line.split()
+
+
+@contextlib.contextmanager
+def fork_server(code):
+    """A fork server (SERVER, ASYNC_SERVER) that has said "ready"; stopped on the way out."""
+    server = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT)
+    try:
+        assert read_line(server, 120) == ["ready"]
+        yield server
+    finally:
+        server.stdin.close()
+        server.wait(timeout=30)
+
+
+def save_and_kill(server, request, directory, delay=None, tmp_prefix=None, exit_timeout=30.0):
+    """One save by the fork server's child, SIGKILLed from here `delay` seconds after it started,
+    or once a file named `tmp_prefix`... appears in `directory` (a temporary being written; 10 s
+    at the most), or not at all (neither given). Returns (killed, seconds from the start to the
+    kill, seconds from the start to the child's exit)."""
+    server.stdin.write(request + "\n")
+    server.stdin.flush()
+    pid = int(read_line(server)[1])
+    t0 = time.monotonic()
+    if delay is not None:
+        time.sleep(delay)
+        kill(pid)
+    elif tmp_prefix is not None:
+        while time.monotonic() - t0 < 10:
+            try:
+                if any(n.startswith(tmp_prefix) for n in os.listdir(directory)):
+                    break
+            except FileNotFoundError:
+                pass
+        kill(pid)
+    elapsed = time.monotonic() - t0
+    _, status = read_line(server, exit_timeout)
+    return os.WIFSIGNALED(int(status)), elapsed, time.monotonic() - t0
 
 
 def check_crashed_dir(directory, expected):
@@ -151,37 +204,16 @@ def test_sigkill_during_multi_file_save(tmp_path):
     ckpt.commit(prev, WORLD)
     prev_files = {n: (prev / n).read_bytes() for n in os.listdir(prev)}
 
-    server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT)
     outcomes = []
-    try:
-        assert read_line(server, 120) == ["ready"]
+    with fork_server(SERVER) as server:
 
         def run(mode, arg):
             d = tmp_path / f"new{len(outcomes):02d}"
             stop = arg if mode == "step" else -1
-            server.stdin.write(f"save {d} {stop}\n")
-            server.stdin.flush()
-            kind, pid = read_line(server)
-            pid = int(pid)
-            t0 = time.monotonic()
-            if mode == "delay":
-                time.sleep(arg)
-                kill(pid)
-            elif mode == "tmp":
+            killed, elapsed, total = save_and_kill(
+                server, f"save {d} {stop}", d, delay=arg if mode == "delay" else None,
                 # Kill while rank `arg`'s temporary file is being written.
-                prefix = "." + ckpt.shard_file_name(arg, WORLD)
-                while time.monotonic() - t0 < 10:
-                    try:
-                        if any(n.startswith(prefix) for n in os.listdir(d)):
-                            break
-                    except FileNotFoundError:
-                        pass
-                kill(pid)
-            elapsed = time.monotonic() - t0
-            kind, status = read_line(server)
-            total = time.monotonic() - t0
-            killed = os.WIFSIGNALED(int(status))
+                tmp_prefix="." + ckpt.shard_file_name(arg, WORLD) if mode == "tmp" else None)
             state = check_crashed_dir(d, new_expected)
             # The previous checkpoint is untouched and loads bit-exact.
             loaded = ckpt.load(prev)
@@ -206,9 +238,6 @@ def test_sigkill_during_multi_file_save(tmp_path):
             if time.monotonic() > deadline and sum(o[2] for o in outcomes) >= 15:
                 break
             run("delay", rng.uniform(0, full))
-    finally:
-        server.stdin.close()
-        server.wait(timeout=30)
 
     crashes = [o for o in outcomes if o[2]]
     # Every step-mode and tmp-mode run was killed; delays past the end may let the save finish.
@@ -254,28 +283,20 @@ def test_sigkill_during_multi_file_save(tmp_path):
 # The same crash, during an asynchronous save: the child stages the tensors, keeps modifying
 # them (as training does) while the background thread writes the file and the index, and is
 # killed from outside at random points or while the temporary file is being written.
-ASYNC_SERVER = TENSORS_CODE + textwrap.dedent("""
-    import os, sys
+ASYNC_SERVER = TENSORS_CODE + FORK_SERVER_CODE + textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     from fsdp_ema import checkpoint as ckpt
     tensors = {k: v for d in make_shards(1) for k, v in d.items()}
-    print("ready", flush=True)
-    for line in sys.stdin:
-        _, directory = line.split()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                handle = ckpt.save(directory, tensors, async_=True)
-                while not handle.done():
-                    for t in tensors.values():
-                        t.add_(1.0)
-                handle.result()
-            finally:
-                os._exit(0)
-        print("pid", pid, flush=True)
-        _, status = os.waitpid(pid, 0)
-        print("exit", status, flush=True)
+
+    def save(directory):
+        handle = ckpt.save(directory, tensors, async_=True)
+        while not handle.done():
+            for t in tensors.values():
+                t.add_(1.0)
+        handle.result()
+
+    serve(save)
 """)
 
 
@@ -283,35 +304,18 @@ def test_sigkill_during_async_save(tmp_path):
     ns = {}
     exec(TENSORS_CODE, ns)
     expected = {k: v for d in ns["make_shards"](1) for k, v in d.items()}
-    server = subprocess.Popen([sys.executable, "-c", ASYNC_SERVER], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT)
     outcomes = []
-    try:
-        assert read_line(server, 120) == ["ready"]
+    with fork_server(ASYNC_SERVER) as server:
 
         def run(mode, arg):
             d = tmp_path / f"a{len(outcomes):02d}"
-            server.stdin.write(f"save {d}\n")
-            server.stdin.flush()
-            pid = int(read_line(server)[1])
-            t0 = time.monotonic()
-            if mode == "tmp":  # while the background thread writes the temporary file
-                prefix = "." + ckpt.shard_file_name(0, 1)
-                while time.monotonic() - t0 < 10:
-                    try:
-                        if any(n.startswith(prefix) for n in os.listdir(d)):
-                            break
-                    except FileNotFoundError:
-                        pass
-                kill(pid)
-            elif mode == "delay":
-                time.sleep(arg)
-                kill(pid)
-            # A generous wait: a SIGKILL lands only once an fsync in flight returns, which on a
-            # disk shared with other jobs can take seconds.
-            _, status = read_line(server, 120)
-            total = time.monotonic() - t0
-            killed = os.WIFSIGNALED(int(status))
+            killed, _, total = save_and_kill(
+                server, f"save {d}", d, delay=arg if mode == "delay" else None,
+                # While the background thread writes the temporary file.
+                tmp_prefix="." + ckpt.shard_file_name(0, 1) if mode == "tmp" else None,
+                # A generous wait: a SIGKILL lands only once an fsync in flight returns, which on
+                # a disk shared with other jobs can take seconds.
+                exit_timeout=120)
             # Complete and equal to the tensors at the call (not the ones modified after), or
             # refused: never a partial checkpoint that loads.
             state = check_crashed_dir(d, expected)
@@ -325,9 +329,6 @@ def test_sigkill_during_async_save(tmp_path):
         rng = random.Random(4321)
         for _ in range(8):
             run("delay", rng.uniform(0, full))
-    finally:
-        server.stdin.close()
-        server.wait(timeout=30)
     crashes = [o for o in outcomes if o[2]]
     assert len(crashes) >= 3, outcomes
     assert any(o[0] == "tmp" and o[3] == "refused" for o in crashes), outcomes

@@ -14,50 +14,20 @@
 #include <map>
 #include <string>
 
+#include "checkpoint_fixture.h"
+
 namespace {
 
 namespace fs = std::filesystem;
+using ::fsdp_ema::testing::scratch_dir;
+using ::fsdp_ema::testing::write_sharded;
 using ::testing::HasSubstr;
 
-fs::path scratch_dir(const std::string& name) {
-  const fs::path dir =
-      fs::temp_directory_path() / ("fsdp_ema_reader_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
+// The torch.chunk rows of `rank` of `world`, the reference for load_chunk.
 std::pair<int64_t, int64_t> chunk_rows(int64_t rows, int64_t rank, int64_t world) {
   const int64_t cs = (rows + world - 1) / world;
   const int64_t begin = std::min(rank * cs, rows);
   return {begin, std::min(begin + cs, rows)};
-}
-
-// Writes `tensors` as `world` ranks would: dim-0 torch.chunk rows each; 0-dim ones by rank 0.
-void write_sharded(const fs::path& dir, const std::map<std::string, at::Tensor>& tensors,
-                   int64_t world) {
-  for (int64_t rank = 0; rank < world; ++rank) {
-    std::vector<std::string> names;
-    std::vector<at::Tensor> shards;
-    std::vector<int64_t> offsets, global_shapes;
-    for (const auto& [name, t] : tensors) {
-      if (t.dim() == 0) {
-        if (rank != 0) continue;
-        names.push_back(name);
-        shards.push_back(t);
-        continue;
-      }
-      const auto [b, e] = chunk_rows(t.size(0), rank, world);
-      names.push_back(name);
-      shards.push_back(t.slice(0, b, e));
-      offsets.push_back(b);
-      for (int64_t d = 1; d < t.dim(); ++d) offsets.push_back(0);
-      for (const auto s : t.sizes()) global_shapes.push_back(s);
-    }
-    EXPECT_GT(
-        fsdp_ema::save_shard(dir.string(), rank, world, names, shards, offsets, global_shapes), 0);
-  }
-  EXPECT_EQ(fsdp_ema::commit_checkpoint(dir.string(), world), static_cast<int64_t>(tensors.size()));
 }
 
 std::map<std::string, at::Tensor> reference() {

@@ -17,45 +17,14 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
+#include "checkpoint_fixture.h"
+
 namespace {
 
 namespace fs = std::filesystem;
+using ::fsdp_ema::testing::scratch_dir;
+using ::fsdp_ema::testing::write_sharded;
 using ::testing::HasSubstr;
-
-fs::path scratch_dir(const std::string& name) {
-  const fs::path dir =
-      fs::temp_directory_path() / ("fsdp_ema_frontend_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
-// Writes every tensor as `world` ranks would (torch.chunk rows; the reference chunking is
-// at::chunk, independent of ours) and commits.
-void write_sharded(const fs::path& dir, const std::map<std::string, at::Tensor>& tensors,
-                   int64_t world) {
-  for (int64_t rank = 0; rank < world; ++rank) {
-    std::vector<std::string> names;
-    std::vector<at::Tensor> shards;
-    std::vector<int64_t> offsets, global_shapes;
-    for (const auto& [name, t] : tensors) {
-      const auto chunks = t.chunk(world, 0);
-      int64_t begin = 0;
-      for (int64_t r = 0; r < rank && r < static_cast<int64_t>(chunks.size()); ++r) {
-        begin += chunks[r].size(0);
-      }
-      names.push_back(name);
-      shards.push_back(rank < static_cast<int64_t>(chunks.size()) ? chunks[rank]
-                                                                  : t.slice(0, t.size(0)));
-      offsets.push_back(std::min(begin, t.size(0)));
-      for (int64_t d = 1; d < t.dim(); ++d) offsets.push_back(0);
-      for (const auto s : t.sizes()) global_shapes.push_back(s);
-    }
-    ASSERT_GT(
-        fsdp_ema::save_shard(dir.string(), rank, world, names, shards, offsets, global_shapes), 0);
-  }
-  ASSERT_EQ(fsdp_ema::commit_checkpoint(dir.string(), world), static_cast<int64_t>(tensors.size()));
-}
 
 struct BlockImpl : torch::nn::Module {
   BlockImpl() : fc(register_module("fc", torch::nn::Linear(3, 5))) {

@@ -9,15 +9,14 @@
 #include <filesystem>
 #include <string>
 
+#include "checkpoint_fixture.h"
+
 namespace {
 
 namespace fs = std::filesystem;
 
 fs::path save_one(const std::string& name, const at::Tensor& t) {
-  const fs::path dir =
-      fs::temp_directory_path() / ("fsdp_ema_owned_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  const fs::path dir = fsdp_ema::testing::scratch_dir(name);
   std::vector<int64_t> offsets(static_cast<size_t>(t.dim()), 0);
   fsdp_ema::save_shard(dir.string(), 0, 1, {"w"}, {t}, offsets, t.sizes().vec());
   fsdp_ema::commit_checkpoint(dir.string(), 1);

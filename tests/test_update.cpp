@@ -32,6 +32,30 @@ Case make_case(at::ScalarType ema_dtype, at::ScalarType model_dtype, at::DeviceT
   return c;
 }
 
+std::vector<at::Tensor> clones(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : tensors) out.push_back(t.clone());
+  return out;
+}
+
+// Bit-equal tensor by tensor.
+void expect_all_equal(const std::vector<at::Tensor>& actual,
+                      const std::vector<at::Tensor>& expected) {
+  ASSERT_EQ(actual.size(), expected.size());
+  for (size_t i = 0; i < actual.size(); ++i) EXPECT_TRUE(at::equal(actual[i], expected[i])) << i;
+}
+
+// update_ with `decay`, each tensor checked against the at::lerp reference of its values before.
+void expect_update_matches_lerp(std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& model,
+                                double decay) {
+  std::vector<at::Tensor> expected;
+  for (size_t i = 0; i < ema.size(); ++i) {
+    expected.push_back(reference_update(ema[i], model[i], decay));
+  }
+  fsdp_ema::update_(ema, model, decay);
+  for (size_t i = 0; i < ema.size(); ++i) expect_ema_close(ema[i], expected[i]);
+}
+
 class UpdateDtypes
     : public ::testing::TestWithParam<std::tuple<at::DeviceType, at::ScalarType, at::ScalarType>> {
 };
@@ -40,12 +64,7 @@ TEST_P(UpdateDtypes, MatchesLerpReference) {
   const auto [device, ema_dtype, model_dtype] = GetParam();
   FSDP_EMA_SKIP_WITHOUT(device);
   Case c = make_case(ema_dtype, model_dtype, device);
-  std::vector<at::Tensor> expected;
-  for (size_t i = 0; i < c.ema.size(); ++i) {
-    expected.push_back(reference_update(c.ema[i], c.model[i], 0.9));
-  }
-  fsdp_ema::update_(c.ema, c.model, 0.9);
-  for (size_t i = 0; i < c.ema.size(); ++i) expect_ema_close(c.ema[i], expected[i]);
+  expect_update_matches_lerp(c.ema, c.model, 0.9);
 }
 
 const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf};
@@ -61,34 +80,31 @@ TEST_P(UpdateDevices, DecayTensorMatchesDecayFloat) {
   const at::DeviceType device = GetParam();
   FSDP_EMA_SKIP_WITHOUT(device);
   Case a = make_case(at::kFloat, at::kBFloat16, device);
-  std::vector<at::Tensor> b;
-  for (const auto& t : a.ema) b.push_back(t.clone());
+  std::vector<at::Tensor> b = clones(a.ema);
   fsdp_ema::update_(a.ema, a.model, 0.75);
   fsdp_ema::update_(b, a.model, at::scalar_tensor(0.75, at::TensorOptions(device)));
-  for (size_t i = 0; i < b.size(); ++i) EXPECT_TRUE(at::equal(a.ema[i], b[i])) << i;
+  expect_all_equal(a.ema, b);
 }
 
 TEST_P(UpdateDevices, AliasRunsTheSameKernel) {
   const at::DeviceType device = GetParam();
   FSDP_EMA_SKIP_WITHOUT(device);
   Case a = make_case(at::kHalf, at::kFloat, device);
-  std::vector<at::Tensor> b;
-  for (const auto& t : a.ema) b.push_back(t.clone());
+  std::vector<at::Tensor> b = clones(a.ema);
   fsdp_ema::update_(a.ema, a.model, 0.6);
   fsdp_ema::ema_shard_update_(b, a.model, 0.6);
-  for (size_t i = 0; i < b.size(); ++i) EXPECT_TRUE(at::equal(a.ema[i], b[i])) << i;
+  expect_all_equal(a.ema, b);
 }
 
 TEST_P(UpdateDevices, DecayZeroCopiesAndDecayOneKeepsExactly) {
   const at::DeviceType device = GetParam();
   FSDP_EMA_SKIP_WITHOUT(device);
   Case c = make_case(at::kFloat, at::kFloat, device);
-  std::vector<at::Tensor> before;
-  for (const auto& t : c.ema) before.push_back(t.clone());
+  std::vector<at::Tensor> before = clones(c.ema);
   fsdp_ema::update_(c.ema, c.model, 1.0);
-  for (size_t i = 0; i < c.ema.size(); ++i) EXPECT_TRUE(at::equal(c.ema[i], before[i]));
+  expect_all_equal(c.ema, before);
   fsdp_ema::update_(c.ema, c.model, 0.0);
-  for (size_t i = 0; i < c.ema.size(); ++i) EXPECT_TRUE(at::equal(c.ema[i], c.model[i]));
+  expect_all_equal(c.ema, c.model);
 }
 
 TEST_P(UpdateDevices, MisalignedAndStridedTensors) {
@@ -102,11 +118,7 @@ TEST_P(UpdateDevices, MisalignedAndStridedTensors) {
   std::vector<at::Tensor> ema = {base_e.slice(0, 1, 4098), grid_e.slice(1, 0, 48, 3)};
   std::vector<at::Tensor> model = {base_m.slice(0, 2, 4099), grid_m.t().slice(1, 0, 16)};
   const at::Tensor untouched = grid_e.clone();
-  std::vector<at::Tensor> expected;
-  for (size_t i = 0; i < ema.size(); ++i)
-    expected.push_back(reference_update(ema[i], model[i], 0.8));
-  fsdp_ema::update_(ema, model, 0.8);
-  for (size_t i = 0; i < ema.size(); ++i) expect_ema_close(ema[i], expected[i]);
+  expect_update_matches_lerp(ema, model, 0.8);
   // Columns outside the strided view keep their values.
   EXPECT_TRUE(at::equal(grid_e.slice(1, 1, 48, 3), untouched.slice(1, 1, 48, 3)));
   EXPECT_TRUE(at::equal(grid_e.slice(1, 2, 48, 3), untouched.slice(1, 2, 48, 3)));
@@ -118,12 +130,7 @@ TEST_P(UpdateDevices, HundredsOfTensorsInOneCall) {
   std::vector<std::vector<int64_t>> sizes;
   for (int i = 0; i < 500; ++i) sizes.push_back({(i * 7919) % 5000});
   Case c = make_case(at::kFloat, at::kBFloat16, device, sizes);
-  std::vector<at::Tensor> expected;
-  for (size_t i = 0; i < c.ema.size(); ++i) {
-    expected.push_back(reference_update(c.ema[i], c.model[i], 0.99));
-  }
-  fsdp_ema::update_(c.ema, c.model, 0.99);
-  for (size_t i = 0; i < c.ema.size(); ++i) expect_ema_close(c.ema[i], expected[i]);
+  expect_update_matches_lerp(c.ema, c.model, 0.99);
 }
 
 TEST_P(UpdateDevices, DecayTensorOnTheCpuForDeviceTensors) {

@@ -13,6 +13,7 @@
 #include "fsdp_ema/format/layout.h"
 #include "fsdp_ema/format/shard_file.h"
 #include "tests/format/fixture_model.h"
+#include "tests/format/reference_checkpoint.h"
 #include "tests/format/test_util.h"
 
 namespace fsdp_ema::format {
@@ -21,15 +22,9 @@ namespace {
 using ::testing::AllOf;
 using ::testing::ElementsAre;
 using testing::error_of;
+using testing::files_of;
 using ::testing::HasSubstr;
 using testing::TempDir;
-
-// Every file of `dir` (hidden ones included) with its bytes.
-std::map<std::string, std::vector<std::byte>> snapshot(const std::string& dir) {
-  std::map<std::string, std::vector<std::byte>> out;
-  for (const std::string& n : testing::list_names(dir)) out[n] = testing::read_bytes(dir + "/" + n);
-  return out;
-}
 
 // The model with every byte of its data changed, so that old and new values differ everywhere.
 std::vector<testing::RefTensor> changed(std::vector<testing::RefTensor> model) {
@@ -45,17 +40,9 @@ std::vector<std::byte> full(const CheckpointDir& ckpt, const std::string& name) 
   return out;
 }
 
-class ExportOverwrite : public ::testing::Test {
+class ExportOverwrite : public testing::ReferenceCheckpointTest<3> {
  protected:
-  void SetUp() override {
-    model_ = testing::reference_model();
-    ckpt_ = root_.subdir("ckpt");
-    testing::write_checkpoint(ckpt_, model_, 3);
-    out_ = root_.file("out");
-  }
-  TempDir root_;
-  std::string ckpt_, out_;
-  std::vector<testing::RefTensor> model_;
+  std::string out_ = root_.file("out");
 };
 
 TEST_F(ExportOverwrite, AFailureHalfwayLeavesTheEarlierExportUntouched) {
@@ -63,7 +50,7 @@ TEST_F(ExportOverwrite, AFailureHalfwayLeavesTheEarlierExportUntouched) {
   split.max_file_bytes = 150;
   const ExportResult first = export_consolidated(ckpt_, out_, split);
   ASSERT_GE(first.files.size(), 3u);
-  const auto before = snapshot(out_);
+  const auto before = files_of(out_);
 
   // A newer checkpoint whose last tensor (in name order: the last file) is corrupted: the new
   // export fails after its first files are written.
@@ -83,7 +70,7 @@ TEST_F(ExportOverwrite, AFailureHalfwayLeavesTheEarlierExportUntouched) {
   EXPECT_THAT(error_of([&] { export_consolidated(newer, out_, split); }),
               AllOf(HasSubstr("tensor \"" + last.name + "\""), HasSubstr("checksum mismatch")));
   // The earlier export, byte for byte, and nothing else (no staging directory left behind).
-  EXPECT_EQ(snapshot(out_), before);
+  EXPECT_EQ(files_of(out_), before);
 }
 
 TEST_F(ExportOverwrite, SplitAndSingleReplaceEachOtherWhole) {
@@ -116,70 +103,63 @@ TEST_F(ExportOverwrite, StagingOfADeadExportIsRemoved) {
   EXPECT_THAT(testing::list_names(out_), ElementsAre("model.safetensors"));
 }
 
-class CommitOverwrite : public ::testing::Test {
+class CommitOverwrite : public testing::ReferenceCheckpointTest<2> {
  protected:
-  void SetUp() override {
-    model_ = testing::reference_model();
-    dir_ = root_.subdir("ckpt");
-    testing::write_checkpoint(dir_, model_, 2);
-  }
   // Writes rank r's file of `model` where an overwrite writes it.
   void save_rank(const std::vector<testing::RefTensor>& model, int64_t r, int64_t world) {
     WriteOptions o;
     o.rank = r;
     o.world_size = world;
-    write_shard_file(dir_ + "/" + shard_file_name_to_write(dir_, r, world),
+    write_shard_file(ckpt_ + "/" + shard_file_name_to_write(ckpt_, r, world),
                      testing::local_shards(model, r, world), o);
   }
   void expect_values(const std::vector<testing::RefTensor>& model) {
-    const CheckpointDir ckpt = CheckpointDir::open(dir_);
+    const CheckpointDir ckpt = CheckpointDir::open(ckpt_);
     EXPECT_TRUE(ckpt.stray_files().empty());
     for (const auto& t : model) EXPECT_EQ(full(ckpt, t.name), t.data) << t.name;
   }
-  TempDir root_;
-  std::string dir_;
-  std::vector<testing::RefTensor> model_;
 };
 
 TEST_F(CommitOverwrite, OldCheckpointLoadsUntilTheNewIndexLands) {
   const auto newer = changed(model_);
-  EXPECT_EQ(shard_file_name_to_write(dir_, 0, 2), alternate_shard_file_name(0, 2));
-  EXPECT_EQ(shard_file_name_to_write(dir_, 0, 3), shard_file_name(0, 3));  // not referenced
+  EXPECT_EQ(shard_file_name_to_write(ckpt_, 0, 2), alternate_shard_file_name(0, 2));
+  EXPECT_EQ(shard_file_name_to_write(ckpt_, 0, 3), shard_file_name(0, 3));  // not referenced
   save_rank(newer, 0, 2);
   save_rank(newer, 1, 2);
   // Every new file is written, the commit has not happened: the old checkpoint, whole.
   {
-    const CheckpointDir ckpt = CheckpointDir::open(dir_);
+    const CheckpointDir ckpt = CheckpointDir::open(ckpt_);
     for (const auto& t : model_) EXPECT_EQ(full(ckpt, t.name), t.data) << t.name;
   }
-  EXPECT_THAT(error_of([&] { commit_directory(dir_, 2, /*overwrite=*/false, true); }),
+  EXPECT_THAT(error_of([&] { commit_directory(ckpt_, 2, /*overwrite=*/false, true); }),
               HasSubstr("already committed"));
-  commit_directory(dir_, 2, /*overwrite=*/true, true);
+  commit_directory(ckpt_, 2, /*overwrite=*/true, true);
   expect_values(newer);
-  EXPECT_THAT(testing::list_names(dir_),
+  EXPECT_THAT(testing::list_names(ckpt_),
               ElementsAre("fsdp_ema.index.json", alternate_shard_file_name(0, 2),
                           alternate_shard_file_name(1, 2)));
   // The next overwrite goes back to the plain names, at another world size too.
   save_rank(model_, 0, 3);
   save_rank(model_, 1, 3);
   save_rank(model_, 2, 3);
-  commit_directory(dir_, 3, /*overwrite=*/true, true);
+  commit_directory(ckpt_, 3, /*overwrite=*/true, true);
   expect_values(model_);
-  EXPECT_THAT(testing::list_names(dir_), ElementsAre("fsdp_ema.index.json", shard_file_name(0, 3),
-                                                     shard_file_name(1, 3), shard_file_name(2, 3)));
+  EXPECT_THAT(testing::list_names(ckpt_),
+              ElementsAre("fsdp_ema.index.json", shard_file_name(0, 3), shard_file_name(1, 3),
+                          shard_file_name(2, 3)));
 }
 
 TEST_F(CommitOverwrite, SomeRanksNewFilesAloneAreRefusedAndTheOldCheckpointStays) {
   save_rank(changed(model_), 0, 2);
-  EXPECT_THAT(error_of([&] { commit_directory(dir_, 2, /*overwrite=*/true, true); }),
+  EXPECT_THAT(error_of([&] { commit_directory(ckpt_, 2, /*overwrite=*/true, true); }),
               AllOf(HasSubstr(alternate_shard_file_name(1, 2)), HasSubstr("rank 1 of 2"),
                     HasSubstr("left as it was")));
-  const CheckpointDir ckpt = CheckpointDir::open(dir_);
+  const CheckpointDir ckpt = CheckpointDir::open(ckpt_);
   for (const auto& t : model_) EXPECT_EQ(full(ckpt, t.name), t.data) << t.name;
 }
 
 TEST_F(CommitOverwrite, RecommittingTheCommittedFilesKeepsThem) {
-  commit_directory(dir_, 2, /*overwrite=*/true, true);
+  commit_directory(ckpt_, 2, /*overwrite=*/true, true);
   expect_values(model_);
 }
 

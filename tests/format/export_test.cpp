@@ -19,6 +19,7 @@
 #include "fsdp_ema/format/dtype_cast.h"
 #include "fsdp_ema/format/shard_file.h"
 #include "tests/format/fixture_model.h"
+#include "tests/format/reference_checkpoint.h"
 #include "tests/format/test_util.h"
 
 namespace fsdp_ema::format {
@@ -28,7 +29,6 @@ using ::testing::AllOf;
 using ::testing::ElementsAre;
 using testing::error_of;
 using ::testing::HasSubstr;
-using testing::TempDir;
 
 // bf16 bits of one element, round to nearest even, computed independently of format/dtype_cast:
 // the usual bit trick on the float value (a NaN keeps its top payload bits, made quiet). A
@@ -82,17 +82,7 @@ uint16_t reference_bf16(DType from, const std::byte* src) {
   return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
-class Export : public ::testing::Test {
- protected:
-  void SetUp() override {
-    model_ = testing::reference_model();
-    ckpt_ = root_.subdir("ckpt");
-    testing::write_checkpoint(ckpt_, model_, 3);
-  }
-  TempDir root_;
-  std::string ckpt_;
-  std::vector<testing::RefTensor> model_;
-};
+class Export : public testing::ReferenceCheckpointTest<3> {};
 
 TEST_F(Export, OneFileHoldsEveryFullTensor) {
   const std::string out = root_.file("out");
@@ -224,8 +214,8 @@ namespace fsdp_ema::format {
 namespace {
 
 using testing::error_of;
+using testing::files_of;
 using ::testing::HasSubstr;
-using testing::TempDir;
 
 std::vector<ExportEntry> entries_of(const std::vector<testing::RefTensor>& model) {
   std::vector<ExportEntry> out;
@@ -233,20 +223,8 @@ std::vector<ExportEntry> entries_of(const std::vector<testing::RefTensor>& model
   return out;
 }
 
-// Every file of a directory, by name.
-std::map<std::string, std::vector<std::byte>> files_of(const std::string& dir) {
-  std::map<std::string, std::vector<std::byte>> out;
-  for (const std::string& n : testing::list_names(dir)) out[n] = testing::read_bytes(dir + "/" + n);
-  return out;
-}
-
-class ExportWriterTest : public ::testing::Test {
+class ExportWriterTest : public testing::ReferenceCheckpointTest<3> {
  protected:
-  void SetUp() override {
-    model_ = testing::reference_model();
-    ckpt_ = root_.subdir("ckpt");
-    testing::write_checkpoint(ckpt_, model_, 3);
-  }
   // Writes the reference model through an ExportWriter, tensors in reverse order, each in two
   // writes (so that order and chunking cannot matter).
   ExportResult stream(const std::string& out, const ExportOptions& o) {
@@ -258,9 +236,6 @@ class ExportWriterTest : public ::testing::Test {
     }
     return w.finish();
   }
-  TempDir root_;
-  std::string ckpt_;
-  std::vector<testing::RefTensor> model_;
 };
 
 TEST_F(ExportWriterTest, WritesTheSameBytesAsTheCheckpointExport) {

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -85,6 +86,13 @@ inline std::vector<std::string> list_names(const std::string& dir) {
     out.push_back(e.path().filename().string());
   }
   std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Every file of `dir` (hidden ones included) by name, with its bytes.
+inline std::map<std::string, std::vector<std::byte>> files_of(const std::string& dir) {
+  std::map<std::string, std::vector<std::byte>> out;
+  for (const std::string& n : list_names(dir)) out[n] = read_bytes(dir + "/" + n);
   return out;
 }
 
