@@ -242,8 +242,17 @@ def run_compiled_update(rank, world):
         update()
         decays.append((float(eager.last_decay), float(compiled.last_decay)))
     same = all(torch.equal(a, b) for a, b in zip(eager._ema, compiled._ema))
-    return {"frames": counter.frame_count, "same": same, "step": int(compiled.step),
-            "decays": decays}
+    # The host's count of the step: kept by eager updates, given up by compiled ones (the
+    # count then comes from the tensor), and set again by load_state_dict.
+    step = int(compiled.step)
+    counts = {"eager": (eager._step_host, eager._step_count()),
+              "compiled": (compiled._step_host, compiled._step_count())}
+    sd = compiled.state_dict()
+    sd[ShardedEMA.STEP_KEY] = torch.tensor(37)
+    compiled.load_state_dict(sd)
+    counts["loaded"] = (compiled._step_host, compiled._step_count())
+    return {"frames": counter.frame_count, "same": same, "step": step, "decays": decays,
+            "counts": counts}
 
 
 def run_sharding_changed(rank, world):
@@ -444,6 +453,8 @@ def test_compiled_update_compiles_once_over_20_steps_fsdp2(pools):
         assert res["frames"] == 1
         assert res["same"], "compiled EMA differs from eager"
         assert res["step"] == 20
+        assert res["counts"] == {"eager": (20, 20), "compiled": (None, 20),
+                                 "loaded": (37, 37)}
         # The schedule written out (not decay_at, and not eager against compiled: same code):
         # copies before start_step=3, every other update, warmup 1 - (1 + s) ** -0.75 with s
         # counted from start_step.

@@ -205,12 +205,13 @@ class ShardedPowerEMA(ShardedEMA):
         """Saves every profile as a sharded checkpoint ``<root>/step-<t>.profile-<k>/`` (the
         format ``save()`` writes) plus two 0-dim tensors: ``SNAPSHOT_STEP_KEY`` (t, the
         averaging updates so far: the profile's length) and ``SNAPSHOT_GAMMA_KEY``. Collective.
-        ``updates``: the number of ``update()`` calls so far, if the caller knows it (else it is
-        read from the device, a host sync). Returns the directories written."""
+        ``updates``: the number of ``update()`` calls so far, if the caller knows it (else the
+        host's count of eager updates, or the device's step after compiled ones). Returns the
+        directories written."""
         root = self.snapshot_root if root is None else os.fspath(root)
         if root is None:
             raise ValueError("ShardedPowerEMA.snapshot: no root given and no snapshot_root set")
-        n = int(self._step) if updates is None else int(updates)
+        n = self._step_count() if updates is None else int(updates)
         t = self._averaged_updates(n)
         if t < 1:
             raise RuntimeError("ShardedPowerEMA.snapshot: no update yet; a snapshot needs at "
@@ -227,10 +228,11 @@ class ShardedPowerEMA(ShardedEMA):
     def maybe_snapshot(self, updates: int | None = None) -> list[str]:
         """``snapshot()`` when the update count is a positive multiple of ``snapshot_every``
         (call it after ``update()``, outside a compiled region). Pass ``updates`` (your loop's
-        count of ``update()`` calls) to avoid reading the step from the device."""
+        count of ``update()`` calls) if ``update()`` runs compiled (the step is then read from
+        the device)."""
         if self.snapshot_every is None:
             return []
-        n = int(self._step) if updates is None else int(updates)
+        n = self._step_count() if updates is None else int(updates)
         if n <= 0 or n % self.snapshot_every:
             return []
         return self.snapshot(updates=n)

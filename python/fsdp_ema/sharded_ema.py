@@ -238,6 +238,10 @@ class ShardedEMA:
         self._device = max(self._groups, key=lambda g: sum(self._ema[i].numel()
                                                              for i in g.average)).device
         self._step = torch.zeros((), dtype=torch.int64, device=self._device)
+        # The step on the host as well, counted by eager update() calls, so that reading it
+        # (training-state saves, snapshots) never waits for the device; None after an update
+        # inside a compiled graph (which cannot count on the host): then the tensor is read.
+        self._step_host: int | None = 0
         self._decay = torch.tensor(self.decay, dtype=torch.float64, device=self._device)
         self._last_decay: torch.Tensor | None = None
         self._swapped = False
@@ -335,7 +339,8 @@ class ShardedEMA:
         decay = self._scheduled_decay(self._step)
         if self._host is not None:  # EMA in host memory: staged copy, worker-thread update
             self._host.update(self._ema, self._model_tensors, decay,
-                              self.decay_at(int(self._step)) != 1.0)
+                              self.decay_at(self._step_count()) != 1.0)
+            self._count_step()
             self._step.add_(1)
             self._last_decay = decay
             return
@@ -345,8 +350,20 @@ class ShardedEMA:
             d = decay if g.device == decay.device or decay.device.type == "cpu" else decay.to(
                 g.device)
             self._update_group(g, d)
+        self._count_step()
         self._step.add_(1)
         self._last_decay = decay
+
+    def _count_step(self) -> None:
+        if torch.compiler.is_compiling():
+            self._step_host = None
+        elif self._step_host is not None:
+            self._step_host += 1
+
+    def _step_count(self) -> int:
+        """The number of update() calls so far, from the host count when it is known (no wait
+        for the device), else from the step tensor."""
+        return self._step_host if self._step_host is not None else int(self._step)
 
     def _update_group(self, g: _DeviceGroup, decay: torch.Tensor) -> None:
         """One device's update (fsdp_ema.ShardedPowerEMA overrides it to update its profiles)."""
@@ -465,6 +482,7 @@ class ShardedEMA:
             slot.assign(ema, values)
         if self.STEP_KEY in state_dict:
             self._step.copy_(torch.as_tensor(state_dict[self.STEP_KEY]))
+            self._step_host = int(self._step)
 
     # --- full tensors -----------------------------------------------------------------------------
 

@@ -419,7 +419,9 @@ def save_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
             names = [k for k in ema_sd if k != step_key]
             for fqn in names:
                 shards.update(pieces_of(EMA_PREFIX + fqn, ema_sd[fqn], rank))
-            doc["ema"] = {"step": int(ema_sd[step_key]) if step_key in ema_sd else None,
+            # The host's count when known: int() of a device step would wait for all the
+            # work queued on the stream (an async save would block on the training).
+            doc["ema"] = {"step": ema._step_count() if step_key in ema_sd else None,
                           "decay": ema.decay, "tensors": sorted(names)}
         else:
             doc["ema"] = None
