@@ -319,3 +319,18 @@ def test_single_process_ema_async_save(tmp_path):
         gate.set()
         handle.result(timeout=60)
     assert_bit_equal(ckpt.load(tmp_path / "e"), expected, "ema")
+
+
+def test_background_write_leaves_the_collector_on(tmp_path):
+    """gc.disable() is process-wide: the bulk calls pause the collector on the main thread only,
+    so an async save's write does not stop it for the training's thread."""
+    import gc
+
+    assert gc.isenabled()
+    t = torch.randn(32 << 20)  # 128 MiB: a write long enough to be seen in progress
+    handle = ckpt.save(tmp_path / "big", {"t": t}, async_=True)
+    disabled = 0
+    while not handle.done():
+        disabled += not gc.isenabled()
+    handle.result(timeout=120)
+    assert disabled == 0 and gc.isenabled()

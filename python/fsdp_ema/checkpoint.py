@@ -26,6 +26,7 @@ import contextlib
 import gc
 import json
 import os
+import threading
 from itertools import chain
 from typing import Mapping, Sequence, Tuple, Union
 
@@ -46,7 +47,12 @@ def shard_file_name(rank: int, world_size: int) -> str:
 @contextlib.contextmanager
 def _gc_paused():
     """Bulk calls create or pass 100,000+ tensors; Python's cyclic collector would walk every
-    live object several times meanwhile (none of these objects forms a cycle)."""
+    live object several times meanwhile (none of these objects forms a cycle). Only on the main
+    thread: gc.disable() is process-wide, and an async save's background write would otherwise
+    stop the collector for the training's thread as long as it writes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     enabled = gc.isenabled()
     gc.disable()
     try:
