@@ -69,9 +69,9 @@ class HostOffload:
             main = torch.cuda.current_stream(device)
             stream.wait_stream(main)  # the weights as the step left them
             with torch.cuda.stream(stream):
-                for i in idx:
-                    self.staging[i].copy_(model_tensors[i].detach(), non_blocking=True)
-            event = torch.cuda.Event()
+                torch._foreach_copy_([self.staging[i] for i in idx],
+                                     [model_tensors[i].detach() for i in idx], non_blocking=True)
+            event = torch.cuda.Event(blocking=True)  # the worker's wait sleeps, not spins
             event.record(stream)
             main.wait_event(event)  # later in-place writes come after the copy (device-side)
             events.append(event)
