@@ -67,7 +67,9 @@ def worker(rank, init_file, args, out_queue):
     device = init_group(rank, init_file, world, args.device)
     model, opt, ema = build(int(args.megabytes * 2**20), world, args.device)
     locals_ = [p._local_tensor for p in model.parameters()]
-    moments = [opt.state[p][k] for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")]
+    # The local tensors (indexing a sharded DTensor would redistribute and write a temporary).
+    moments = [getattr(m, "_local_tensor", m) for p in model.parameters()
+               for m in (opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])]
     local = sum(t.numel() * t.element_size() for t in locals_) * 4
     total = torch.tensor(local, device=device)
     dist.all_reduce(total)
