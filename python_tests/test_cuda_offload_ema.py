@@ -85,6 +85,30 @@ def test_offloaded_ema_under_fsdp2_local_shards():
             t.data_ptr() for t in off._ema}
 
 
+def test_optimizer_step_right_after_update_waits_for_the_copy():
+    """The copy runs on a side stream, overlapping the next forward; the optimizer's write of
+    the weights must still come after it (the step pre-hook's device-side wait). A sleep on the
+    training's stream before update() holds the copy back, so an optimizer kernel that did not
+    wait would run beside it and the EMA would see the new weights."""
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.randn(1 << 26, device="cuda"))  # 256 MiB
+    off = ShardedEMA(model, 0.5, device="cpu")
+    before = model.w.detach().cpu()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model.w.grad = torch.ones_like(model.w)
+    for _ in range(2):
+        torch.cuda._sleep(200_000_000)  # the copy waits behind this (on the device)
+        off.update()
+        assert off._host._device_waits  # no wait yet: the copy may overlap what comes next
+        opt.step()  # w -= 1, on the training's stream
+        assert not off._host._device_waits
+        off.synchronize()
+        # ema = lerp(ema, w at update(), 0.5): the weights from before this step's write.
+        assert torch.equal(off._ema[0], before), "the optimizer's write reached the copy"
+        before = model.w.detach().cpu()
+        off._ema[0].copy_(before)  # restart from the current weights for the second round
+
+
 def test_async_save_of_cuda_tensors_uses_pinned_staging(tmp_path):
     from fsdp_ema import _async
 

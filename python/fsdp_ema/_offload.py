@@ -3,9 +3,12 @@
 Each ``update()`` copies the tensors this rank holds (FSDP2: the local shards, plain tensors, so
 nothing pins a DTensor) into staging buffers in pinned host memory, in their own dtype (bf16
 stays bf16 over the bus), on a side stream, and hands the fused CPU ``update_`` to a worker
-thread, which waits for the copy and updates the EMA while the next step runs. The training's
-stream waits for the copy (on the device, not the host) before it runs anything after
-``update()``, so the optimizer's next in-place write cannot race the copy.
+thread, which waits for the copy and updates the EMA while the next step runs. The copy overlaps
+the next forward and backward (they only read the weights): the training's stream waits for it
+(on the device, not the host) at the next optimizer step (a global optimizer step pre-hook),
+so the optimizer's in-place write cannot race it; ``synchronize()`` and the next ``update()``
+wait for it on the host. Code that writes the weights some other way between ``update()`` and
+the next ``update()`` calls ``synchronize()`` first.
 
 One update is in flight at a time: the next ``update()``, ``synchronize()`` and every read of the
 EMA wait for it (the staging buffers are reused). For a model on the CPU the same path (staging
@@ -16,6 +19,7 @@ device.
 from __future__ import annotations
 
 import concurrent.futures
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -31,6 +35,10 @@ class HostOffload:
             max_workers=1, thread_name_prefix="fsdp_ema-offload")
         self._pending: concurrent.futures.Future | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        # Copies the training's stream has not waited for yet: waited for on the device at the
+        # next optimizer step, or done once the host has waited for the update.
+        self._device_waits: list[tuple[torch.device, torch.cuda.Event]] = []
+        self._hook = None
 
     @staticmethod
     def _buffer(t: torch.Tensor) -> torch.Tensor:
@@ -73,9 +81,17 @@ class HostOffload:
                                      [model_tensors[i].detach() for i in idx], non_blocking=True)
             event = torch.cuda.Event(blocking=True)  # the worker's wait sleeps, not spins
             event.record(stream)
-            main.wait_event(event)  # later in-place writes come after the copy (device-side)
+            self._device_waits.append((device, event))
             events.append(event)
+        if events and self._hook is None:
+            self._hook = _register_step_wait(self)
         return events
+
+    def wait_on_device(self) -> None:
+        """Makes each device's current stream wait for the copies in flight (no host wait)."""
+        waits, self._device_waits = self._device_waits, []
+        for device, event in waits:
+            torch.cuda.current_stream(device).wait_event(event)
 
     def update(self, ema: Sequence[torch.Tensor], model_tensors: Sequence[torch.Tensor],
                decay: torch.Tensor, average_now: bool) -> None:
@@ -106,8 +122,32 @@ class HostOffload:
         """Waits for the update in flight; re-raises its error (once)."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.result()
+            try:
+                pending.result()
+            finally:
+                # The job waited for the copies' events before running (or failed): the
+                # device's streams need no wait for them any more.
+                self._device_waits = []
 
     def close(self) -> None:
         self.synchronize()
         self._executor.shutdown(wait=True)
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+
+def _register_step_wait(offload: HostOffload):
+    """A global optimizer step pre-hook that makes the training's stream wait for ``offload``'s
+    copies in flight before any optimizer writes the weights; removed with ``offload``."""
+    ref = weakref.ref(offload)
+
+    @torch._dynamo.disable  # stream waits run eagerly even under a compiled optimizer step
+    def before_step(optimizer, args, kwargs):
+        me = ref()
+        if me is not None and me._device_waits:
+            me.wait_on_device()
+
+    handle = torch.optim.optimizer.register_optimizer_step_pre_hook(before_step)
+    weakref.finalize(offload, handle.remove)
+    return handle
