@@ -28,8 +28,8 @@ class Part(NamedTuple):
     """One full tensor to produce. ``kind``: ``"full"`` (``value`` is already the full tensor),
     ``"rows"`` (``value`` holds this rank's torch.chunk rows: gathered), ``"flat"`` (the rows
     come from the FSDP1 exchange of ``slot``'s member ``member`` out of the flat slice
-    ``value``; a 0-dim member needs no gather), ``"dtensor"`` (``value`` is a DTensor of
-    another layout: ``full_tensor()``)."""
+    ``value``; a 0-dim member needs no gather), ``"dtensor"`` (``value()`` makes a DTensor of
+    another layout, only when its turn comes: ``full_tensor()``)."""
 
     fqn: str
     shape: torch.Size
@@ -101,7 +101,7 @@ def full_buckets(parts: Sequence[Part],
             yield [(p.fqn, p.value, False)]
             continue
         if p.kind == "dtensor":
-            yield [(p.fqn, p.value.full_tensor(), True)]
+            yield [(p.fqn, p.value().full_tensor(), True)]
             continue
         if pending and (pending_cost + p.cost > bucket_bytes
                         or p.group.group_name != pending[0].group.group_name

@@ -297,7 +297,8 @@ class _Sharded(_Slot):
             group = self.mesh.get_group(dim)
             return [Part(self.fqn, shape, ema.dtype, "rows", ema, group,
                          part_cost(shape, ema.dtype, self.chunk[1]))]
-        return [Part(self.fqn, shape, ema.dtype, "dtensor", self._on_mesh(ema))]
+        # Made when gathered (for a host EMA, a device copy): one at a time, not all at once.
+        return [Part(self.fqn, shape, ema.dtype, "dtensor", lambda: self._on_mesh(ema))]
 
 
 class _Flat(_Slot):
