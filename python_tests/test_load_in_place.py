@@ -358,3 +358,27 @@ def test_open_checkpoint_reads_the_files_it_opened_after_an_overwrite(tmp_path):
     opened.load_into(dst)
     assert torch.equal(dst["w"], old)  # what was checked, never a mix with the new checkpoint
     assert torch.equal(ckpt.load(tmp_path / "c")["w"], new)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("device", [None, "cpu"])  # the EMA beside the weights, or in host memory
+def test_cuda_ema_loads_in_place(tmp_path, device):
+    torch.manual_seed(0)
+    saved = nn.Linear(64, 48).cuda()
+    ShardedEMA(saved, 0.9).save(tmp_path / "e")
+    model = nn.Linear(64, 48).cuda()
+    ema = ShardedEMA(model, 0.5, device=device)
+    with torch.no_grad():
+        model.weight.add_(1)
+    ema.update()  # in flight on the host worker for device="cpu"
+    ptrs = [t.data_ptr() for t in ema._ema]
+    with fresh_reads() as names:
+        ema.load(tmp_path / "e")
+    assert names == [] and [t.data_ptr() for t in ema._ema] == ptrs
+    sd = ema.state_dict()
+    assert sd["weight"].device.type == ("cpu" if device else "cuda")
+    assert torch.equal(sd["weight"].cpu(), saved.weight.cpu())
+    assert torch.equal(sd["bias"].cpu(), saved.bias.cpu())
