@@ -81,7 +81,7 @@ def live_tensors(model, opt, ema):
     """The tensors this rank holds: the model's local shards, the optimizer's state and the EMA's
     own (what a load must write into in place)."""
     out = {f"model.{n}": local(p) for n, p in model.named_parameters()}
-    for i, (p, state) in enumerate(opt.state.items()):
+    for i, state in enumerate(opt.state.values()):
         out.update({f"optim.{i}.{k}": local(v) for k, v in state.items()
                     if isinstance(v, torch.Tensor)})
     out.update({f"ema.{i}": t for i, t in enumerate(ema._ema)})
