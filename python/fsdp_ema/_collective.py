@@ -174,7 +174,9 @@ def _overlapping(targets: Sequence[LoadTarget]) -> set[str]:
         span = d.numel() if d.is_contiguous() else 1 + sum(
             (n - 1) * s for n, s in zip(d.shape, d.stride()))
         lo = d.data_ptr()
-        extents.append((str(d.device), lo, lo + span * d.element_size(), t.name))
+        where = d.device
+        extents.append(((where.type, where.index or 0), lo, lo + span * d.element_size(),
+                        t.name))
     extents.sort(key=lambda e: (e[0], e[1]))
     out: set[str] = set()
     device, end = None, 0

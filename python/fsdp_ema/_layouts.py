@@ -12,6 +12,7 @@ whole tensor) plus, for a whole-tensor read that is not this rank's layout, the 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -30,16 +31,22 @@ def chunk_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
     return begin, min(begin + size, rows)
 
 
-def is_dtensor(v) -> bool:
+@functools.cache
+def _types() -> tuple[type, type]:
+    """DTensor and ShardedTensor, imported once: the checks below run per tensor (100,000+ in a
+    training state), and an import statement costs microseconds even when cached."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
 
-    return isinstance(v, DTensor)
+    return DTensor, ShardedTensor
+
+
+def is_dtensor(v) -> bool:
+    return isinstance(v, _types()[0])
 
 
 def is_sharded_tensor(v) -> bool:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    return isinstance(v, ShardedTensor)
+    return isinstance(v, _types()[1])
 
 
 def box(t: torch.Tensor, offsets: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
