@@ -621,7 +621,9 @@ class ShardedEMA:
              verify: bool = True) -> None:
         """Loads EMA weights from a checkpoint directory written at any world size (``save``,
         ``save_shard_weights``, ``fsdp_ema.checkpoint`` or DCP's HuggingFace writer). Each rank
-        reads only the rows it keeps where the layout allows. Collective."""
+        reads only the rows it keeps where the layout allows, straight into the EMA's tensors
+        where the stored dtype is the EMA's. Collective: every rank checks everything (checksums
+        included) before any rank writes, so a failure anywhere leaves every EMA as it was."""
         # An EMA in host memory: the update in flight lands before the load writes the tensors.
         self.synchronize()
         directory = os.fspath(directory)

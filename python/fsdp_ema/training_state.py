@@ -479,11 +479,13 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     """Restores what ``save_training_state`` wrote, at the same or another world size, into
     ``model``, ``optimizer`` and ``ema`` (each optional), and returns ``extra``. Collective.
 
-    Each rank reads only the rows it holds (``fsdp_ema.checkpoint.load`` with its rank and world
-    size) where the layout is torch.chunk dim-0 rows (FSDP2, FSDP1), whole tensors otherwise.
-    RNG states: rank ``r`` restores the state rank ``r`` saved; ranks past the saved world size
-    keep theirs. Everything is read and checked on every rank before anything is written: a
-    failure on any rank raises on every rank and leaves every object (and the RNGs) as it was.
+    Each rank reads only the rows it holds (its rank and world size) where the layout is
+    torch.chunk dim-0 rows (FSDP2, FSDP1), whole tensors otherwise, straight into the state
+    dicts' tensors where the dtype is the stored one (for FSDP2 and plain models the parameters',
+    the optimizer's and the EMA's own). RNG states: rank ``r`` restores the state rank ``r``
+    saved; ranks past the saved world size keep theirs. Everything is checked (checksums
+    included) on every rank before anything is written: a failure on any rank raises on every
+    rank and leaves every object (and the RNGs) as it was.
     """
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
