@@ -178,6 +178,33 @@ load_shard(c10::string_view path, bool verify, std::optional<at::Device> device,
   });
 }
 
+std::vector<at::Tensor> load_tensors_from(const std::shared_ptr<const format::CheckpointDir>& dir,
+                                          const std::vector<std::string>& names, int64_t rank,
+                                          int64_t world_size, bool verify,
+                                          std::optional<at::Device> device, bool mmap) {
+  // Look every name up (and size every slice) before reading anything.
+  std::vector<std::pair<const format::IndexTensor*, format::RowRange>> plan;
+  for (const auto& name : names) {
+    const format::IndexTensor& info = dir->tensor(name);
+    plan.emplace_back(&info, rank_rows(info, rank, world_size));
+  }
+  const bool to_device = device.has_value() && !device->is_cpu();
+  const bool zero_copy = mmap && !to_device;
+  // Zero-copy views skip the read, so their pieces are hashed up front (in parallel); owned
+  // reads hash each piece while reading it.
+  if (verify && zero_copy) verify_pieces(*dir, plan);
+  std::vector<at::Tensor> out(plan.size());
+  at::parallel_for(0, static_cast<int64_t>(plan.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      out[i] = read_rows(dir, *plan[i].first, plan[i].second, verify, zero_copy);
+    }
+  });
+  if (to_device) {
+    for (at::Tensor& t : out) t = t.to(*device);
+  }
+  return out;
+}
+
 std::vector<at::Tensor> load_tensors(c10::string_view directory,
                                      const std::vector<std::string>& names, int64_t rank,
                                      int64_t world_size, bool verify,
@@ -189,46 +216,28 @@ std::vector<at::Tensor> load_tensors(c10::string_view directory,
   return translate_errors(kOp, [&] {
     const auto dir = std::make_shared<const format::CheckpointDir>(
         format::CheckpointDir::open(std::string(directory)));
-    // Look every name up (and size every slice) before reading anything.
-    std::vector<std::pair<const format::IndexTensor*, format::RowRange>> plan;
-    for (const auto& name : names) {
-      const format::IndexTensor& info = dir->tensor(name);
-      plan.emplace_back(&info, rank_rows(info, rank, world_size));
-    }
-    const bool to_device = device.has_value() && !device->is_cpu();
-    const bool zero_copy = mmap && !to_device;
-    // Zero-copy views skip the read, so their pieces are hashed up front (in parallel); owned
-    // reads hash each piece while reading it.
-    if (verify && zero_copy) verify_pieces(*dir, plan);
-    std::vector<at::Tensor> out(plan.size());
-    at::parallel_for(0, static_cast<int64_t>(plan.size()), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        out[i] = read_rows(dir, *plan[i].first, plan[i].second, verify, zero_copy);
-      }
-    });
-    if (to_device) {
-      for (at::Tensor& t : out) t = t.to(*device);
-    }
-    return out;
+    return load_tensors_from(dir, names, rank, world_size, verify, device, mmap);
   });
+}
+
+std::string info_json(const format::CheckpointDir& dir) {
+  nlohmann::json j;
+  j["layout"] = std::string(format::layout_name(dir.layout()));
+  j["world_size"] = dir.world_size();
+  j["tensors"] = nlohmann::json::object();
+  for (const auto& t : dir.tensors()) {
+    j["tensors"][t.name] = {{"dtype", std::string(format::dtype_name(t.dtype))},
+                            {"torch_dtype", torch_dtype_name(t.dtype)},
+                            {"shape", t.shape}};
+  }
+  j["metadata"] = dir.index().metadata;
+  return j.dump();
 }
 
 std::string checkpoint_info(c10::string_view directory) {
   constexpr const char* kOp = "fsdp_ema::checkpoint_info: ";
-  return translate_errors(kOp, [&] {
-    const format::CheckpointDir dir = format::CheckpointDir::open(std::string(directory));
-    nlohmann::json j;
-    j["layout"] = std::string(format::layout_name(dir.layout()));
-    j["world_size"] = dir.world_size();
-    j["tensors"] = nlohmann::json::object();
-    for (const auto& t : dir.tensors()) {
-      j["tensors"][t.name] = {{"dtype", std::string(format::dtype_name(t.dtype))},
-                              {"torch_dtype", torch_dtype_name(t.dtype)},
-                              {"shape", t.shape}};
-    }
-    j["metadata"] = dir.index().metadata;
-    return j.dump();
-  });
+  return translate_errors(
+      kOp, [&] { return info_json(format::CheckpointDir::open(std::string(directory))); });
 }
 
 }  // namespace fsdp_ema::ops

@@ -57,6 +57,15 @@ std::vector<at::Tensor> load_tensors(c10::string_view directory,
                                      int64_t world_size, bool verify,
                                      std::optional<at::Device> device, bool mmap);
 
+// load_tensors on a directory opened already (errors are format::FormatError, untranslated).
+std::vector<at::Tensor> load_tensors_from(const std::shared_ptr<const format::CheckpointDir>& dir,
+                                          const std::vector<std::string>& names, int64_t rank,
+                                          int64_t world_size, bool verify,
+                                          std::optional<at::Device> device, bool mmap);
+
+// checkpoint_info's JSON of a directory opened already.
+std::string info_json(const format::CheckpointDir& dir);
+
 // JSON: {"layout", "world_size", "tensors": {name: {"dtype", "torch_dtype", "shape"}},
 // "metadata"}; "torch_dtype" is the torch attribute name ("float32").
 std::string checkpoint_info(c10::string_view directory);

@@ -103,16 +103,13 @@ std::shared_ptr<const format::CheckpointDir> open_dir(c10::string_view directory
   });
 }
 
-}  // namespace
-
-void load_into_(c10::string_view directory, const std::vector<std::string>& names,
-                at::TensorList out, int64_t rank, int64_t world_size, bool verify) {
-  const auto dir = open_dir(directory);
-  const Plan plan = plan_load_into(dir, directory, names, out, rank, world_size, false);
+// load_into_'s reads, on a directory opened already.
+void read_into(const format::CheckpointDir& dir, const Plan& plan, at::TensorList out,
+               bool verify) {
   translate_errors(kOp, [&] {
     // Every stored piece these reads touch is hashed first (once each, on the machine's cores),
     // so that a corrupted file is refused with every destination still untouched.
-    if (verify) verify_pieces(*dir, plan);
+    if (verify) verify_pieces(dir, plan);
     at::parallel_for(0, static_cast<int64_t>(plan.size()), 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const at::Tensor& t = out[i];
@@ -127,9 +124,9 @@ void load_into_(c10::string_view directory, const std::vector<std::string>& name
         }
         const auto rows = plan[i].second;
         if (info.shape.empty() || (rows.begin == 0 && rows.end == info.shape[0])) {
-          dir->read_full(info.name, host.data_ptr(), host.nbytes(), verify);
+          dir.read_full(info.name, host.data_ptr(), host.nbytes(), verify);
         } else {
-          dir->read_rows(info.name, rows.begin, rows.end, host.data_ptr(), host.nbytes(), verify);
+          dir.read_rows(info.name, rows.begin, rows.end, host.data_ptr(), host.nbytes(), verify);
         }
         if (!direct) out[i].copy_(host);
       }
@@ -137,9 +134,47 @@ void load_into_(c10::string_view directory, const std::vector<std::string>& name
   });
 }
 
+}  // namespace
+
+void load_into_(c10::string_view directory, const std::vector<std::string>& names,
+                at::TensorList out, int64_t rank, int64_t world_size, bool verify) {
+  const auto dir = open_dir(directory);
+  read_into(*dir, plan_load_into(dir, directory, names, out, rank, world_size, false), out, verify);
+}
+
 void load_into_meta(c10::string_view directory, const std::vector<std::string>& names,
                     at::TensorList out, int64_t rank, int64_t world_size, bool verify) {
   plan_load_into(open_dir(directory), directory, names, out, rank, world_size, true);
 }
+
+OpenCheckpoint::OpenCheckpoint(const std::string& directory)
+    : directory_(directory), dir_(open_dir(directory)) {}
+
+void OpenCheckpoint::check_into(const std::vector<std::string>& names,
+                                const std::vector<at::Tensor>& out, int64_t rank,
+                                int64_t world_size, bool verify) const {
+  const Plan plan = plan_load_into(dir_, directory_, names, out, rank, world_size, false);
+  if (verify) translate_errors(kOp, [&] { verify_pieces(*dir_, plan); });
+}
+
+void OpenCheckpoint::load_into_(const std::vector<std::string>& names,
+                                const std::vector<at::Tensor>& out, int64_t rank,
+                                int64_t world_size, bool verify) const {
+  read_into(*dir_, plan_load_into(dir_, directory_, names, out, rank, world_size, false), out,
+            verify);
+}
+
+std::vector<at::Tensor> OpenCheckpoint::load(const std::vector<std::string>& names, int64_t rank,
+                                             int64_t world_size, bool verify) const {
+  constexpr const char* kLoad = "fsdp_ema::OpenCheckpoint.load: ";
+  TORCH_CHECK(world_size >= 1, kLoad, "world_size must be >= 1, got ", world_size);
+  TORCH_CHECK(rank >= 0 && rank < world_size, kLoad, "rank must be in [0, world_size), got rank ",
+              rank, " with world_size ", world_size);
+  return translate_errors(kLoad, [&] {
+    return load_tensors_from(dir_, names, rank, world_size, verify, std::nullopt, false);
+  });
+}
+
+std::string OpenCheckpoint::info() const { return info_json(*dir_); }
 
 }  // namespace fsdp_ema::ops

@@ -3,9 +3,13 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/string_view.h>
+#include <torch/custom_class.h>
 
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "fsdp_ema/format/checkpoint_dir.h"
 
 namespace fsdp_ema::ops {
 
@@ -24,5 +28,32 @@ void load_into_(c10::string_view directory, const std::vector<std::string>& name
 // Tracing: the same checks against the index (no tensor data read, nothing written).
 void load_into_meta(c10::string_view directory, const std::vector<std::string>& names,
                     at::TensorList out, int64_t rank, int64_t world_size, bool verify);
+
+// The op class torch.classes.fsdp_ema.OpenCheckpoint: a checkpoint directory opened once (its
+// index and shard headers parsed, its files held open), so that a collective load can check
+// everything on every rank, agree, and only then write, with every read of one rank going to the
+// same files and each stored piece hashed once:
+//   check_into  what load_into_ checks and hashes, writing nothing
+//   load_into_  load_into_ on this directory (pieces check_into hashed are not hashed again)
+//   load        load_tensors on this directory (owned CPU tensors)
+//   info        checkpoint_info's JSON
+// Once open, a file replaced by rename (an overwrite committed meanwhile) is read as it was when
+// opened, or refused ("changed since it was opened") if its descriptor had to be reopened; a
+// file modified in place between check_into and load_into_ is not detected.
+class OpenCheckpoint : public torch::CustomClassHolder {
+ public:
+  explicit OpenCheckpoint(const std::string& directory);
+  void check_into(const std::vector<std::string>& names, const std::vector<at::Tensor>& out,
+                  int64_t rank, int64_t world_size, bool verify) const;
+  void load_into_(const std::vector<std::string>& names, const std::vector<at::Tensor>& out,
+                  int64_t rank, int64_t world_size, bool verify) const;
+  std::vector<at::Tensor> load(const std::vector<std::string>& names, int64_t rank,
+                               int64_t world_size, bool verify) const;
+  std::string info() const;
+
+ private:
+  std::string directory_;
+  std::shared_ptr<const format::CheckpointDir> dir_;
+};
 
 }  // namespace fsdp_ema::ops

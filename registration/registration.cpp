@@ -198,6 +198,14 @@ TORCH_LIBRARY_FRAGMENT(fsdp_ema, m) {
       .def("finish", &fsdp_ema::ops::ExportWriter::finish)
       .def("abort", &fsdp_ema::ops::ExportWriter::abort)
       .def("total_size", &fsdp_ema::ops::ExportWriter::total_size);
+  // A checkpoint directory opened once (ops/load_into.h): a collective load checks and hashes
+  // everything on every rank (check_into), agrees, then writes (load_into_) from the same files.
+  m.class_<fsdp_ema::ops::OpenCheckpoint>("OpenCheckpoint")
+      .def(torch::init<const std::string&>())
+      .def("check_into", &fsdp_ema::ops::OpenCheckpoint::check_into)
+      .def("load_into_", &fsdp_ema::ops::OpenCheckpoint::load_into_)
+      .def("load", &fsdp_ema::ops::OpenCheckpoint::load)
+      .def("info", &fsdp_ema::ops::OpenCheckpoint::info);
 }
 
 // --- issue #18: update_multi_ (K EMA lists, one read of the model) and post-hoc EMA ---------

@@ -15,11 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import checkpoint as _ckpt
-from ._collective import agreed
-from ._dist import check_dtype_kind
-from ._layouts import read_requests
-from ._slots import _discover, _Slot
+from ._slots import _discover, _Slot, load_slots
 
 
 def reshard_fsdp2(model: nn.Module) -> None:
@@ -91,10 +87,9 @@ def load_model_weights(model: nn.Module, directory: str | os.PathLike, *, strict
     tensors = [slot.get() for slot in slots]
     device = tensors[0].device
 
-    def read() -> list[dict[str, torch.Tensor]]:
-        info = _ckpt.info(directory)
-        available = {k: torch.Size(v["shape"]) for k, v in info["tensors"].items()}
-        shapes = {fqn: shape for slot in slots for fqn, shape in slot.names()}
+    shapes = {fqn: shape for slot in slots for fqn, shape in slot.names()}
+
+    def check_names(available) -> None:
         missing = sorted(n for n in shapes if n not in available)
         unexpected = sorted(n for n in available if n not in shapes)
         wrong = [f"{n!r} is {list(available[n])} there but {list(s)} here"
@@ -107,17 +102,8 @@ def load_model_weights(model: nn.Module, directory: str | os.PathLike, *, strict
             problems.append(f"{len(wrong)} shape mismatch(es): " + "; ".join(wrong[:8]))
         if problems:
             raise ValueError(f"{what}: " + "; ".join(problems))
-        loaded = read_requests(directory, [(fqn, slot.file_request()) for slot in slots
-                                           for fqn, _ in slot.names() if fqn in available],
-                               verify=verify)
-        for slot, t in zip(slots, tensors):
-            for fqn, _ in slot.names():
-                if fqn in loaded:
-                    check_dtype_kind(fqn, loaded[fqn].dtype, t.dtype)
-        return [{fqn: slot.from_file(fqn, loaded[fqn]) for fqn, _ in slot.names()
-                 if fqn in loaded} for slot in slots]
 
-    values = agreed(read, group=process_group, device=device, what=what)
-    reshard(model, slots)
-    for slot, t, v in zip(slots, tensors, values):
-        slot.assign(t, v)
+    # Checked and agreed on every rank before the first write; then read into the model's own
+    # tensors in place (after freeing unsharded copies a forward would use instead).
+    load_slots(directory, slots, tensors, check_names=check_names, group=process_group,
+               device=device, what=what, verify=verify, before_write=lambda: reshard(model, slots))

@@ -1,12 +1,19 @@
-"""The one collective save sequence of a sharded checkpoint directory, and the failure agreement
-every save and load step goes through (``agreed``).
+"""The one collective save sequence and the one collective load sequence of a sharded checkpoint
+directory, and the failure agreement every save and load step goes through (``agreed``).
 
 ``ShardedEMA.save``, ``save_shard_weights`` and ``save_training_state`` all save through
 ``save_collective``: every rank checks the directory, all agree, every rank writes its file, all
 agree (the barrier: every rank's file is durable past it), rank 0 commits, all agree. A failure on
 any rank raises on every rank and leaves no index. Every file-system rule (creating the directory,
 the lock, stale temporaries, what an overwrite replaces, the commit) is format/'s, reached through
-the ops (``fsdp_ema/format/layout.h``). Reads go through ``_layouts.read_requests``.
+the ops (``fsdp_ema/format/layout.h``).
+
+``ShardedEMA.load``, ``load_model_weights`` and ``load_training_state`` all load through
+``load_collective``: every rank opens the checkpoint once, checks every name, shape and dtype,
+and hashes every stored piece it will read (``OpenCheckpoint.check_into``, nothing written); all
+agree; only then does every rank read into its tensors in place (``load_into``, from the same open
+files, the pieces already hashed); all agree. So a bad checkpoint on one rank (a corrupted file
+only it reads, a dtype it cannot take) raises on every rank with every rank's tensors untouched.
 
 An asynchronous save (``async_saver``) runs the same sequence: the pieces are staged on the
 caller's thread, the check, write and commit steps on the background thread of ``_async``.
@@ -16,14 +23,16 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from . import checkpoint as _ckpt
-from ._dist import raise_if_any_rank_failed
+from ._dist import check_dtype_kind, raise_if_any_rank_failed
+from ._layouts import ReadRequest
 
 T = TypeVar("T")
 
@@ -126,3 +135,132 @@ def save_collective(directory: str | os.PathLike, pieces: Callable[[], Mapping[s
         error = e
     return async_saver.submit(
         group, what, lambda bg: sequence(bg, staged if error is None else {}, error, event))
+
+
+# --- the collective load --------------------------------------------------------------------------
+
+class LoadTarget(NamedTuple):
+    """One tensor of a collective load. ``name`` and ``shape`` (global) as the checkpoint must hold
+    them; ``dtype``: of the tensor the values go to (the stored dtype must be of its kind);
+    ``read``: what this rank reads (``_layouts.ReadRequest``), or None where it holds none of it
+    (then only name, shape and dtype are checked); ``dest``: the tensor filled in place, or None
+    to have the checked values returned to the caller (FSDP1 flat parameters, whose layout is
+    not one the checkpoint can be read into)."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    read: ReadRequest | None
+    dest: torch.Tensor | None = None
+
+
+def _in_place(t: LoadTarget, stored: torch.dtype) -> bool:
+    """Whether ``load_into_`` can fill ``t.dest`` straight from the file: the stored dtype (no
+    cast), the rows of a ``(rank, world)`` request (no box cut out of a whole tensor), memory it
+    can write (any strides)."""
+    return (t.dest is not None and t.read is not None and t.read.box is None
+            and t.dest.dtype == stored and t.dest.device.type in ("cpu", "cuda"))
+
+
+def _overlapping(targets: Sequence[LoadTarget]) -> set[str]:
+    """Names of the destinations whose memory overlaps an earlier one's (tied weights in a state
+    dict: two names, one tensor), which ``load_into_`` refuses as destinations of one call: they
+    are filled by a copy instead. Sorted extents, n log n."""
+    extents = []
+    for t in targets:
+        d = t.dest
+        if d.numel() == 0:
+            continue
+        span = d.numel() if d.is_contiguous() else 1 + sum(
+            (n - 1) * s for n, s in zip(d.shape, d.stride()))
+        lo = d.data_ptr()
+        where = d.device
+        extents.append(((where.type, where.index or 0), lo, lo + span * d.element_size(),
+                        t.name))
+    extents.sort(key=lambda e: (e[0], e[1]))
+    out: set[str] = set()
+    device, end = None, 0
+    for dev, lo, hi, name in extents:
+        if dev == device and lo < end:
+            out.add(name)
+            end = max(end, hi)
+        else:
+            device, end = dev, hi
+    return out
+
+
+def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
+                    plan: Callable[[Mapping[str, Any]], Sequence[LoadTarget]], *, group,
+                    device: torch.device, what: str, verify: bool = True,
+                    info: Mapping[str, Any] | None = None,
+                    before_write: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
+    """Collective: check, agree, write, agree. Returns the checked values of the targets without
+    ``dest`` (the caller writes them), by name.
+
+    Check (every rank, nothing written): open the checkpoint once (or take ``checkpoint`` open),
+    ``plan(info)`` gives the targets (it may raise: names, the caller's own rules), every name,
+    global shape and dtype kind is checked, every destination ``load_into_`` can fill is checked
+    and its stored pieces hashed (``check_into``), and the others (a dtype to cast to, a box of a
+    whole tensor, no destination) are read into fresh memory, verified. Agree. Write:
+    ``before_write()``, then ``load_into`` of the in-place destinations from the same open files
+    (the pieces are hashed already). Agree. Then the fresh values are copied into their
+    destinations. A failure in the check on any rank raises on every rank before any rank
+    writes; the write can then fail only if a file is modified in place or unreadable meanwhile,
+    and raises on every rank too (its destinations may then be partly written)."""
+    run = functools.partial(agreed, group=group, device=device, what=what)
+
+    def check():
+        ckpt = (checkpoint if isinstance(checkpoint, _ckpt.OpenCheckpoint)
+                else _ckpt.open_checkpoint(checkpoint))
+        meta = info if info is not None else ckpt.info()
+        available = meta["tensors"]
+        targets = list(plan(meta))
+        in_place, fresh = [], []
+        for t in targets:
+            entry = available.get(t.name)
+            if entry is None:
+                raise KeyError(f"{t.name!r} is not in the checkpoint")
+            if list(entry["shape"]) != list(t.shape):
+                raise ValueError(f"{t.name!r} is {list(entry['shape'])} in the checkpoint but "
+                                 f"{list(t.shape)} here")
+            stored = getattr(torch, entry["torch_dtype"])
+            check_dtype_kind(t.name, stored, t.dtype)
+            if t.read is not None:
+                (in_place if _in_place(t, stored) else fresh).append(t)
+        shared = _overlapping(in_place)
+        if shared:
+            fresh += [t for t in in_place if t.name in shared]
+            in_place = [t for t in in_place if t.name not in shared]
+        by_request: dict[tuple[int, int], dict[str, torch.Tensor]] = defaultdict(dict)
+        for t in in_place:
+            by_request[t.read.request][t.name] = t.dest
+        for (rank, world), tensors in by_request.items():
+            ckpt.check_into(tensors, rank=rank, world_size=world, verify=verify)
+        fresh_by_request: dict[tuple[int, int], list[LoadTarget]] = defaultdict(list)
+        for t in fresh:
+            fresh_by_request[t.read.request].append(t)
+        values: dict[str, torch.Tensor] = {}
+        for (rank, world), ts in fresh_by_request.items():
+            loaded = ckpt.load([t.name for t in ts], rank=rank, world_size=world, verify=verify)
+            for t in ts:
+                value = t.read.take(loaded[t.name])
+                if t.dest is not None and value.shape != t.dest.shape:
+                    raise ValueError(f"{t.name!r}: {list(value.shape)} read for a local tensor "
+                                     f"of {list(t.dest.shape)}")
+                values[t.name] = value
+        return ckpt, by_request, fresh, values
+
+    ckpt, by_request, fresh, values = run(check)
+
+    def write() -> None:
+        if before_write is not None:
+            before_write()
+        for (rank, world), tensors in by_request.items():
+            ckpt.load_into(tensors, rank=rank, world_size=world, verify=verify)
+
+    run(write)
+    with torch.no_grad():
+        for t in fresh:
+            if t.dest is not None:
+                t.dest.copy_(values.pop(t.name))
+    return values

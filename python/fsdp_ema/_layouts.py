@@ -5,20 +5,19 @@ export. A piece is what ``fsdp_ema.checkpoint.save_shard`` takes: a whole tensor
 ``(local, global_offsets, global_shape)``; every element of a tensor is written by exactly one
 rank (the commit refuses overlaps). A read request is ``(rank, world_size)`` for
 ``fsdp_ema.checkpoint.load`` (``torch.chunk`` dim-0 rows of any world size, ``(0, 1)`` for the
-whole tensor) plus, for a whole-tensor read that is not this rank's layout, the box to cut out.
-The row rule itself is C++'s (``fsdp_ema/format/rows.h``), mirrored by ``chunk_rows``.
+whole tensor) plus, for a whole-tensor read that is not this rank's layout, the box to cut out;
+``_collective.load_collective`` reads them. The row rule itself is C++'s
+(``fsdp_ema/format/rows.h``), mirrored by ``chunk_rows``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
-
-from . import checkpoint as _ckpt
 
 
 def chunk_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -32,16 +31,22 @@ def chunk_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
     return begin, min(begin + size, rows)
 
 
-def is_dtensor(v) -> bool:
+@functools.cache
+def _types() -> tuple[type, type]:
+    """DTensor and ShardedTensor, imported once: the checks below run per tensor (100,000+ in a
+    training state), and an import statement costs microseconds even when cached."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
 
-    return isinstance(v, DTensor)
+    return DTensor, ShardedTensor
+
+
+def is_dtensor(v) -> bool:
+    return isinstance(v, _types()[0])
 
 
 def is_sharded_tensor(v) -> bool:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    return isinstance(v, ShardedTensor)
+    return isinstance(v, _types()[1])
 
 
 def box(t: torch.Tensor, offsets: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
@@ -201,21 +206,3 @@ def sharded_tensor_read(shape: torch.Size, offsets: Sequence[int], local_shape: 
             and list(local_shape) == [end - begin, *shape[1:]]):
         return ReadRequest((rank, world))
     return ReadRequest((0, 1), (list(offsets), list(local_shape)))
-
-
-def read_requests(directory: str, requests: Iterable[tuple[str, tuple[int, int]]], *,
-                  verify: bool = True) -> dict[str, torch.Tensor]:
-    """Reads every ``(name, (rank, world_size))`` with one ``fsdp_ema.checkpoint.load`` call per
-    distinct request."""
-    by_request: dict[tuple[int, int], list[str]] = defaultdict(list)
-    for name, request in requests:
-        by_request[request].append(name)
-    out: dict[str, torch.Tensor] = {}
-    for (rank, world), names in by_request.items():
-        out.update(_ckpt.load(directory, names, rank=rank, world_size=world, verify=verify))
-    return out
-
-
-def torch_dtype(info: Mapping[str, Any], name: str) -> torch.dtype:
-    """The torch dtype of tensor ``name`` in ``fsdp_ema.checkpoint.info(...)``."""
-    return getattr(torch, info["tensors"][name]["torch_dtype"])

@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._collective import LoadTarget, load_collective
 from ._full_state import Part, part_cost
 from ._layouts import (
+    ReadRequest,
     box,
     check_placements,
     chunk_rows,
@@ -148,6 +150,13 @@ class _Slot:
     def from_file(self, fqn: str, loaded: torch.Tensor) -> torch.Tensor:
         return loaded
 
+    def load_targets(self, t: torch.Tensor) -> list[LoadTarget]:
+        """How a checkpoint is read into ``t`` (this slot's EMA or model tensor): by default the
+        values come back to ``assign`` (no destination); slots whose file layout is ``t``'s own
+        name ``t`` (or its views) as the destination, read in place."""
+        return [LoadTarget(fqn, shape, t.dtype, ReadRequest(self.file_request()))
+                for fqn, shape in self.names()]
+
     def assign(self, ema: torch.Tensor, values: Mapping[str, torch.Tensor]) -> None:
         raise NotImplementedError
 
@@ -194,6 +203,9 @@ class _Replicated(_Slot):
 
     def file_request(self):
         return 0, 1
+
+    def load_targets(self, t):
+        return [LoadTarget(self.fqn, self.local_shape, t.dtype, ReadRequest((0, 1)), t)]
 
     def assign(self, ema, values):
         if self.fqn in values:
@@ -279,6 +291,10 @@ class _Sharded(_Slot):
 
     def from_file(self, fqn, loaded):
         return loaded if self.chunk is not None else box(loaded, self.offsets, self.local_shape)
+
+    def load_targets(self, t):
+        # In place for torch.chunk rows (FSDP2 Shard(0)); a box of the whole tensor otherwise.
+        return [LoadTarget(self.fqn, self.global_shape, t.dtype, self.read, t)]
 
     def assign(self, ema, values):
         if self.fqn in values:
@@ -416,10 +432,38 @@ class _FlatReplicated(_Flat):
     def file_request(self):
         return 0, 1
 
+    def load_targets(self, t):
+        return [LoadTarget(fqn, view.shape, t.dtype, ReadRequest((0, 1)), view)
+                for fqn, view in self.members(t)]
+
     def assign(self, ema, values):
         for fqn, view in self.members(ema):
             if fqn in values:
                 view.copy_(values[fqn])
+
+
+def load_slots(directory: str, slots: list[_Slot], tensors: list[torch.Tensor], *,
+               check_names: Callable[[Mapping[str, torch.Size]], None], group,
+               device: torch.device, what: str, verify: bool,
+               before_write: Callable[[], None] | None = None) -> None:
+    """Collective: a checkpoint into ``tensors`` (one per slot: the EMA's, or the model's own for
+    ``load_model_weights``) through ``_collective.load_collective``; ``check_names(available)``
+    (global shapes by name) raises on names or shapes the caller refuses. In place where the
+    file's layout is the tensor's, else read, agreed, then assigned (FSDP1 units: collective)."""
+    def plan(info):
+        available = {k: torch.Size(v["shape"]) for k, v in info["tensors"].items()}
+        check_names(available)
+        return [target for slot, t in zip(slots, tensors) for target in slot.load_targets(t)
+                if target.name in available]
+
+    values = load_collective(directory, plan, group=group, device=device, what=what,
+                             verify=verify, before_write=before_write)
+    with torch.no_grad():
+        for slot, t in zip(slots, tensors):
+            mine = {fqn: slot.from_file(fqn, values[fqn]) for fqn, _ in slot.names()
+                    if fqn in values}
+            if mine:  # the same slots on every rank: FSDP1's exchange runs everywhere
+                slot.assign(t, mine)
 
 
 Select = Callable[[str, torch.Tensor], bool]

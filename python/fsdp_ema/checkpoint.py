@@ -35,7 +35,7 @@ import torch
 Shard = Union[torch.Tensor, Tuple[torch.Tensor, Sequence[int], Sequence[int]]]
 
 __all__ = ["save_shard", "commit", "save", "load_shard", "load", "load_into", "info",
-           "shard_file_name"]
+           "shard_file_name", "open_checkpoint", "OpenCheckpoint"]
 
 
 def shard_file_name(rank: int, world_size: int) -> str:
@@ -218,3 +218,58 @@ def load_into(directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     with torch.no_grad(), _gc_paused():
         torch.ops.fsdp_ema.load_into_(os.fspath(directory), list(tensors), list(tensors.values()),
                                       rank, world_size, verify)
+
+
+class OpenCheckpoint:
+    """A committed checkpoint opened once (``torch.classes.fsdp_ema.OpenCheckpoint``): its index
+    and shard headers are parsed and its files held open until this object is dropped, so that
+    several reads see the same files and each stored piece is hashed at most once.
+
+    What a collective load needs: every rank runs ``check_into`` (everything ``load_into``
+    checks, and the hash of every piece it reads, with nothing written), the ranks agree, and
+    only then every rank runs ``load_into``, which finds those pieces hashed already. A file
+    replaced by rename meanwhile (an overwrite committed) is read as it was opened, or refused
+    ("changed since it was opened") if its descriptor had to be reopened; a file modified in
+    place between the two calls is not detected.
+
+    Example::
+
+        ckpt = fsdp_ema.checkpoint.open_checkpoint("ckpt")
+        params = dict(model.state_dict())
+        ckpt.check_into(params)     # raises, with nothing written, on any mismatch or bad checksum
+        ckpt.load_into(params)
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = os.fspath(directory)
+        self._handle = torch.classes.fsdp_ema.OpenCheckpoint(self.directory)
+
+    def info(self) -> dict:
+        """:func:`info` of this directory."""
+        return json.loads(self._handle.info())
+
+    def check_into(self, tensors: Mapping[str, torch.Tensor], *, rank: int = 0,
+                   world_size: int = 1, verify: bool = True) -> None:
+        """What :meth:`load_into` checks (every destination) and, with ``verify``, hashes (every
+        stored piece it reads); writes nothing."""
+        with _gc_paused():
+            self._handle.check_into(list(tensors), list(tensors.values()), rank, world_size,
+                                    verify)
+
+    def load_into(self, tensors: Mapping[str, torch.Tensor], *, rank: int = 0,
+                  world_size: int = 1, verify: bool = True) -> None:
+        """:func:`load_into` from this directory."""
+        with torch.no_grad(), _gc_paused():
+            self._handle.load_into_(list(tensors), list(tensors.values()), rank, world_size,
+                                    verify)
+
+    def load(self, names: Sequence[str], *, rank: int = 0, world_size: int = 1,
+             verify: bool = True) -> dict:
+        """:func:`load` (owned CPU tensors) from this directory."""
+        with _gc_paused():
+            return dict(zip(names, self._handle.load(list(names), rank, world_size, verify)))
+
+
+def open_checkpoint(directory: str | os.PathLike) -> OpenCheckpoint:
+    """Opens a committed checkpoint once for several reads (:class:`OpenCheckpoint`)."""
+    return OpenCheckpoint(directory)

@@ -23,12 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import checkpoint as _ckpt
-from ._collective import agreed, save_collective
-from ._dist import check_dtype_kind, comm_device, raise_if_any_rank_failed
+from ._collective import save_collective
+from ._dist import comm_device, raise_if_any_rank_failed
 from ._full_state import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_FILE_BYTES, Part, full_buckets
 from ._full_state import export as _export
-from ._layouts import read_requests
 
 # Re-exported: the slot classes and helpers keep their old home (fsdp_ema.sharded_ema).
 from ._slots import (  # noqa: F401
@@ -44,6 +42,7 @@ from ._slots import (  # noqa: F401
     _rows,
     _Sharded,
     _Slot,
+    load_slots,
 )
 
 __all__ = ["ShardedEMA", "Warmup"]
@@ -640,31 +639,20 @@ class ShardedEMA:
              verify: bool = True) -> None:
         """Loads EMA weights from a checkpoint directory written at any world size (``save``,
         ``save_shard_weights``, ``fsdp_ema.checkpoint`` or DCP's HuggingFace writer). Each rank
-        reads only the rows it keeps where the layout allows. Collective."""
+        reads only the rows it keeps where the layout allows, straight into the EMA's tensors
+        where the stored dtype is the EMA's. Collective: every rank checks everything (checksums
+        included) before any rank writes, so a failure anywhere leaves every EMA as it was."""
+        # An EMA in host memory: the update in flight lands before the load writes the tensors.
         self.synchronize()
         directory = os.fspath(directory)
-        what = f"ShardedEMA.load({directory!r})"
-        # Everything that can fail (reading the index, names, shapes, dtypes, data, checksums)
-        # happens on every rank before the agreement; the EMA is written only after it, so one
-        # rank's failure raises everywhere and leaves every rank's EMA as it was.
-        def read() -> list[dict[str, torch.Tensor]]:
-            info = _ckpt.info(directory)
-            available = {k: torch.Size(v["shape"]) for k, v in info["tensors"].items()}
-            self._check_names(available, strict, "load")
-            loaded = read_requests(directory, [(fqn, slot.file_request())
-                                               for slot in self._slots
-                                               for fqn, _ in slot.names() if fqn in available],
-                                   verify=verify)
-            for slot, ema in zip(self._slots, self._ema):
-                for fqn, _ in slot.names():
-                    if fqn in loaded:
-                        check_dtype_kind(fqn, loaded[fqn].dtype, ema.dtype)
-            return [{fqn: slot.from_file(fqn, loaded[fqn])
-                     for fqn, _ in slot.names() if fqn in loaded} for slot in self._slots]
-
-        values = agreed(read, group=self._group, device=self._device, what=what)
-        for slot, ema, v in zip(self._slots, self._ema, values):
-            slot.assign(ema, v)
+        # Every rank checks everything (the index, names, shapes, dtypes, every destination and
+        # every checksum it will read) before the agreement, and reads into the EMA in place only
+        # after it (_collective.load_collective): one rank's failure raises everywhere and leaves
+        # every rank's EMA as it was.
+        load_slots(directory, self._slots, self._ema,
+                   check_names=lambda available: self._check_names(available, strict, "load"),
+                   group=self._group, device=self._device,
+                   what=f"ShardedEMA.load({directory!r})", verify=verify)
 
     def __repr__(self) -> str:
         kinds = defaultdict(int)

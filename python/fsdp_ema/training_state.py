@@ -30,18 +30,15 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as _ckpt
-from ._collective import agreed, save_collective
+from ._collective import LoadTarget, agreed, load_collective, save_collective
 from ._collective import rank_world as _rank_world
-from ._dist import check_dtype_kind
 from ._layouts import (
     ReadRequest,
     dtensor_read,
     is_dtensor,
     is_sharded_tensor,
     pieces_of,
-    read_requests,
     sharded_tensor_read,
-    torch_dtype,
 )
 
 __all__ = ["save_training_state", "load_training_state", "latest_checkpoint",
@@ -248,73 +245,31 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
 
 # --- tensors: what this rank writes, and where it reads from --------------------------------------
 
-class _Target:
-    """One tensor of a template state dict to fill in place from the checkpoint: the local
-    tensor to write into (None when this rank holds none of it) and its read request
-    (``_layouts.ReadRequest``: what to ask ``fsdp_ema.checkpoint.load`` for, and the box to cut
-    out of a whole-tensor read)."""
-
-    def __init__(self, name: str, value):
-        self.name, self.read = name, ReadRequest((0, 1))
-        if is_dtensor(value):
-            self.local = value._local_tensor
-            self.shape = torch.Size(value.shape)
-            mesh = value.device_mesh
-            if mesh.get_coordinate() is None:
-                self.local = None
-                return
-            self.read = dtensor_read(mesh, tuple(value.placements), self.shape, self.local.shape)
-        elif is_sharded_tensor(value):
-            self.shape = torch.Size(value.size())
-            shards = value.local_shards()
-            if len(shards) > 1:
-                raise ValueError(f"{name!r}: a ShardedTensor with several local shards")
-            self.local = shards[0].tensor if shards else None
-            if self.local is None or self.local.numel() == 0:
-                self.local = None
-                return
-            pg = value._process_group
-            self.read = sharded_tensor_read(self.shape, list(shards[0].metadata.shard_offsets),
-                                            self.local.shape, dist.get_rank(pg),
-                                            dist.get_world_size(pg))
-        elif isinstance(value, torch.Tensor):
-            self.local, self.shape = value, torch.Size(value.shape)
-        else:
-            raise TypeError(f"{name!r}: not a tensor ({type(value).__name__})")
-
-    def prepare(self, loaded: torch.Tensor) -> torch.Tensor:
-        """The part of ``loaded`` this rank's tensor takes, checked (shape, dtype kind) so that
-        ``fill`` cannot fail."""
-        loaded = self.read.take(loaded)
-        if loaded.shape != self.local.shape:
-            raise ValueError(f"{self.name!r}: {list(loaded.shape)} read for a local tensor of "
-                             f"{list(self.local.shape)}")
-        check_dtype_kind(self.name, loaded.dtype, self.local.dtype)
-        return loaded
-
-    def fill(self, prepared: torch.Tensor) -> None:
-        self.local.copy_(prepared)
-
-
-def _read_all(directory: str, targets: list[_Target], info: Mapping[str, Any],
-              verify: bool) -> list[tuple[_Target, torch.Tensor]]:
-    """Reads (and checks) every target's data without writing any: one
-    ``fsdp_ema.checkpoint.load`` call per (rank, world) request."""
-    available = info["tensors"]
-    for t in targets:
-        if t.name not in available:
-            raise KeyError(f"{t.name!r} is not in the checkpoint")
-        saved = torch.Size(available[t.name]["shape"])
-        if saved != t.shape:
-            raise ValueError(f"{t.name!r} is {list(saved)} in the checkpoint but "
-                             f"{list(t.shape)} here")
-        if t.local is not None:
-            check_dtype_kind(t.name, torch_dtype(info, t.name), t.local.dtype)
-    reading = [t for t in targets if t.local is not None]
-    with torch.no_grad():
-        loaded = read_requests(directory, [(t.name, t.read.request) for t in reading],
-                               verify=verify)
-        return [(t, t.prepare(loaded[t.name])) for t in reading]
+def _target(name: str, value) -> LoadTarget:
+    """One tensor of a template state dict to fill in place from the checkpoint: its local tensor
+    (none where this rank holds none of it) and its read request (``_layouts.ReadRequest``)."""
+    if is_dtensor(value):
+        shape, mesh = torch.Size(value.shape), value.device_mesh
+        if mesh.get_coordinate() is None:
+            return LoadTarget(name, shape, value.dtype, None)
+        local = value._local_tensor
+        return LoadTarget(name, shape, value.dtype,
+                          dtensor_read(mesh, tuple(value.placements), shape, local.shape), local)
+    if is_sharded_tensor(value):
+        shape = torch.Size(value.size())
+        shards = value.local_shards()
+        if len(shards) > 1:
+            raise ValueError(f"{name!r}: a ShardedTensor with several local shards")
+        if not shards or shards[0].tensor.numel() == 0:
+            return LoadTarget(name, shape, value.dtype, None)
+        local, pg = shards[0].tensor, value._process_group
+        return LoadTarget(name, shape, local.dtype,
+                          sharded_tensor_read(shape, list(shards[0].metadata.shard_offsets),
+                                              local.shape, dist.get_rank(pg),
+                                              dist.get_world_size(pg)), local)
+    if isinstance(value, torch.Tensor):
+        return LoadTarget(name, torch.Size(value.shape), value.dtype, ReadRequest((0, 1)), value)
+    raise TypeError(f"{name!r}: not a tensor ({type(value).__name__})")
 
 
 # --- collecting state -----------------------------------------------------------------------------
@@ -505,11 +460,16 @@ def read_training_state_json(directory: str | os.PathLike, *, verify: bool = Tru
     checksum verified), tags not decoded. ``info``: ``fsdp_ema.checkpoint.info(directory)``
     if the caller has it."""
     directory = os.fspath(directory)
-    info = info if info is not None else _ckpt.info(directory)
+    return _read_doc(_ckpt.open_checkpoint(directory), info, verify)
+
+
+def _read_doc(ckpt: _ckpt.OpenCheckpoint, info: dict | None, verify: bool) -> dict:
+    directory = ckpt.directory
+    info = info if info is not None else ckpt.info()
     if META_TENSOR not in info["tensors"]:
         raise ValueError(f"{directory!r} is a checkpoint but not a training-state checkpoint "
                          f"(no {META_TENSOR!r})")
-    doc = _tensor_json(_ckpt.load(directory, [META_TENSOR], verify=verify)[META_TENSOR])
+    doc = _tensor_json(ckpt.load([META_TENSOR], verify=verify)[META_TENSOR])
     if doc.get("format") != FORMAT_NAME or doc.get("version") != FORMAT_VERSION:
         raise ValueError(f"{directory!r}: unknown training-state format "
                          f"{doc.get('format')!r} version {doc.get('version')!r}")
@@ -521,11 +481,13 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     """Restores what ``save_training_state`` wrote, at the same or another world size, into
     ``model``, ``optimizer`` and ``ema`` (each optional), and returns ``extra``. Collective.
 
-    Each rank reads only the rows it holds (``fsdp_ema.checkpoint.load`` with its rank and world
-    size) where the layout is torch.chunk dim-0 rows (FSDP2, FSDP1), whole tensors otherwise.
-    RNG states: rank ``r`` restores the state rank ``r`` saved; ranks past the saved world size
-    keep theirs. Everything is read and checked on every rank before anything is written: a
-    failure on any rank raises on every rank and leaves every object (and the RNGs) as it was.
+    Each rank reads only the rows it holds (its rank and world size) where the layout is
+    torch.chunk dim-0 rows (FSDP2, FSDP1), whole tensors otherwise, straight into the state
+    dicts' tensors where the dtype is the stored one (for FSDP2 and plain models the parameters',
+    the optimizer's and the EMA's own). RNG states: rank ``r`` restores the state rank ``r``
+    saved; ranks past the saved world size keep theirs. Everything is checked (checksums
+    included) on every rank before anything is written: a failure on any rank raises on every
+    rank and leaves every object (and the RNGs) as it was.
     """
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
@@ -544,8 +506,10 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     # a failure anywhere raises on every rank and leaves model, optimizer, EMA and RNGs as they
     # were.
     def read_doc():
-        info = _ckpt.info(directory)
-        doc = read_training_state_json(directory, verify=verify, info=info)
+        # One open for the whole load: every read below sees the same files.
+        ckpt = _ckpt.open_checkpoint(directory)
+        info = ckpt.info()
+        doc = _read_doc(ckpt, info, verify)
         available = info["tensors"]
         rng_state = None
         for part, given in (("model", model), ("optimizer", optimizer), ("ema", ema)):
@@ -562,25 +526,30 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
             if name not in available:
                 raise KeyError(f"{name!r} (rank {rank}'s RNG states) is not in the checkpoint")
             rng_state = _checked_rng_state(
-                _tensor_json(_ckpt.load(directory, [name], verify=verify)[name]),
+                _tensor_json(ckpt.load([name], verify=verify)[name]),
                 f"{directory}: {name}")
-        return info, doc, extra, rng_state
+        return ckpt, info, doc, extra, rng_state
 
-    info, doc, extra, rng_state = agreed(read_doc, group=group, device=torch.device("cpu"),
-                                         what=what)
+    ckpt, info, doc, extra, rng_state = agreed(read_doc, group=group,
+                                               device=torch.device("cpu"), what=what)
 
     # Templates (collective for FSDP1; the optimizer's state is initialized if it is empty).
     optim_sd = _optim_state(model, optimizer) if optimizer is not None else None
     model_sd = _model_state(model) if model is not None else None
     ema_sd = ema.state_dict() if ema is not None else None
 
-    def read_tensors(model_sd):
-        targets: list[_Target] = []
+    # Every rank checks every tensor (names, shapes, dtypes, every destination and checksum)
+    # before any rank writes; then each reads into the state dicts' tensors in place, which for
+    # FSDP2 and plain models are the parameters', the optimizer's and the EMA's own
+    # (_collective.load_collective).
+    def plan(_info) -> list[LoadTarget]:
+        nonlocal model_sd
+        targets: list[LoadTarget] = []
         if model_sd is not None:
             saved = set(doc["model"]["tensors"])
             _check_names("model", set(model_sd), saved, strict)
             model_sd = {k: v for k, v in model_sd.items() if k in saved}
-            targets += [_Target(MODEL_PREFIX + k, v) for k, v in model_sd.items()]
+            targets += [_target(MODEL_PREFIX + k, v) for k, v in model_sd.items()]
         if optim_sd is not None:
             saved_state = doc["optimizer"]["state"]
             _check_names("optimizer state", set(optim_sd["state"]), set(saved_state), strict)
@@ -596,7 +565,7 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
                         if not isinstance(v, torch.Tensor):
                             raise TypeError(f"{where} is a tensor in the checkpoint but a "
                                             f"{type(v).__name__} here")
-                        targets.append(_Target(entry["tensor"], v))
+                        targets.append(_target(entry["tensor"], v))
                     else:
                         value = _decode(entry["value"], where)
                         if isinstance(v, torch.Tensor) or type(value) is not type(v):
@@ -618,18 +587,13 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
             saved = set(doc["ema"]["tensors"])
             mine = {k for k in ema_sd if k != step_key}
             _check_names("EMA", mine, saved, strict)
-            targets += [_Target(EMA_PREFIX + k, ema_sd[k]) for k in mine if k in saved]
+            targets += [_target(EMA_PREFIX + k, ema_sd[k]) for k in mine if k in saved]
             if doc["ema"]["step"] is not None:
                 ema_sd[step_key] = torch.tensor(doc["ema"]["step"], dtype=torch.int64)
-        reads = _read_all(directory, targets, info, verify)
-        return model_sd, reads
+        return targets
 
-    model_sd, reads = agreed(lambda: read_tensors(model_sd), group=group,
-                             device=torch.device("cpu"), what=what)
-
-    with torch.no_grad():
-        for target, value in reads:
-            target.fill(value)
+    load_collective(ckpt, plan, info=info, group=group, device=torch.device("cpu"), what=what,
+                    verify=verify)
     if model_sd is not None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
