@@ -194,6 +194,27 @@ def run_destroy_during_save(rank, world, directory, after, init_file):
             "after": nbytes > 0 and os.path.exists(os.path.join(after, INDEX))}
 
 
+def run_subgroup_async(rank, world, directory, prepare):
+    """An async save by ranks 0 and 1 over their subgroup, then a group made by all 3 ranks:
+    with the background group made up front (init_async_groups) every rank names the new group
+    alike, and its collective runs."""
+    import torch.distributed as dist
+
+    sub = dist.new_group([0, 1])  # every rank calls new_group, members or not
+    if prepare:
+        fsdp_ema.init_async_groups([[0, 1]])
+    committed = None
+    if rank < 2:
+        torch.manual_seed(0)
+        ema = ShardedEMA(torch.nn.Linear(4, 3), 0.9, process_group=sub)
+        ema.save(directory, async_=True).result(timeout=60)
+        committed = os.path.exists(os.path.join(directory, INDEX))
+    everyone = dist.new_group([0, 1, 2])
+    t = torch.ones(1)
+    dist.all_reduce(t, group=everyone)
+    return {"committed": committed, "sum": float(t)}
+
+
 # --- tests ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -259,6 +280,30 @@ def test_destroying_the_group_during_a_save_fails_it_clearly(pool, tmp_path):
         assert "nothing was committed" in res["message"]
         assert not res["index"]  # shard files may be there, uncommitted: no reader takes them
         assert res["after"]
+
+
+def test_async_save_over_a_subgroup_with_groups_made_up_front(tmp_path):
+    manager = PoolManager()
+    try:
+        results = manager.get(3).run(run_subgroup_async, str(tmp_path / "sub"), True,
+                                     timeout=120)
+    finally:
+        manager.close()
+    assert [r["committed"] for r in results] == [True, True, None]
+    assert all(r["sum"] == 3.0 for r in results)
+
+
+def test_init_async_groups_checks_its_ranks(pool):
+    for res in pool.run(run_init_groups_bad):
+        assert "is not a set of ranks of a world of 2" in res
+
+
+def run_init_groups_bad(rank, world):
+    try:
+        fsdp_ema.init_async_groups([[0, 5]])
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 # --- single process: the checkpoint helpers ------------------------------------------------------

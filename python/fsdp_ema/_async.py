@@ -120,9 +120,34 @@ _WRITERS: dict[Any, _Writer] = {}
 _WRITERS_LOCK = threading.Lock()
 
 
+def init_async_groups(rank_sets) -> None:
+    """Makes the background process groups of async saves over subgroups up front: collective
+    over the default group, every rank passing the same rank lists (as ``dist.new_subgroups_by_
+    enumeration`` takes them), e.g. ``[[0, 1], [2, 3]]`` for two subgroups' EMAs.
+
+    Without it, the first async save over a strict subgroup makes that group with only the
+    members taking part (``use_local_synchronization=True``); torch counts group creations on
+    the ranks that take part, so a later ``dist.new_group`` by every rank can get different
+    names on members and non-members and hang. Saves over the whole world need nothing."""
+    sets = [sorted({int(r) for r in ranks}) for ranks in rank_sets]
+    world = dist.get_world_size()
+    for ranks in sets:
+        if not ranks or ranks[0] < 0 or ranks[-1] >= world:
+            raise ValueError(f"init_async_groups: {ranks} is not a set of ranks of a world of "
+                             f"{world}")
+    me = dist.get_rank()
+    for ranks in sets:
+        background = dist.new_group(ranks, backend="gloo")  # every rank, in the same order
+        if me in ranks:
+            with _WRITERS_LOCK:
+                w = _WRITERS.get(tuple(ranks))
+                if w is None or w.stale():
+                    _WRITERS[tuple(ranks)] = _Writer(background)
+
+
 def _writer(group: dist.ProcessGroup | None) -> _Writer:
     """The writer for ``group``'s ranks. Collective over ``group`` the first time (it makes the
-    background process group: only the members take part)."""
+    background process group: only the members take part; see ``init_async_groups``)."""
     if group is None:
         key: Any = None
     else:
