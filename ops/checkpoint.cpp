@@ -33,9 +33,7 @@ struct SaveRequest {
 SaveRequest validate_save(const char* op, int64_t rank, int64_t world_size,
                           const std::vector<std::string>& names, at::TensorList shards,
                           at::IntArrayRef offsets, at::IntArrayRef global_shapes) {
-  TORCH_CHECK(world_size >= 1, op, "world_size must be >= 1, got ", world_size);
-  TORCH_CHECK(rank >= 0 && rank < world_size, op, "rank must be in [0, world_size), got rank ",
-              rank, " with world_size ", world_size);
+  check_rank(op, rank, world_size);
   TORCH_CHECK(names.size() == shards.size(), op, "names has ", names.size(),
               " entries but shards has ", shards.size());
   int64_t dims = 0;
@@ -210,9 +208,7 @@ std::vector<at::Tensor> load_tensors(c10::string_view directory,
                                      int64_t world_size, bool verify,
                                      std::optional<at::Device> device, bool mmap) {
   constexpr const char* kOp = "fsdp_ema::load_tensors: ";
-  TORCH_CHECK(world_size >= 1, kOp, "world_size must be >= 1, got ", world_size);
-  TORCH_CHECK(rank >= 0 && rank < world_size, kOp, "rank must be in [0, world_size), got rank ",
-              rank, " with world_size ", world_size);
+  check_rank(kOp, rank, world_size);
   return translate_errors(kOp, [&] {
     const auto dir = std::make_shared<const format::CheckpointDir>(
         format::CheckpointDir::open(std::string(directory)));

@@ -28,12 +28,6 @@ at::Device result_device(at::TensorList tensors) {
   return at::kCPU;
 }
 
-void check_rank(const char* op, int64_t rank, int64_t world_size) {
-  TORCH_CHECK(world_size >= 1, op, "world_size must be >= 1, got ", world_size);
-  TORCH_CHECK(rank >= 0 && rank < world_size, op, "rank must be in [0, world_size), got rank ",
-              rank, " with world_size ", world_size);
-}
-
 // An empty tensor on the device the results go to: what the private load ops dispatch on.
 at::Tensor target_on(std::optional<at::Device> device) {
   return at::empty({0}, at::TensorOptions().dtype(at::kByte).device(device.value_or(at::kCPU)));

@@ -99,4 +99,10 @@ const char* torch_dtype_name(format::DType d) {
   TORCH_CHECK(false, "fsdp_ema: unknown format dtype");
 }
 
+void check_rank(const char* op, int64_t rank, int64_t world_size) {
+  TORCH_CHECK(world_size >= 1, op, "world_size must be >= 1, got ", world_size);
+  TORCH_CHECK(rank >= 0 && rank < world_size, op, "rank must be in [0, world_size), got rank ",
+              rank, " with world_size ", world_size);
+}
+
 }  // namespace fsdp_ema::ops

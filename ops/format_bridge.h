@@ -25,6 +25,10 @@ at::ScalarType to_scalar_type(format::DType d);
 // The torch dtype's Python name ("float32", "bfloat16", ...), for Python to look up in `torch`.
 const char* torch_dtype_name(format::DType d);
 
+// The (rank, world_size) pair an op addresses: world_size >= 1, rank in [0, world_size).
+// `op` prefixes the message (e.g. "fsdp_ema::load_tensors: ").
+void check_rank(const char* op, int64_t rank, int64_t world_size);
+
 // Runs f, rethrowing a FormatError as c10::Error with `where` ("fsdp_ema::save_shard: ") in front.
 template <typename F>
 auto translate_errors(const char* where, F&& f) -> decltype(f()) {

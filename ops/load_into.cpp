@@ -35,9 +35,7 @@ using Plan = std::vector<std::pair<const format::IndexTensor*, format::RowRange>
 Plan plan_load_into(const std::shared_ptr<const format::CheckpointDir>& dir,
                     c10::string_view directory, const std::vector<std::string>& names,
                     at::TensorList out, int64_t rank, int64_t world_size, bool meta) {
-  TORCH_CHECK(world_size >= 1, kOp, "world_size must be >= 1, got ", world_size);
-  TORCH_CHECK(rank >= 0 && rank < world_size, kOp, "rank must be in [0, world_size), got rank ",
-              rank, " with world_size ", world_size);
+  check_rank(kOp, rank, world_size);
   TORCH_CHECK(names.size() == out.size(), kOp, "names has ", names.size(), " entries but out has ",
               out.size());
 
@@ -167,9 +165,7 @@ void OpenCheckpoint::load_into_(const std::vector<std::string>& names,
 std::vector<at::Tensor> OpenCheckpoint::load(const std::vector<std::string>& names, int64_t rank,
                                              int64_t world_size, bool verify) const {
   constexpr const char* kLoad = "fsdp_ema::OpenCheckpoint.load: ";
-  TORCH_CHECK(world_size >= 1, kLoad, "world_size must be >= 1, got ", world_size);
-  TORCH_CHECK(rank >= 0 && rank < world_size, kLoad, "rank must be in [0, world_size), got rank ",
-              rank, " with world_size ", world_size);
+  check_rank(kLoad, rank, world_size);
   return translate_errors(kLoad, [&] {
     return load_tensors_from(dir_, names, rank, world_size, verify, std::nullopt, false);
   });
