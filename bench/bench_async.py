@@ -31,7 +31,6 @@ import argparse
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -42,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_training_state import build  # noqa: E402
-from ranks import init_group, spawn  # noqa: E402
+from ranks import init_group, shared_tmpdir, spawn  # noqa: E402
 
 METHODS = ["none", "ours sync", "ours async", "dcp.save", "dcp.async_save",
            "dcp.async_save (default stager)"]
@@ -112,15 +111,7 @@ def worker(rank, init_file, args, out_queue):
                                   process_group=dcp_group).result
         return None
 
-    base = args.dir
-    if rank == 0:
-        base.mkdir(parents=True, exist_ok=True)
-        work = tempfile.mkdtemp(prefix="fsdp_ema_bench_async_", dir=base)
-    else:
-        work = None
-    box = [work]
-    dist.broadcast_object_list(box)
-    work = Path(box[0])
+    work = shared_tmpdir(args.dir, "fsdp_ema_bench_async_")
 
     def loop(method, directory):
         if rank == 0:

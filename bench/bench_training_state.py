@@ -18,7 +18,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
 import rawio  # noqa: E402
-from ranks import init_group, spawn  # noqa: E402
+from ranks import init_group, shared_tmpdir, spawn  # noqa: E402
 
 WORLD = 2
 
@@ -105,14 +104,7 @@ def worker(rank, init_file, args, out_queue):
 
     for place in args.places.split(","):
         base = Path("/dev/shm") if place == "tmpfs" else args.disk_dir
-        if rank == 0:
-            base.mkdir(parents=True, exist_ok=True)
-            work = tempfile.mkdtemp(prefix="fsdp_ema_bench_ts_", dir=base)
-        else:
-            work = None
-        box = [work]
-        dist.broadcast_object_list(box)
-        work = Path(box[0])
+        work = shared_tmpdir(base, "fsdp_ema_bench_ts_")
         ours, dcp_dir, raw_dir = work / "ours", work / "dcp", work / "raw"
 
         def fresh(p):

@@ -42,6 +42,23 @@ def spawn(worker, args, world: int):
     return results
 
 
+def shared_tmpdir(base, prefix: str):
+    """A new directory under ``base`` made by rank 0, its path handed to every rank
+    (collective over the default group)."""
+    import tempfile
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    work = None
+    if dist.get_rank() == 0:
+        Path(base).mkdir(parents=True, exist_ok=True)
+        work = tempfile.mkdtemp(prefix=prefix, dir=base)
+    box = [work]
+    dist.broadcast_object_list(box)
+    return Path(box[0])
+
+
 def init_group(rank: int, init_file: str, world: int, device: str = "cpu") -> torch.device:
     """The default process group (NCCL for CUDA, one GPU per rank; gloo on the CPU); returns the
     rank's device."""
