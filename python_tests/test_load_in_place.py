@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 from dist_utils import PoolManager
+from models import UnevenMLP
 from torch import nn
 
 import fsdp_ema
@@ -37,24 +38,11 @@ def pools():
     manager.close()
 
 
-class Net(nn.Module):
-    """7 and 5 rows divide by neither 2 ranks nor 3; the head has 1 row, fewer than the ranks."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(6, 7)
-        self.hidden = nn.Linear(7, 5)
-        self.head = nn.Linear(5, 1)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.hidden(torch.relu(self.inp(x)))))
-
-
 def build(seed, sharded=True):
     """A model (FSDP2 over the ranks, or plain), AdamW after one step, an EMA after one update;
     ``seed`` decides every value."""
     torch.manual_seed(seed)
-    model = Net()
+    model = UnevenMLP()
     if sharded:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import PoolManager
+from models import UnevenMLP
 from torch import nn
 
 from fsdp_ema import ShardedEMA
@@ -24,19 +25,6 @@ REPLICA = dict(rtol=1e-5, atol=1e-6)
 TARGETS = ["inp", "hidden"]
 
 
-class Base(nn.Module):
-    """7 and 5 rows divide by neither 2 nor 3 ranks."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(6, 7)
-        self.hidden = nn.Linear(7, 5)
-        self.head = nn.Linear(5, 1)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.hidden(torch.relu(self.inp(x)))))
-
-
 def lora_config():
     return peft.LoraConfig(r=3, lora_alpha=6, target_modules=TARGETS, lora_dropout=0.0)
 
@@ -45,7 +33,7 @@ def build_lora(kind: str = "plain", seed: int = 0):
     """The same base and adapter weights on every rank and in the replica; ``kind`` "fsdp2"
     shards every adapted layer and the root over all ranks."""
     torch.manual_seed(seed)
-    model = peft.get_peft_model(Base(), lora_config())
+    model = peft.get_peft_model(UnevenMLP(), lora_config())
     if kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -294,7 +282,7 @@ def run_lora_exports(rank, world, adapter_dir, merged_dir):
 
 def base_model():
     torch.manual_seed(0)  # the base weights build_lora starts from (LoRA init comes after)
-    return Base()
+    return UnevenMLP()
 
 
 def test_peft_adapter_and_merged_exports_load_with_peft_and_match_merge_and_unload(pools,
@@ -326,7 +314,7 @@ def test_peft_adapter_and_merged_exports_load_with_peft_and_match_merge_and_unlo
     merged = {}
     for f in files:
         merged.update(load_file(merged_dir / f))
-    plain = Base()
+    plain = UnevenMLP()
     plain.load_state_dict(merged, strict=True)
     for name, t in reference.state_dict().items():
         assert torch.equal(merged[name], t), name
@@ -342,7 +330,7 @@ def test_merged_export_in_bf16_base_matches_peft_merge(tmp_path):
     import fsdp_ema
 
     torch.manual_seed(0)
-    model = peft.get_peft_model(Base().to(torch.bfloat16), lora_config())
+    model = peft.get_peft_model(UnevenMLP().to(torch.bfloat16), lora_config())
     for n, p in model.named_parameters():
         if "lora_" in n:
             p.data = torch.randn_like(p, dtype=torch.float32)  # B != 0, fp32 adapters
@@ -363,5 +351,5 @@ def test_peft_exports_refuse_an_ema_without_the_adapters(tmp_path):
     with pytest.raises(ValueError, match=r"does not keep 'base_model.model.inp.lora_A"):
         fsdp_ema.export_peft_adapter(ema, tmp_path / "a")
     with pytest.raises(ValueError, match=r"holds no peft PeftModel"):
-        fsdp_ema.export_merged(ShardedEMA(Base()), tmp_path / "b")
+        fsdp_ema.export_merged(ShardedEMA(UnevenMLP()), tmp_path / "b")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
