@@ -102,7 +102,6 @@ def _rows(value, fqn: str, shape: torch.Size, rank: int, world_size: int) -> tor
     return value[begin:end]
 
 
-
 def dtensor_view(local: torch.Tensor, mesh, placements, shape: torch.Size, stride) -> Any:
     """A DTensor over ``local`` itself, whatever its device (as FSDP2 builds its CPU-offloaded
     parameters): unlike ``DTensor.from_local`` it never moves ``local`` to the mesh's device, so
@@ -113,6 +112,7 @@ def dtensor_view(local: torch.Tensor, mesh, placements, shape: torch.Size, strid
     spec = DTensorSpec(mesh, tuple(placements),
                        tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
     return DTensor(local, spec, requires_grad=False)
+
 
 class _Slot:
     """One tensor the EMA keeps, on this rank.
@@ -152,8 +152,8 @@ class _Slot:
 
     def load_targets(self, t: torch.Tensor) -> list[LoadTarget]:
         """How a checkpoint is read into ``t`` (this slot's EMA or model tensor): by default the
-        values come back to ``assign`` (no destination); slots whose file layout is ``t``'s own
-        name ``t`` (or its views) as the destination, read in place."""
+        values come back to ``assign`` (no destination); a slot whose file layout is ``t``'s own
+        names ``t`` (or views of it) as the destination, to be read in place."""
         return [LoadTarget(fqn, shape, t.dtype, ReadRequest(self.file_request()))
                 for fqn, shape in self.names()]
 
@@ -222,6 +222,9 @@ class _Sharded(_Slot):
         self.fqn, self.average = fqn, average
         self.mesh, self.placements = param.device_mesh, tuple(param.placements)
         self.global_shape = torch.Size(param.shape)
+        # Explicit shape and stride for the DTensors made of the EMA: from_local would infer a
+        # wrong global shape from an uneven local shard (and on some ranks an empty one).
+        self.global_stride = torch.empty(self.global_shape, device="meta").stride()
         local = param._local_tensor
         self.local_shape = local.shape
         try:
@@ -250,12 +253,11 @@ class _Sharded(_Slot):
         return repr(self.fqn)
 
     def state_items(self, ema):
-        stride = torch.empty(self.global_shape, device="meta").stride()
         if ema.device.type != self.mesh.device_type:
             # A host-memory EMA (device="cpu") of weights on an accelerator mesh: from_local would
             # move it to the mesh's device; the state dict stays a view of the EMA instead.
             return {self.fqn: dtensor_view(ema, self.mesh, self.placements, self.global_shape,
-                                           stride)}
+                                           self.global_stride)}
         return {self.fqn: self._on_mesh(ema)}
 
     def _on_mesh(self, ema):
@@ -263,11 +265,8 @@ class _Sharded(_Slot):
         collectives over the mesh."""
         from torch.distributed.tensor import DTensor
 
-        # Explicit shape and stride: from_local would infer a wrong global shape from an uneven
-        # local shard (and on some ranks an empty one).
-        stride = torch.empty(self.global_shape, device="meta").stride()
         return DTensor.from_local(ema, self.mesh, self.placements, run_check=False,
-                                  shape=self.global_shape, stride=stride)
+                                  shape=self.global_shape, stride=self.global_stride)
 
     def pieces(self, t, rank, world_size):
         return dtensor_pieces(self.fqn, t, self.mesh, self.placements, self.global_shape)
