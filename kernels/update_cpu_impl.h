@@ -98,11 +98,11 @@ void update_typed(void* ema, const void* model, int64_t begin, int64_t end, doub
   const M* m = static_cast<const M*>(model) + begin;
   const int64_t n = end - begin;
   if constexpr (std::is_same_v<E, double>) {
-    lerp_scalar_range<double>(e, m, n, 1.0 - decay);
+    lerp_scalar_range<double>(e, m, n, ema_weight<double>(decay));
   } else if constexpr (std::is_same_v<M, double>) {
-    lerp_scalar_range<float>(e, m, n, 1.0f - static_cast<float>(decay));
+    lerp_scalar_range<float>(e, m, n, ema_weight<float>(decay));
   } else {
-    const float w = 1.0f - static_cast<float>(decay);
+    const float w = ema_weight<float>(decay);
     if (w < 0.5f) {
       lerp_float_range<true>(e, m, n, w);
     } else {

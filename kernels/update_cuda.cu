@@ -28,7 +28,7 @@ __device__ void update_chunk(const CudaUpdateEntry& entry, int64_t chunk, double
   // blocks per SM while the registers stay bounded (one pack at a time does not cover it).
   constexpr int kWide = static_cast<int>(sizeof(E) > sizeof(M) ? sizeof(E) : sizeof(M));
   constexpr int U = 64 / (kWide * V) > 0 ? 64 / (kWide * V) : 1;
-  const Op w = Op(1) - static_cast<Op>(decay);
+  const Op w = ema_weight<Op>(decay);
   const Op c = Op(1) - w;
   const bool small = w < Op(0.5);
   const int64_t begin = chunk * kCudaChunk;

@@ -33,7 +33,7 @@ __device__ void update_multi_chunk(const CudaMultiEntry& entry, int64_t chunk,
 #pragma unroll
   for (int j = 0; j < kCudaMaxProfiles; ++j) {
     if (j < count) {
-      w[j] = Op(1) - static_cast<Op>(cuda_math::decay_value(decays[entry.decay_index[j]]));
+      w[j] = ema_weight<Op>(cuda_math::decay_value(decays[entry.decay_index[j]]));
       c[j] = Op(1) - w[j];
       small[j] = w[j] < Op(0.5);
       ema[j] = static_cast<E*>(entry.ema[j]) + begin;

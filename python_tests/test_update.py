@@ -41,13 +41,102 @@ def make_case(sizes, ema_dtype, model_dtype, device, seed=0):
 SIZES = [(), (0,), (1,), (7,), (3, 5), (1023,), (4097,), (70001,)]
 
 
+# The decays users run: 1 - 10^-k for k = 1..7 (0.9 ... 0.9999999). Diffusion models run
+# 0.9999-0.99999; friendly values such as 0.5 or 0.75 hide a weight formed in float32.
+USER_DECAYS = [1.0 - 10.0 ** -k for k in range(1, 8)]
+
+
 @pytest.mark.parametrize("ema_dtype,model_dtype", list(itertools.product(DTYPES, DTYPES)))
 def test_update_matches_lerp_for_every_dtype_pair(device, ema_dtype, model_dtype):
-    ema, model = make_case(SIZES, ema_dtype, model_dtype, device)
-    expected = [reference(e, m, 0.9) for e, m in zip(ema, model)]
-    torch.ops.fsdp_ema.update_(ema, model, 0.9)
-    for a, b in zip(ema, expected):
-        assert_ema_close(a, b)
+    for decay in [0.9, 0.25, 0.9999, 0.999999]:
+        ema, model = make_case(SIZES, ema_dtype, model_dtype, device)
+        expected = [reference(e, m, decay) for e, m in zip(ema, model)]
+        torch.ops.fsdp_ema.update_(ema, model, decay)
+        for a, b in zip(ema, expected):
+            assert torch.equal(a, b), (decay, a.dtype, (a != b).sum())
+
+
+# --- exactness: the weight 1 - decay is formed in double ----------------------------------------
+
+def _decay_args(decay, device):
+    """decay as a float, a float64 0-dim CPU tensor and a float64 0-dim tensor on the device."""
+    return [decay, torch.tensor(decay, dtype=torch.float64),
+            torch.tensor(decay, dtype=torch.float64, device=device)]
+
+
+@pytest.mark.parametrize("decay", USER_DECAYS, ids=[f"1-1e-{k}" for k in range(1, 8)])
+def test_weight_is_one_minus_decay_formed_in_double(device, decay):
+    """ema = 0, model = 1: lerp(0, 1, w) is w exactly, so the result is the weight the kernel
+    applied. It must be float(1 - decay) computed in double (rounded once), as torch.lerp, timm
+    and ema-pytorch form it; 1.0f - float(decay) is off by 1.7e-4 at 0.9999, 1.3e-2 at
+    0.999999."""
+    expected32 = torch.tensor(1.0 - decay, dtype=torch.float64).to(torch.float32)
+    assert expected32.item() != (1.0 - torch.tensor(decay, dtype=torch.float32).item()) or \
+        decay < 0.99  # the old rounding differs at every decay users run
+    expected64 = torch.tensor(1.0 - decay, dtype=torch.float64)
+    for arg in _decay_args(decay, device):
+        for ema_dtype, expected in [(torch.float32, expected32), (torch.float64, expected64)]:
+            for model_dtype in DTYPES:
+                ema = [torch.zeros(37, dtype=ema_dtype, device=device)]
+                model = [torch.ones(37, dtype=model_dtype, device=device)]
+                torch.ops.fsdp_ema.update_(ema, model, arg)
+                assert torch.equal(ema[0].cpu(), expected.expand(37)), (arg, ema_dtype, model_dtype)
+        # update_multi_: every profile forms its own weight the same way.
+        emas = [[torch.zeros(37, device=device)] for _ in range(3)]
+        fsdp_ema.update_multi_(emas, [torch.ones(37, device=device)], [arg, 0.5, arg])
+        assert torch.equal(emas[0][0].cpu(), expected32.expand(37))
+        assert torch.equal(emas[2][0].cpu(), expected32.expand(37))
+
+
+@pytest.mark.parametrize("decay", USER_DECAYS, ids=[f"1-1e-{k}" for k in range(1, 8)])
+def test_bit_exact_against_lerp_with_the_weight_in_double(device, decay):
+    """Random data, every dtype pair, every decay argument kind, update_ and update_multi_: the
+    result is torch.lerp(ema, model, 1 - decay) bit for bit (math in float32, float64 for a
+    float64 EMA)."""
+    for ema_dtype, model_dtype in itertools.product(DTYPES, DTYPES):
+        for arg in _decay_args(decay, device):
+            ema, model = make_case([(1,), (33,), (4097,)], ema_dtype, model_dtype, device, seed=7)
+            expected = [reference(e, m, decay) for e, m in zip(ema, model)]
+            multi = [[e.clone() for e in ema], [e.clone() for e in ema]]
+            torch.ops.fsdp_ema.update_(ema, model, arg)
+            fsdp_ema.update_multi_(multi, model, [arg, arg])
+            for a, b, c, d in zip(ema, expected, multi[0], multi[1]):
+                assert torch.equal(a, b), (ema_dtype, model_dtype, arg, (a != b).sum())
+                assert torch.equal(c, b) and torch.equal(d, b)
+
+
+@pytest.mark.parametrize("k", [4, 5, 6, 7])
+def test_ten_thousand_steps_stay_within_float32_rounding_of_a_float64_reference(device, k):
+    """A cold-started fp32 EMA (zeros) of noisy weights around 1, 10,000 updates at decay
+    1 - 10^-k, against the same recursion in float64 with the exact weight. The bound is the
+    forward error of the float32 recursion, accumulated step by step from the values:
+    |err'| <= decay |err| + w |m - e| (2u + u^2) + u |e'|, u = 2^-24 (the weight's rounding, the
+    subtraction's and the fused multiply-add's). A weight formed from a float32 decay breaks it
+    at k >= 5. The fp32 trajectory also equals 10,000 torch.lerp calls bit for bit."""
+    decay = 1.0 - 10.0 ** -k
+    w = 1.0 - decay
+    u = 2.0 ** -24
+    g = torch.Generator().manual_seed(k)
+    n = 512
+    ema = torch.zeros(n, device=device)
+    lerp = torch.zeros(n, device=device)
+    ref = torch.zeros(n, dtype=torch.float64, device=device)
+    bound = torch.zeros(n, dtype=torch.float64, device=device)
+    decay_t = torch.tensor(decay, dtype=torch.float64, device=device)
+    noise = torch.randn(10_000, n, generator=g).mul_(0.1).add_(1.0).to(device)
+    for step in range(10_000):
+        m = noise[step]
+        diff = (m.double() - ema.double()).abs_()
+        torch.ops.fsdp_ema.update_([ema], [m], decay_t)
+        lerp = torch.lerp(lerp, m, w)
+        ref.lerp_(m.double(), w)
+        bound.mul_(decay).add_(diff, alpha=w * (2 * u + u * u)).add_(ema.double().abs(), alpha=u)
+    assert torch.equal(ema, lerp)
+    err = (ema.double() - ref).abs()
+    slack = 1e-12 * ref.abs() + 1e-300
+    worst = ((err - bound - slack) / bound).max().item()
+    assert torch.all(err <= bound + slack), f"exceeds the rounding bound by {worst:.3g} of it"
+    assert ema.mean().item() == pytest.approx(1 - decay ** 10_000, rel=0.05)
 
 
 @pytest.mark.parametrize("op", OPS, ids=["update_", "ema_shard_update_"])
@@ -370,11 +459,11 @@ for et in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         ema = [torch.randn(n, generator=g).to(et) for n in (1, 33, 70001)]
         model = [torch.randn(n, generator=g).to(mt) for n in (1, 33, 70001)]
         om = torch.float64 if et == torch.float64 else torch.float32
-        ref = [torch.lerp(e.to(om), m.to(om), 0.25).to(et) for e, m in zip(ema, model)]
-        fsdp_ema.update_(ema, model, 0.75)
-        eps = torch.finfo(et).eps
-        for a, b in zip(ema, ref):
-            torch.testing.assert_close(a, b, rtol=eps, atol=eps)
+        for decay in (0.75, 0.9999, 0.999999):
+            ref = [torch.lerp(e.to(om), m.to(om), 1 - decay).to(et) for e, m in zip(ema, model)]
+            fsdp_ema.update_(ema, model, decay)
+            for a, b in zip(ema, ref):
+                assert torch.equal(a, b), (et, mt, decay)
 print("ok")
 """
     root = Path(__file__).resolve().parents[1]
@@ -385,3 +474,4 @@ print("ok")
     assert result == "ok"
     if isa == "default" or torch.backends.cpu.get_cpu_capability() != "DEFAULT":
         assert used == isa  # the requested kernel really ran
+

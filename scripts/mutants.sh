@@ -70,10 +70,20 @@ MUTANTS = {
         "    if (w <= 1.0f) {\n      lerp_float_range<true>(e, m, n, w);",
         [pytest("python_tests/test_update.py", "-k", "decay_zero_copies"),
          pytest("python_tests/test_sharded_ema_local.py", "-k", "decay_zero")]),
+    # #28: the weight 1 - decay formed from decay rounded to float32 (1.7e-4 off at 0.9999).
+    "weight-formed-from-a-float32-decay": (
+        "kernels/update_types.h",
+        "  return static_cast<Op>(1.0 - decay);",
+        "  return Op(1) - static_cast<Op>(decay);",
+        [pytest("python_tests/test_update.py", "-k", "weight_is_one_minus_decay"),
+         pytest("python_tests/test_update.py", "-k", "bit_exact_against_lerp"),
+         pytest("python_tests/test_update.py::test_ten_thousand_steps_stay_within_float32_"
+                "rounding_of_a_float64_reference[cpu-6]"),
+         pytest("python_tests/test_update.py", "-k", "matches_lerp_for_every_dtype_pair")]),
     "cpu-weight-rounded-to-bf16": (
         "kernels/update_cpu_impl.h",
-        "const float w = 1.0f - static_cast<float>(decay);",
-        "const float w = static_cast<float>(c10::BFloat16(1.0f - static_cast<float>(decay)));",
+        "const float w = ema_weight<float>(decay);",
+        "const float w = static_cast<float>(c10::BFloat16(ema_weight<float>(decay)));",
         [pytest("python_tests/test_update.py", "-k", "matches_lerp_for_every_dtype_pair")]),
     # --- ops ------------------------------------------------------------------------------------
     "bf16-decay-tensor-read-as-1-minus-decay": (

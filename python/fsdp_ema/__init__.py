@@ -58,8 +58,11 @@ def update_(ema: Sequence[torch.Tensor], model: Sequence[torch.Tensor], decay: D
             checked, since that would need a sync).
 
     Math runs in float32 (float64 for a float64 EMA) in torch.lerp's two-sided form, so
-    ``decay=0`` copies the model exactly and ``decay=1`` leaves the EMA unchanged. Every argument
-    is validated before any tensor is written.
+    ``decay=0`` copies the model exactly and ``decay=1`` leaves the EMA unchanged. The weight
+    ``1 - decay`` is formed in double and rounded once: the result is
+    ``torch.lerp(ema, model, 1 - decay)`` bit for bit (pass decay tensors as float64; a float32
+    one has already rounded ``decay``). Every argument is validated before any tensor is
+    written.
     """
     with torch.no_grad():
         torch.ops.fsdp_ema.update_(list(ema), list(model), decay)
