@@ -1,7 +1,9 @@
 #include "fsdp_ema/format/checksum.h"
 
+#include <random>
 #include <utility>
 
+#include "fsdp_ema/format/name_hash.h"
 #include "fsdp_ema/format/xxh3_ops.h"
 
 namespace fsdp_ema::format {
@@ -54,6 +56,16 @@ std::optional<uint64_t> parse_checksum(std::string_view text) {
 }
 
 uint64_t checksum_of(const void* data, size_t size) { return ops().oneshot(data, size); }
+
+uint64_t detail::name_hash(std::string_view s) {
+  // Drawn once, before the first table is filled; never written to a file or shown.
+  static const uint64_t seed = [] {
+    std::random_device rd;
+    return (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  }();
+  // Names are short: the baseline code is as fast as the AVX2 one for them.
+  return detail::kXxh3Default.seeded(s.data(), s.size(), seed);
+}
 
 Checksummer::Checksummer() : state_(ops().create()) {}
 

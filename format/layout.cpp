@@ -203,7 +203,8 @@ void remove_checkpoint(const std::string& dir) {
   }
 }
 
-std::unordered_set<std::string> committed_files(const std::string& dir) {
+std::unordered_set<std::string, detail::NameHash, std::equal_to<>> committed_files(
+    const std::string& dir) {
   const std::string path = detail::join_path(dir, kIndexFileName);
   if (!detail::path_exists(path)) return {};
   const std::string text = detail::read_small_file(path, kMaxIndexBytes);
@@ -213,7 +214,7 @@ std::unordered_set<std::string> committed_files(const std::string& dir) {
   } catch (const FormatError&) {
     return {};
   }
-  std::unordered_set<std::string> out;
+  std::unordered_set<std::string, detail::NameHash, std::equal_to<>> out;
   for (const IndexTensor& t : index.tensors) {
     for (const IndexPiece& p : t.pieces) out.insert(p.file);
   }
@@ -236,7 +237,7 @@ CheckpointIndex commit_directory(const std::string& dir, int64_t world_size, boo
                       ": checkpoint already committed (the index exists; pass overwrite=true to "
                       "replace it)");
   }
-  const std::unordered_set<std::string> old_files = committed_files(dir);
+  const auto old_files = committed_files(dir);
   std::vector<std::string> names;
   std::vector<std::string> fresh_names;  // what save_shard wrote for each rank
   size_t written = 0;
@@ -269,7 +270,8 @@ CheckpointIndex commit_directory(const std::string& dir, int64_t world_size, boo
   write_index(dir, index, overwrite, fsync);
 
   // The new index is durable: files it does not reference belong to nothing loadable now.
-  std::unordered_set<std::string> keep(names.begin(), names.end());
+  const std::unordered_set<std::string, detail::NameHash, std::equal_to<>> keep(names.begin(),
+                                                                                names.end());
   bool removed = false;
   for (const std::string& n : detail::list_dir(dir)) {
     if (is_shard_file_name(n) && !keep.contains(n)) {

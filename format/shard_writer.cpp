@@ -11,6 +11,7 @@
 #include "fsdp_ema/format/error.h"
 #include "fsdp_ema/format/file_util.h"
 #include "fsdp_ema/format/json_strict.h"
+#include "fsdp_ema/format/name_hash.h"
 #include "fsdp_ema/format/recent_shards.h"
 #include "fsdp_ema/format/safetensors_writer.h"
 #include "fsdp_ema/format/shard_file.h"
@@ -101,7 +102,7 @@ uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> te
     }
   }
   std::vector<RawTensor> raw(tensors.size());
-  std::unordered_set<std::string_view> names;
+  std::unordered_set<std::string_view, detail::NameHash> names;
   names.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorToWrite& t = tensors[i];

@@ -16,6 +16,7 @@
 #include "fsdp_ema/format/checkpoint_dir.h"
 #include "fsdp_ema/format/index.h"
 #include "fsdp_ema/format/layout.h"
+#include "fsdp_ema/format/name_hash.h"
 #include "fsdp_ema/format/shard_file.h"
 #include "fsdp_ema/format/shard_writer.h"
 
@@ -46,7 +47,7 @@ SaveRequest validate_save(const char* op, int64_t rank, int64_t world_size,
   SaveRequest req;
   req.tensors.reserve(shards.size());
   req.keep_alive.reserve(shards.size());
-  std::unordered_set<std::string_view> seen;
+  std::unordered_set<std::string_view, format::detail::NameHash> seen;
   seen.reserve(shards.size());
   int64_t pos = 0;
   for (const auto i : c10::irange(shards.size())) {

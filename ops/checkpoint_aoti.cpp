@@ -57,6 +57,8 @@ void CheckpointReader::load_into(torch::inductor::AOTIModelPackageLoader& packag
     }
   }
   const auto values = read_for(targets, options);
+  // torch's type. Its keys are the package's constant names (read_for returns only names both
+  // sides have), so a checkpoint cannot choose them to collide.
   std::unordered_map<std::string, at::Tensor> update(values.begin(), values.end());
   // Into the active buffer (the package's own update validates the names once more and reruns
   // the constant folding); a full update when strict, so no weight keeps its compiled value.

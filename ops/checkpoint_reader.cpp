@@ -86,8 +86,7 @@ at::Tensor CheckpointReader::load_chunk(const std::string& name, int64_t rank, i
   });
 }
 
-std::unordered_map<std::string, at::Tensor> CheckpointReader::load_all(at::Device device,
-                                                                       bool verify) const {
+std::map<std::string, at::Tensor> CheckpointReader::load_all(at::Device device, bool verify) const {
   if (verify && impl_->mmap && device.is_cpu()) {
     // Zero-copy views are not read, so hash their pieces first, in parallel; owned loads hash
     // each piece while reading it.
@@ -97,8 +96,11 @@ std::unordered_map<std::string, at::Tensor> CheckpointReader::load_all(at::Devic
     }
     translate([&] { ops::verify_pieces(impl_->dir, plan); });
   }
-  std::unordered_map<std::string, at::Tensor> out;
-  for (const auto& t : impl_->dir.tensors()) out.emplace(t.name, load(t.name, device, verify));
+  std::map<std::string, at::Tensor> out;
+  // tensors() is sorted by name: each insert goes at the end, in constant time.
+  for (const auto& t : impl_->dir.tensors()) {
+    out.emplace_hint(out.end(), t.name, load(t.name, device, verify));
+  }
   return out;
 }
 

@@ -12,7 +12,6 @@
 #include <map>
 #include <memory>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -72,9 +71,10 @@ class CheckpointReader {
   // slices). A 0-dim tensor is returned whole.
   at::Tensor load_chunk(const std::string& name, int64_t rank, int64_t world_size,
                         at::Device device = at::kCPU, bool verify = true) const;
-  // Every tensor, whole.
-  std::unordered_map<std::string, at::Tensor> load_all(at::Device device = at::kCPU,
-                                                       bool verify = true) const;
+  // Every tensor, whole, by name (ordered: names come from the file, and an ordered map cannot be
+  // flooded by names crafted to collide in a hash table; it is also what load_into takes).
+  std::map<std::string, at::Tensor> load_all(at::Device device = at::kCPU,
+                                             bool verify = true) const;
   // Checks every piece against its checksum; returns how many pieces carried one.
   size_t verify_all() const;
 

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -16,6 +17,8 @@
 #include "fsdp_ema/format/checkpoint_dir.h"
 #include "fsdp_ema/format/checksum.h"
 #include "fsdp_ema/format/index.h"
+#include "fsdp_ema/format/json_strict.h"
+#include "fsdp_ema/format/name_index.h"
 #include "fsdp_ema/format/safetensors_header.h"
 #include "fsdp_ema/format/shard_file.h"
 #include "fsdp_ema/format/shard_writer.h"
@@ -72,6 +75,69 @@ TEST(Scale, HeaderOfManyTensorsParsesInLinearTime) {
   EXPECT_EQ(h.tensors.size(), static_cast<size_t>(kTensors));
   EXPECT_EQ(h.tensors.back().end, uint64_t{4} * kTensors);
   EXPECT_LT(s, kBoundSeconds);
+}
+
+// 300,000 names with one std::hash (test_util.h): a table keyed by the unseeded hash walks the
+// whole chain on every insert (a 2.4 MB header took 12 s); the seeded hash spreads them.
+std::vector<std::string> colliding_names() {
+  static const std::vector<std::string> names = [] {
+    auto out = testing::names_colliding_under_std_hash(300'000);
+    const size_t h = std::hash<std::string_view>{}(out.front());
+    for (const std::string& n : out) {
+      if (std::hash<std::string_view>{}(n) != h) throw std::runtime_error("not colliding");
+    }
+    return out;
+  }();
+  return names;
+}
+
+TEST(Scale, NameIndexProbesStayLinearOnNamesCraftedToCollide) {
+  const std::vector<std::string> names = colliding_names();
+  detail::NameIndex index;
+  for (size_t i = 0; i < names.size(); ++i) {
+    ASSERT_FALSE(index.insert(names[i], i).has_value()) << "false duplicate at " << i;
+    // Fail at once rather than after minutes of a quadratic walk: at a load factor <= 1/2, a
+    // random hash makes about 1.5 probes an insert.
+    if (i % 1024 == 0) {
+      ASSERT_LE(index.probes(), 4 * (i + 1) + 64) << "after " << i << " names";
+    }
+  }
+  for (size_t i = 0; i < names.size(); ++i) ASSERT_EQ(index.find(names[i]), i);
+  EXPECT_LE(index.probes(), 8 * names.size());
+  EXPECT_EQ(index.insert(names[123], 7), 123u);  // a true duplicate is still one
+}
+
+TEST(Scale, HeaderOfNamesCraftedToCollideParsesInLinearTime) {
+  // ~22 MB of header: every name lands in the tensor index and the JSON reader's duplicate-key
+  // check, the two tables the unseeded hash made quadratic.
+  const std::vector<std::string> names = colliding_names();
+  std::string json = "{";
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (i > 0) json += ',';
+    json += detail::json_quote(names[i]) + ":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[" +
+            std::to_string(i) + "," + std::to_string(i + 1) + "]}";
+  }
+  json += '}';
+  SafetensorsHeader h;
+  const double s =
+      seconds_of([&] { h = parse_safetensors_header(json, 8 + json.size() + names.size(), "c"); });
+  ASSERT_EQ(h.tensors.size(), names.size());
+  EXPECT_LT(s, kBoundSeconds) << "header parse";
+  // The same names as an index's tensors: parsed (names, coverage) in linear time as well.
+  std::string index =
+      R"({"format": "fsdp_ema", "format_version": 1, "world_size": 1, "tensors": {)";
+  for (size_t i = 0; i < 100'000; ++i) {
+    if (i > 0) index += ',';
+    index += detail::json_quote(names[i]) + R"(:{"dtype":"U8","shape":[1],"pieces":[{"file":)" +
+             R"("shard-00000-of-00001.safetensors","offsets":[0],"shape":[1],"checksum":")" +
+             sum_text(i) + "\"}]}";
+  }
+  index += "}}";
+  CheckpointIndex parsed;
+  const double si = seconds_of([&] { parsed = parse_index_json(index, "i"); });
+  EXPECT_EQ(parsed.tensors.size(), 100'000u);
+  EXPECT_LT(si, kBoundSeconds) << "index parse";
+  std::printf("parses: header %.3f s, index %.3f s\n", s, si);
 }
 
 TEST(Scale, DuplicateKeyIsFoundAmongManyEntries) {

@@ -124,4 +124,51 @@ inline std::vector<std::byte> raw_safetensors(const std::string& json, size_t da
   return out;
 }
 
+// n distinct 24-byte ASCII names (bytes 0x01-0x7f; write them into JSON with json_quote) that
+// all have one std::hash<std::string_view> under libstdc++: 64-bit MurmurHash2 with a fixed seed,
+// invertible per 8-byte block. The first two blocks are random, the third is solved for a fixed
+// state and kept when it is ASCII without NUL (about 1 try in 270). What a crafted file does to a
+// table keyed by the unseeded hash; callers check the collision with std::hash itself.
+inline std::vector<std::string> names_colliding_under_std_hash(size_t n, uint64_t seed = 1) {
+  constexpr uint64_t kMul = 0xc6a4a7935bd1e995ULL;
+  constexpr uint64_t kLibstdcxxSeed = 0xc70f6907ULL;
+  uint64_t inv = kMul;  // Newton's iteration for the inverse of an odd number mod 2^64
+  for (int i = 0; i < 6; ++i) inv *= 2 - kMul * inv;
+  auto shift_mix = [](uint64_t v) { return v ^ (v >> 47); };  // its own inverse (47 > 32)
+  auto mix = [&](uint64_t block) { return shift_mix(block * kMul) * kMul; };
+  auto unmix = [&](uint64_t v) { return shift_mix(v * inv) * inv; };
+  uint64_t state = seed * 0x9e3779b97f4a7c15ULL + 1;
+  auto block = [&] {  // 8 random bytes in '@'..DEL
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (state & 0x3f3f3f3f3f3f3f3fULL) | 0x4040404040404040ULL;
+  };
+  auto ascii_no_nul = [](uint64_t b) {
+    constexpr uint64_t kLow = 0x0101010101010101ULL, kHigh = 0x8080808080808080ULL;
+    return (b & kHigh) == 0 && ((b - kLow) & ~b & kHigh) == 0;
+  };
+  const uint64_t start = kLibstdcxxSeed ^ (24 * kMul);
+  // The state after the third block that every name reaches (that of one random name).
+  const uint64_t target =
+      (((start ^ mix(block())) * kMul ^ mix(block())) * kMul ^ mix(block())) * kMul;
+  std::vector<std::string> out;
+  out.reserve(n);
+  while (out.size() < n) {
+    const uint64_t b1 = block();
+    const uint64_t s1 = (start ^ mix(b1)) * kMul;
+    for (int tries = 0; tries < 4096 && out.size() < n; ++tries) {
+      const uint64_t b2 = block();
+      const uint64_t b3 = unmix((target * inv) ^ ((s1 ^ mix(b2)) * kMul));
+      if (!ascii_no_nul(b3)) continue;
+      std::string name(24, '\0');
+      for (int k = 0; k < 8; ++k) {
+        name[k] = static_cast<char>((b1 >> (8 * k)) & 0xff);
+        name[8 + k] = static_cast<char>((b2 >> (8 * k)) & 0xff);
+        name[16 + k] = static_cast<char>((b3 >> (8 * k)) & 0xff);
+      }
+      out.push_back(std::move(name));
+    }
+  }
+  return out;
+}
+
 }  // namespace fsdp_ema::format::testing

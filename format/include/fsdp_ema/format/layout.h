@@ -18,12 +18,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <unordered_set>
 #include <vector>
 
 #include "fsdp_ema/format/index.h"
+#include "fsdp_ema/format/name_hash.h"
 #include "fsdp_ema/format/names.h"
 #include "fsdp_ema/format/shard_writer.h"
 
@@ -66,7 +68,8 @@ bool prepare_checkpoint_dir(const std::string& dir);
 // The piece files the committed index of `dir` references: empty without an index, or with one
 // that does not parse (such a checkpoint is not loadable: there is nothing to keep whole). An
 // index that exists but cannot be read throws.
-std::unordered_set<std::string> committed_files(const std::string& dir);
+std::unordered_set<std::string, detail::NameHash, std::equal_to<>> committed_files(
+    const std::string& dir);
 
 // The name rank `rank` of `world_size` writes its shard file under in `dir`: shard_file_name, or
 // alternate_shard_file_name when the committed index references the former.

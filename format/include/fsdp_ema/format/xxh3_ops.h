@@ -8,6 +8,7 @@ namespace fsdp_ema::format::detail {
 
 struct Xxh3Ops {
   uint64_t (*oneshot)(const void* data, size_t size);
+  uint64_t (*seeded)(const void* data, size_t size, uint64_t seed);
   void* (*create)();
   void (*destroy)(void* state);
   void (*reset)(void* state);

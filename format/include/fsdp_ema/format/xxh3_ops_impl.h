@@ -13,6 +13,10 @@ namespace {
 
 uint64_t oneshot(const void* data, size_t size) { return XXH3_64bits(data, size); }
 
+uint64_t seeded(const void* data, size_t size, uint64_t seed) {
+  return XXH3_64bits_withSeed(data, size, seed);
+}
+
 void* create() {
   XXH3_state_t* s = XXH3_createState();
   if (s == nullptr) throw std::bad_alloc();
@@ -34,6 +38,7 @@ uint64_t digest(const void* state) {
 
 }  // namespace
 
-extern const Xxh3Ops FSDP_EMA_XXH3_OPS_NAME = {oneshot, create, destroy, reset, update, digest};
+extern const Xxh3Ops FSDP_EMA_XXH3_OPS_NAME = {oneshot, seeded, create, destroy,
+                                               reset,   update, digest};
 
 }  // namespace fsdp_ema::format::detail
