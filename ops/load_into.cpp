@@ -17,16 +17,12 @@
 #include "ops/checkpoint_meta.h"
 #include "ops/checkpoint_read.h"
 #include "ops/format_bridge.h"
+#include "ops/memory.h"
 
 namespace fsdp_ema::ops {
 namespace {
 
 constexpr const char* kOp = "fsdp_ema::load_into_: ";
-
-struct Extent {
-  uintptr_t lo = 0, hi = 0;
-  size_t index = 0;
-};
 
 using Plan = std::vector<std::pair<const format::IndexTensor*, format::RowRange>>;
 
@@ -42,7 +38,7 @@ Plan plan_load_into(const std::shared_ptr<const format::CheckpointDir>& dir,
   // Every destination against what is stored, before anything is read.
   std::vector<std::pair<const format::IndexTensor*, format::RowRange>> plan;
   plan.reserve(names.size());
-  std::vector<Extent> extents;
+  auto label = [&](size_t i) { return "out[" + std::to_string(i) + "] ('" + names[i] + "')"; };
   for (const auto i : c10::irange(names.size())) {
     const format::IndexTensor* info = dir->find(names[i]);
     TORCH_CHECK(info != nullptr, kOp, "names[", i, "] '", names[i], "' is not in checkpoint '",
@@ -52,6 +48,7 @@ Plan plan_load_into(const std::shared_ptr<const format::CheckpointDir>& dir,
     if (!shape.empty()) shape[0] = rows.size();
     const at::Tensor& t = out[i];
     TORCH_CHECK(t.defined(), kOp, "out[", i, "] ('", names[i], "') is an undefined tensor");
+    check_strided(kOp, t, label, i);
     TORCH_CHECK(t.scalar_type() == to_scalar_type(info->dtype), kOp, "out[", i, "] ('", names[i],
                 "') has dtype ", t.scalar_type(), " but the checkpoint stores ",
                 to_scalar_type(info->dtype));
@@ -71,26 +68,12 @@ Plan plan_load_into(const std::shared_ptr<const format::CheckpointDir>& dir,
       plan.emplace_back(info, rows);
       continue;
     }
-    TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, kOp, "out[", i, "] ('",
-                names[i], "') has elements that share memory (an expanded tensor?)");
-    if (t.numel() > 0) {
-      const auto lo = reinterpret_cast<uintptr_t>(t.const_data_ptr());
-      int64_t span = 1;
-      for (const auto d : c10::irange(t.dim())) span += (t.size(d) - 1) * t.stride(d);
-      extents.push_back({lo, lo + static_cast<uintptr_t>(span) * t.element_size(), i});
-    }
+    check_in_storage(kOp, t, label, i, /*written=*/true);
     plan.emplace_back(info, rows);
   }
-  // No two destinations may share memory (one would overwrite the other): sorted extents.
-  std::sort(extents.begin(), extents.end(),
-            [](const Extent& a, const Extent& b) { return a.lo < b.lo; });
-  for (size_t k = 1; k < extents.size(); ++k) {
-    const Extent& a = extents[k - 1];
-    const Extent& b = extents[k];
-    TORCH_CHECK(b.lo >= a.hi || out[a.index].device() != out[b.index].device(), kOp, "out[",
-                a.index, "] ('", names[a.index], "') and out[", b.index, "] ('", names[b.index],
-                "') share memory");
-  }
+  // No two destinations may share memory (one would overwrite the other); exact for strided
+  // views, so interleaved disjoint ones (x[0::2], x[1::2]) are fine.
+  if (!meta) check_no_overlap(kOp, out, label, {}, label, "; no two destinations may share memory");
   return plan;
 }
 
@@ -108,6 +91,7 @@ void read_into(const format::CheckpointDir& dir, const Plan& plan, at::TensorLis
     // Every stored piece these reads touch is hashed first (once each, on the machine's cores),
     // so that a corrupted file is refused with every destination still untouched.
     if (verify) verify_pieces(dir, plan);
+    bump_versions(out);  // as torch's in-place ops: backward through an overwritten tensor raises
     at::parallel_for(0, static_cast<int64_t>(plan.size()), 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const at::Tensor& t = out[i];

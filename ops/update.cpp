@@ -13,6 +13,7 @@
 
 #include "kernels/update_cpu.h"
 #include "ops/dtypes.h"
+#include "ops/memory.h"
 
 namespace fsdp_ema::ops {
 namespace {
@@ -20,116 +21,14 @@ namespace {
 constexpr const char* kOp = "fsdp_ema::update_: ";
 constexpr const char* kMultiOp = "fsdp_ema::update_multi_: ";
 
-// Byte range [lo, hi) a tensor's elements can touch.
-struct Extent {
-  uintptr_t lo;
-  uintptr_t hi;
-  bool is_ema;
-  int64_t index;
-};
-
-Extent extent_of(const at::Tensor& t, bool is_ema, int64_t index) {
-  int64_t last = 0;  // offset of the farthest element, in elements
-  for (const auto d : c10::irange(t.dim())) {
-    if (t.size(d) > 1) last += (t.size(d) - 1) * std::abs(t.stride(d));
-  }
-  const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
-  return {lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size()), is_ema, index};
-}
-
-std::string describe(const Extent& e) {
-  return std::string(e.is_ema ? "ema[" : "model[") + std::to_string(e.index) + "]";
-}
-
-// Calls f(address) for the first byte of every element of t.
-template <typename F>
-void for_each_element(const at::Tensor& t, F&& f) {
-  const int64_t dims = t.dim();
-  const auto base = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const auto size = static_cast<uintptr_t>(t.element_size());
-  std::vector<int64_t> index(dims, 0);
-  for (int64_t n = 0; n < t.numel(); ++n) {
-    int64_t offset = 0;
-    for (int64_t d = 0; d < dims; ++d) offset += index[d] * t.stride(d);
-    f(base + static_cast<uintptr_t>(offset) * size);
-    for (int64_t d = dims - 1; d >= 0; --d) {
-      if (++index[d] < t.size(d)) break;
-      index[d] = 0;
-    }
-  }
-}
-
-// Whether two tensors whose byte extents intersect share a byte. ATen answers for dense tensors;
-// strided views (say, every other column of one matrix) are checked element by element over their
-// common extent, and counted as overlapping when that extent is too large to map.
-bool really_overlap(const at::Tensor& a, const at::Tensor& b, const Extent& ea, const Extent& eb) {
-  const auto status = at::get_overlap_status(a, b);
-  if (status != at::MemOverlapStatus::TooHard) return status != at::MemOverlapStatus::No;
-  const uintptr_t lo = std::max(ea.lo, eb.lo);
-  const uintptr_t hi = std::min(ea.hi, eb.hi);
-  constexpr uintptr_t kMaxMappedBytes = uintptr_t{1} << 28;
-  if (hi - lo > kMaxMappedBytes) return true;
-  std::vector<bool> used(hi - lo, false);
-  const auto size = static_cast<uintptr_t>(a.element_size());
-  for_each_element(a, [&](uintptr_t p) {
-    for (uintptr_t k = 0; k < size; ++k) {
-      if (p + k >= lo && p + k < hi) used[p + k - lo] = true;
-    }
-  });
-  bool hit = false;
-  const auto size_b = static_cast<uintptr_t>(b.element_size());
-  for_each_element(b, [&](uintptr_t p) {
-    for (uintptr_t k = 0; k < size_b && !hit; ++k) {
-      hit = p + k >= lo && p + k < hi && used[p + k - lo];
-    }
-  });
-  return hit;
-}
-
-[[noreturn]] void fail_overlap(const char* op, const Extent& a, const Extent& b) {
-  const Extent& ema = a.is_ema ? a : b;
-  const Extent& other = a.is_ema ? b : a;
-  TORCH_CHECK(false, op, describe(ema), " overlaps ", describe(other),
-              " in memory; every EMA tensor needs storage of its own");
-}
+std::string ema_label(size_t i) { return "ema[" + std::to_string(i) + "]"; }
+std::string model_label(size_t i) { return "model[" + std::to_string(i) + "]"; }
 
 // An EMA tensor may share memory with nothing else in the call; model tensors may share with
-// each other. Contiguous tensors: one sort and sweep. Strided ones: exact pairwise checks.
-// `ema` may hold several lists of model.size() tensors (update_multi_): each is checked once.
-void check_no_overlap(const char* op, TensorList ema, TensorList model) {
-  std::vector<Extent> dense;
-  std::vector<Extent> strided;
-  auto add = [&](const at::Tensor& t, bool is_ema, int64_t i) {
-    if (t.numel() == 0) return;
-    (t.is_contiguous() ? dense : strided).push_back(extent_of(t, is_ema, i));
-  };
-  for (const auto i : c10::irange(ema.size())) add(ema[i], true, i);
-  for (const auto i : c10::irange(model.size())) add(model[i], false, i);
-  std::sort(dense.begin(), dense.end(),
-            [](const Extent& a, const Extent& b) { return a.lo < b.lo; });
-  // Farthest end so far among all ranges and among EMA ranges: any overlap involving an EMA range
-  // shows up against one of the two when the later-starting range is visited.
-  const Extent* far_all = nullptr;
-  const Extent* far_ema = nullptr;
-  for (const Extent& e : dense) {
-    if (e.is_ema && far_all != nullptr && e.lo < far_all->hi) fail_overlap(op, e, *far_all);
-    if (far_ema != nullptr && e.lo < far_ema->hi) fail_overlap(op, e, *far_ema);
-    if (far_all == nullptr || e.hi > far_all->hi) far_all = &e;
-    if (e.is_ema && (far_ema == nullptr || e.hi > far_ema->hi)) far_ema = &e;
-  }
-  auto tensor_of = [&](const Extent& e) -> const at::Tensor& {
-    return e.is_ema ? ema[e.index] : model[e.index];
-  };
-  for (const Extent& s : strided) {
-    for (const auto* group : {&dense, &strided}) {
-      for (const Extent& o : *group) {
-        if (&o == &s || (!s.is_ema && !o.is_ema)) continue;
-        if (s.lo < o.hi && o.lo < s.hi && really_overlap(tensor_of(s), tensor_of(o), s, o)) {
-          fail_overlap(op, s, o);
-        }
-      }
-    }
-  }
+// each other. `ema` may hold several lists of model.size() tensors (update_multi_).
+void check_no_shared_memory(const char* op, TensorList ema, TensorList model) {
+  check_no_overlap(op, ema, ema_label, model, model_label,
+                   "; every EMA tensor needs storage of its own");
 }
 
 void check_float_dtype(const char* op, const at::Tensor& t, const char* name, size_t i) {
@@ -151,6 +50,8 @@ void validate_pairs(const char* op, TensorList ema, TensorList model, UpdateChec
     const at::Tensor& m = model[i];
     TORCH_CHECK(e.defined(), op, "ema[", j, "] is an undefined tensor");
     TORCH_CHECK(m.defined(), op, "model[", i, "] is an undefined tensor");
+    check_strided(op, e, ema_label, j);
+    check_strided(op, m, model_label, i);
     check_float_dtype(op, e, "ema", j);
     check_float_dtype(op, m, "model", i);
     TORCH_CHECK(m.device() == e.device(), op, "model[", i, "] is on ", m.device(), " but ema[", j,
@@ -163,9 +64,8 @@ void validate_pairs(const char* op, TensorList ema, TensorList model, UpdateChec
     TORCH_CHECK(e.sym_sizes() == m.sym_sizes(), op, "ema[", j, "] has shape ", e.sym_sizes(),
                 " but model[", i, "] has shape ", m.sym_sizes());
     if (checks == UpdateChecks::kAll) {
-      TORCH_CHECK(at::has_internal_overlap(e) != at::MemOverlap::Yes, op, "ema[", j,
-                  "] has internally overlapping memory (an expanded tensor?) and cannot be "
-                  "updated in place");
+      check_in_storage(op, e, ema_label, j, /*written=*/true);
+      check_in_storage(op, m, model_label, i, /*written=*/false);
     }
   }
 }
@@ -196,7 +96,7 @@ void validate_update(TensorList ema, TensorList model, std::optional<double> dec
   if (decay_tensor != nullptr) {
     validate_decay_tensor(kOp, "decay", *decay_tensor, ema[0].device(), checks);
   }
-  if (checks == UpdateChecks::kAll) check_no_overlap(kOp, ema, model);
+  if (checks == UpdateChecks::kAll) check_no_shared_memory(kOp, ema, model);
 }
 
 void validate_update_multi(TensorList ema, TensorList model, c10::ArrayRef<double> decays,
@@ -216,7 +116,7 @@ void validate_update_multi(TensorList ema, TensorList model, c10::ArrayRef<doubl
     validate_decay_tensor(kMultiOp, "decays[" + std::to_string(i) + "]", decay_tensors[i],
                           ema[0].device(), checks);
   }
-  if (checks == UpdateChecks::kAll) check_no_overlap(kMultiOp, ema, model);
+  if (checks == UpdateChecks::kAll) check_no_shared_memory(kMultiOp, ema, model);
 }
 
 double cpu_decay_value(const at::Tensor& decay, const char* op, const std::string& name) {
@@ -292,12 +192,15 @@ void run_cpu(TensorList ema, TensorList model, double decay) {
 
 void update_cpu(TensorList ema, TensorList model, double decay) {
   validate_update(ema, model, decay, nullptr, UpdateChecks::kAll);
+  bump_versions(ema);
   run_cpu(ema, model, decay);
 }
 
 void update_tensor_cpu(TensorList ema, TensorList model, const at::Tensor& decay) {
   validate_update(ema, model, std::nullopt, &decay, UpdateChecks::kAll);
-  run_cpu(ema, model, cpu_decay_value(decay, kOp, "decay"));
+  const double value = cpu_decay_value(decay, kOp, "decay");
+  bump_versions(ema);
+  run_cpu(ema, model, value);
 }
 
 void update_meta(TensorList ema, TensorList model, double decay) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ops/dtypes.h"
+#include "ops/memory.h"
 #include "ops/update.h"
 #include "ops/update_cuda.h"
 
@@ -69,6 +70,7 @@ void run_cuda(TensorList ema, TensorList model, kernels::CudaDecay decay) {
 
 void update_cuda(TensorList ema, TensorList model, double decay) {
   validate_update(ema, model, decay, nullptr, UpdateChecks::kAll);
+  bump_versions(ema);
   run_cuda(ema, model, {decay, nullptr, false});
 }
 
@@ -76,9 +78,12 @@ void update_tensor_cuda(TensorList ema, TensorList model, const at::Tensor& deca
   validate_update(ema, model, std::nullopt, &decay, UpdateChecks::kAll);
   if (decay.device().is_cpu()) {
     // A host tensor is read on the host: no device synchronization is involved.
-    run_cuda(ema, model, {cpu_decay_value(decay, "fsdp_ema::update_: ", "decay"), nullptr, false});
+    const double value = cpu_decay_value(decay, "fsdp_ema::update_: ", "decay");
+    bump_versions(ema);
+    run_cuda(ema, model, {value, nullptr, false});
     return;
   }
+  bump_versions(ema);
   // Read by the kernel itself; other float dtypes are widened on the device first (async).
   const at::Tensor d = decay.scalar_type() == at::kDouble ? decay : decay.to(at::kFloat);
   run_cuda(ema, model, {0.0, d.const_data_ptr(), d.scalar_type() == at::kDouble});

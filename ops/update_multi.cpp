@@ -8,6 +8,7 @@
 
 #include "kernels/update_cpu.h"
 #include "ops/dtypes.h"
+#include "ops/memory.h"
 #include "ops/update.h"
 
 namespace fsdp_ema::ops {
@@ -36,6 +37,7 @@ void run_cpu(at::TensorList ema, at::TensorList model, const std::vector<double>
 
 void update_multi_cpu(at::TensorList ema, at::TensorList model, c10::ArrayRef<double> decays) {
   validate_update_multi(ema, model, decays, {}, UpdateChecks::kAll);
+  bump_versions(ema);
   run_cpu(ema, model, decays.vec());
 }
 
@@ -46,6 +48,7 @@ void update_multi_tensor_cpu(at::TensorList ema, at::TensorList model, at::Tenso
   for (const auto k : c10::irange(decays.size())) {
     values.push_back(cpu_decay_value(decays[k], kOp, "decays[" + std::to_string(k) + "]"));
   }
+  bump_versions(ema);
   run_cpu(ema, model, values);
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ops/dtypes.h"
+#include "ops/memory.h"
 #include "ops/update.h"
 #include "ops/update_cuda.h"
 #include "ops/update_multi.h"
@@ -92,6 +93,7 @@ void update_multi_cuda(at::TensorList ema, at::TensorList model, c10::ArrayRef<d
   std::vector<kernels::CudaDecay> d;
   d.reserve(decays.size());
   for (const double v : decays) d.push_back({v, nullptr, false});
+  bump_versions(ema);
   run_cuda(ema, model, d, {});
 }
 
@@ -111,6 +113,7 @@ void update_multi_tensor_cuda(at::TensorList ema, at::TensorList model, at::Tens
     keep.push_back(t.scalar_type() == at::kDouble ? t : t.to(at::kFloat));
     d.push_back({0.0, keep.back().const_data_ptr(), keep.back().scalar_type() == at::kDouble});
   }
+  bump_versions(ema);
   run_cuda(ema, model, d, keep);
 }
 

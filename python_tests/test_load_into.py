@@ -74,7 +74,7 @@ def test_load_into_non_contiguous_destination(tmp_path):
     (lambda d: d.update(b=torch.zeros(70)), r"out\[1\] \('b'\) has dtype Float"),
     (lambda d: d.update(nope=torch.zeros(1)), r"names\[5\] 'nope' is not in checkpoint"),
     (lambda d: d.update(b=torch.zeros(1, dtype=torch.bfloat16).expand(70)),
-     r"out\[1\] \('b'\) has elements that share memory"),
+     r"out\[1\] \('b'\) has internally overlapping memory"),
     (lambda d: d.update(w=torch.zeros(301, 70, device="meta")),
      r"out\[0\] \('w'\) is a meta tensor"),
 ])
@@ -94,7 +94,8 @@ def test_load_into_refuses_destinations_that_share_memory(tmp_path):
     ref = reference()
     ckpt.save(tmp_path, {"a": ref["w"][:10], "c": ref["w"][10:20]})
     storage = torch.full((15, 70), 7.0)
-    with pytest.raises(RuntimeError, match=r"\('a'\) and out\[1\] \('c'\) share memory"):
+    with pytest.raises(RuntimeError,
+                       match=r"out\[1\] \('c'\) overlaps out\[0\] \('a'\) in memory"):
         ckpt.load_into(tmp_path, {"a": storage[:10], "c": storage[5:15]})
     assert torch.equal(storage, torch.full((15, 70), 7.0))
 
@@ -121,3 +122,59 @@ def test_load_into_from_the_raw_op(tmp_path):
     torch.ops.fsdp_ema.load_into_(os.fspath(tmp_path), list(dst), list(dst.values()))
     for k, t in ref.items():
         assert torch.equal(dst[k], t), k
+
+
+# --- memory the destinations own (#28) ----------------------------------------------------------
+
+def test_load_into_refuses_a_destination_whose_storage_was_shrunk(tmp_path):
+    """A tensor whose storage was resized under it would have the whole tensor's bytes written
+    into 16 bytes (heap corruption: "double free or corruption"); it is refused, nothing is
+    written."""
+    ref = reference()
+    ckpt.save(tmp_path, ref)
+    dst = sentinels(ref)
+    before = {k: v.clone() for k, v in dst.items()}
+    dst["w"].untyped_storage().resize_(16)
+    with pytest.raises(RuntimeError, match=r"out\[0\] \('w'\) reaches 84280 bytes into its "
+                                           r"storage, which holds 16"):
+        ckpt.load_into(tmp_path, dst)
+    for k, v in before.items():
+        if k != "w":
+            assert torch.equal(dst[k], v), f"{k} was written by a refused call"
+
+
+def test_load_into_bumps_the_version_counter_so_backward_raises(tmp_path):
+    """As torch's in-place ops: a tensor saved for backward and then loaded into makes backward
+    raise, instead of computing the gradient from the loaded values."""
+    ckpt.save(tmp_path, {"w": torch.full((4,), 2.0)})
+    w = torch.ones(4)
+    x = torch.ones(4, requires_grad=True)
+    y = (x * w).sum()  # saves w for backward
+    version = w._version
+    ckpt.load_into(tmp_path, {"w": w})
+    assert w._version > version
+    assert torch.equal(w, torch.full((4,), 2.0))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_interleaved_disjoint_views_are_destinations_of_one_call(tmp_path):
+    """x[0::2] and x[1::2] share no element: torch's exact overlap rule, not their extents."""
+    ckpt.save(tmp_path, {"even": torch.arange(0.0, 8.0, 2), "odd": torch.arange(1.0, 8.0, 2)})
+    x = torch.zeros(8)
+    ckpt.load_into(tmp_path, {"even": x[0::2], "odd": x[1::2]})
+    assert torch.equal(x, torch.arange(8.0))
+    x = torch.zeros(10)
+    grid = torch.zeros(3, 4)
+    ckpt.save(tmp_path / "cols", {"a": torch.ones(3, 2), "b": torch.full((3, 2), 2.0)})
+    ckpt.load_into(tmp_path / "cols", {"a": grid[:, 0::2], "b": grid[:, 1::2]})
+    assert torch.equal(grid, torch.tensor([[1.0, 2.0] * 2] * 3))
+    # Views that do share an element are still refused, naming both.
+    with pytest.raises(RuntimeError, match=r"out\[1\] \('odd'\) overlaps out\[0\] \('even'\)"):
+        ckpt.load_into(tmp_path, {"even": x[0:8:2], "odd": x[2:10:2]})
+
+
+def test_a_sparse_destination_is_named_as_sparse(tmp_path):
+    ckpt.save(tmp_path, {"w": torch.zeros(4, 4)})
+    with pytest.raises(RuntimeError, match=r"out\[0\] \('w'\) is a Sparse tensor; pass a dense"):
+        ckpt.load_into(tmp_path, {"w": torch.zeros(4, 4).to_sparse()})

@@ -475,3 +475,48 @@ print("ok")
     if isa == "default" or torch.backends.cpu.get_cpu_capability() != "DEFAULT":
         assert used == isa  # the requested kernel really ran
 
+
+# --- memory the EMA owns (#28) ------------------------------------------------------------------
+
+def test_update_refuses_tensors_whose_storage_was_shrunk():
+    ema, model = [torch.zeros(1000), torch.zeros(10)], [torch.ones(1000), torch.ones(10)]
+    ema[0].untyped_storage().resize_(16)
+    with pytest.raises(RuntimeError, match=r"ema\[0\] reaches 4000 bytes into its storage, "
+                                           r"which holds 16"):
+        torch.ops.fsdp_ema.update_(ema, model, 0.5)
+    assert torch.equal(ema[1], torch.zeros(10))
+    ema, model = [torch.zeros(1000)], [torch.ones(1000)]
+    model[0].untyped_storage().resize_(16)  # a read past the end is refused too
+    with pytest.raises(RuntimeError, match=r"model\[0\] reaches 4000 bytes"):
+        fsdp_ema.update_multi_([ema], model, [0.5])
+
+
+def test_update_bumps_the_version_counter_of_every_ema_tensor():
+    ema, model = make_case([(5,), (3,)], torch.float32, torch.float32, "cpu")
+    versions = [e._version for e in ema]
+    torch.ops.fsdp_ema.update_(ema, model, 0.5)
+    fsdp_ema.update_multi_([ema], model, [torch.tensor(0.5, dtype=torch.float64)])
+    assert [e._version for e in ema] == [v + 2 for v in versions]
+    assert all(m._version == 0 for m in model)
+
+
+def test_a_sparse_ema_is_named_as_sparse():
+    with pytest.raises(RuntimeError, match=r"ema\[0\] is a Sparse tensor; pass a dense"):
+        torch.ops.fsdp_ema.update_([torch.zeros(3, 3).to_sparse()], [torch.ones(3, 3)], 0.5)
+
+
+def test_thousands_of_interleaved_column_views_are_checked_exactly():
+    """3,000 column views of one matrix: every pair's extents meet, so pairwise checks would be
+    quadratic; the byte map of their memory decides exactly, and names a real overlap."""
+    grid = torch.zeros(16, 3000)
+    ema = [grid[:, i] for i in range(3000)]
+    model = [torch.full((16,), float(i)) for i in range(3000)]
+    torch.ops.fsdp_ema.update_(ema, model, 0.0)
+    assert torch.equal(grid, torch.arange(3000.0).expand(16, 3000))
+    ema[2999] = grid[:, 5]
+    with pytest.raises(RuntimeError, match=r"ema\[2999\] overlaps ema\[5\] in memory"):
+        torch.ops.fsdp_ema.update_(ema, model, 0.0)
+    ema[2999] = grid[:, 2999]
+    model[7] = grid[:, 8]  # a model column that is an EMA column
+    with pytest.raises(RuntimeError, match=r"ema\[8\] overlaps model\[7\] in memory"):
+        torch.ops.fsdp_ema.update_(ema, model, 0.0)

@@ -93,16 +93,40 @@ MUTANTS = {
         "                                                            : decay.item<double>();",
         [pytest("python_tests/test_update.py", "-k", "decay_tensor_dtypes")]),
     "update-overlap-of-two-elements-missed": (
-        "ops/update.cpp",
-        "    if (e.is_ema && far_all != nullptr && e.lo < far_all->hi) "
-        "fail_overlap(op, e, *far_all);\n"
-        "    if (far_ema != nullptr && e.lo < far_ema->hi) fail_overlap(op, e, *far_ema);",
-        "    if (e.is_ema && far_all != nullptr && e.lo + 8 < far_all->hi) "
-        "fail_overlap(op, e, *far_all);\n"
-        "    if (far_ema != nullptr && e.lo + 8 < far_ema->hi) fail_overlap(op, e, *far_ema);",
+        "ops/memory.cpp",
+        "base + static_cast<uintptr_t>(hi + 1) * size,",
+        "base + static_cast<uintptr_t>(hi + 1) * size - 8,",
         [pytest("python_tests/test_update.py", "-k", "bad_input"),
          pytest("python_tests/test_bad_inputs.py", "-k", "overlap")]),
+    # #28: interleaved disjoint views counted as overlapping (extents, not elements).
+    "overlap-by-extent-not-by-element": (
+        "ops/memory.cpp",
+        "        if (a->dense && e.dense) {",
+        "        if (true) {",
+        [pytest("python_tests/test_load_into.py", "-k", "interleaved"),
+         pytest("python_tests/test_update.py", "-k", "interleave")]),
+    # #28: a destination whose storage was shrunk written past its end (heap corruption).
+    "storage-extent-unchecked": (
+        "ops/memory.cpp",
+        "  TORCH_CHECK(first >= 0 && needed <= held, op, label(index), \" reaches \", needed,",
+        "  TORCH_CHECK(first >= 0 && (needed <= held || held > 0), op, label(index), \" reaches \","
+        " needed,",
+        [pytest("python_tests/test_load_into.py", "-k", "shrunk"),
+         pytest("python_tests/test_update.py", "-k", "shrunk")]),
+    # #28: writes that autograd does not see.
+    "version-counter-not-bumped": (
+        "ops/memory.cpp",
+        "    if (t.defined()) t.unsafeGetTensorImpl()->bump_version();",
+        "    (void)t;",
+        [pytest("python_tests/test_load_into.py", "-k", "version_counter"),
+         pytest("python_tests/test_update.py", "-k", "version_counter")]),
     # --- format ---------------------------------------------------------------------------------
+    # #28: tables of names from files keyed by the fixed-seed std::hash (hash flooding).
+    "name-index-unseeded-hash": (
+        "format/include/fsdp_ema/format/name_index.h",
+        "  static uint64_t hash(std::string_view s) { return name_hash(s); }",
+        "  static uint64_t hash(std::string_view s) { return std::hash<std::string_view>{}(s); }",
+        [ctest("^Scale.NameIndexProbesStayLinearOnNamesCraftedToCollide$")]),
     "posthoc-profile-dot-uses-the-wrong-gamma": (
         "format/posthoc.cpp",
         "if (t_a <= t_b) return num_factor * std::pow(t_a / t_b, gamma_b) / t_b;",
