@@ -17,6 +17,7 @@
 #include "fsdp_ema/format/file_util.h"
 #include "fsdp_ema/format/json_strict.h"
 #include "fsdp_ema/format/parallel.h"
+#include "fsdp_ema/format/paths.h"
 
 namespace fsdp_ema::format {
 namespace {
@@ -309,6 +310,7 @@ CheckpointDir& CheckpointDir::operator=(CheckpointDir&&) noexcept = default;
 CheckpointDir::~CheckpointDir() = default;
 
 CheckpointDir CheckpointDir::open(const std::string& dir) {
+  check_path(dir, "checkpoint directory");
   if (!detail::is_directory(dir)) {
     throw FormatError(dir + ": not a directory (a checkpoint is a directory)");
   }

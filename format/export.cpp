@@ -17,6 +17,7 @@
 #include "fsdp_ema/format/file_util.h"
 #include "fsdp_ema/format/json_strict.h"
 #include "fsdp_ema/format/names.h"
+#include "fsdp_ema/format/paths.h"
 #include "fsdp_ema/format/safetensors_header.h"
 #include "fsdp_ema/format/safetensors_writer.h"
 
@@ -29,11 +30,6 @@ constexpr std::string_view kHfIndexName = kExportIndexFileName;
 
 std::string file_name_of(size_t g, size_t nfiles) {
   return nfiles == 1 ? std::string(kExportSingleFileName) : export_file_name(g + 1, nfiles);
-}
-
-std::string real_or_empty(const std::string& p) {
-  std::unique_ptr<char, decltype(&::free)> r(::realpath(p.c_str(), nullptr), &::free);
-  return r ? std::string(r.get()) : std::string();
 }
 
 // The staging directory holds only plain files (the new export and the writers' temporaries).
@@ -100,25 +96,44 @@ void switch_to_staged(const std::string& out_dir, const std::string& stage,
   if (fsync) detail::fsync_directory(out_dir);
 }
 
-// Creates out_dir if missing and lists the earlier export in it; refuses one unless overwrite.
-std::vector<std::string> prepare_out_dir(const std::string& out_dir, bool overwrite) {
-  if (!detail::is_directory(out_dir)) {
-    if (::mkdir(out_dir.c_str(), 0755) != 0 && errno != EEXIST) {
-      throw FormatError(out_dir + ": cannot create output directory: " + detail::errno_text(errno));
+// The output directory of one export: created if missing (and then removed again, when empty,
+// unless the export finished: a failed export leaves no directory behind), with the earlier
+// export's files in it listed; refused when there are some, unless overwrite.
+class OutDir {
+ public:
+  OutDir(const std::string& out_dir, bool overwrite) : path_(out_dir) {
+    if (!detail::is_directory(out_dir)) {
+      if (::mkdir(out_dir.c_str(), 0755) == 0) {
+        created_ = true;
+      } else if (errno != EEXIST) {
+        throw FormatError(out_dir +
+                          ": cannot create output directory: " + detail::errno_text(errno));
+      }
+    }
+    for (const std::string& n : detail::list_dir(out_dir)) {
+      if (is_export_file_name(n)) existing_.push_back(n);
+    }
+    std::sort(existing_.begin(), existing_.end());
+    if (!existing_.empty() && !overwrite) {
+      throw FormatError(out_dir + ": already holds " + existing_.front() +
+                        " (pass overwrite=True, or --overwrite on the command line, to replace an "
+                        "earlier export)");
     }
   }
-  std::vector<std::string> existing;
-  for (const std::string& n : detail::list_dir(out_dir)) {
-    if (is_export_file_name(n)) existing.push_back(n);
+  ~OutDir() {
+    if (created_ && !kept_) ::rmdir(path_.c_str());
   }
-  std::sort(existing.begin(), existing.end());
-  if (!existing.empty() && !overwrite) {
-    throw FormatError(out_dir + ": already holds " + existing.front() +
-                      " (pass overwrite=True, or --overwrite on the command line, to replace an "
-                      "earlier export)");
-  }
-  return existing;
-}
+  OutDir(const OutDir&) = delete;
+  OutDir& operator=(const OutDir&) = delete;
+  const std::vector<std::string>& existing() const { return existing_; }
+  void keep() { kept_ = true; }
+
+ private:
+  std::string path_;
+  std::vector<std::string> existing_;
+  bool created_ = false;
+  bool kept_ = false;
+};
 
 void check_dtype_option(const ExportOptions& options) {
   if (options.dtype && !can_cast(*options.dtype, *options.dtype)) {
@@ -213,18 +228,15 @@ class Stage {
 
 ExportResult export_consolidated(const std::string& dir, const std::string& out_dir,
                                  const ExportOptions& options) {
+  check_path(out_dir, "export output");
   check_dtype_option(options);
   const CheckpointDir ckpt = CheckpointDir::open(dir);
-
-  if (!detail::is_directory(out_dir)) {
-    if (::mkdir(out_dir.c_str(), 0755) != 0 && errno != EEXIST) {
-      throw FormatError(out_dir + ": cannot create output directory: " + detail::errno_text(errno));
-    }
+  // Checked before anything is created; by device and inode, so links and "dir/." are caught.
+  if (same_or_inside(out_dir, dir)) {
+    throw FormatError(out_dir + ": the export must go outside the checkpoint directory " + dir);
   }
-  if (real_or_empty(out_dir) == real_or_empty(dir)) {
-    throw FormatError(out_dir + ": the export must go to another directory than the checkpoint");
-  }
-  const std::vector<std::string> existing = prepare_out_dir(out_dir, options.overwrite);
+  OutDir out(out_dir, options.overwrite);
+  const std::vector<std::string>& existing = out.existing();
 
   // Output dtype and size per tensor, then files in name order, split at max_file_bytes.
   std::vector<IndexTensor> tensors;  // the selected tensors, under their exported names
@@ -306,6 +318,7 @@ ExportResult export_consolidated(const std::string& dir, const std::string& out_
     stage.finish(
         existing, result, groups, [&](size_t i) -> std::string_view { return tensors[i].name; },
         options.fsync);
+    out.keep();
   }
   progress.tensor = {};
   report();
@@ -321,7 +334,7 @@ struct ExportWriter::Impl {
   std::vector<size_t> file_of;
   std::vector<uint64_t> data_offset;  // absolute offset in its file
   std::vector<std::vector<size_t>> groups;
-  std::vector<std::string> existing;
+  std::unique_ptr<OutDir> out;  // before the stage inside it: destroyed after it
   std::vector<detail::UniqueFd> fds;
   std::vector<std::string> paths;
   ExportResult result;
@@ -343,6 +356,7 @@ ExportWriter::ExportWriter(const std::string& out_dir, std::vector<ExportEntry> 
                            const ExportOptions& options)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
+  check_path(out_dir, "export output");
   check_dtype_option(options);
   m.out_dir = out_dir;
   m.options = options;
@@ -379,7 +393,7 @@ ExportWriter::ExportWriter(const std::string& out_dir, std::vector<ExportEntry> 
     m.result.total_size = *total;
   }
   m.groups = plan_files(out_bytes, options.max_file_bytes);
-  m.existing = prepare_out_dir(out_dir, options.overwrite);
+  m.out = std::make_unique<OutDir>(out_dir, options.overwrite);
   m.stage = std::make_unique<Stage>(out_dir);
   const std::vector<std::pair<std::string, std::string>> metadata{{"format", "pt"}};
   const size_t nfiles = m.groups.size();
@@ -466,8 +480,9 @@ ExportResult ExportWriter::finish() {
     m.fds[g].close_or_throw(m.paths[g]);
   }
   m.stage->finish(
-      m.existing, m.result, m.groups,
+      m.out->existing(), m.result, m.groups,
       [&](size_t i) -> std::string_view { return m.entries[i].name; }, m.options.fsync);
+  m.out->keep();
   m.done = true;
   return m.result;
 }
@@ -477,6 +492,7 @@ void ExportWriter::abort() noexcept {
   impl_->fds.clear();  // closes them (quietly) before the staging directory goes
   if (impl_->stage) impl_->stage->discard();
   impl_->stage.reset();
+  impl_->out.reset();  // removes out_dir when this export created it (and it is empty)
 }
 
 uint64_t ExportWriter::total_size() const { return impl_->result.total_size; }

@@ -17,6 +17,7 @@
 #include "fsdp_ema/format/json_strict.h"
 #include "fsdp_ema/format/name_index.h"
 #include "fsdp_ema/format/parallel.h"
+#include "fsdp_ema/format/paths.h"
 #include "fsdp_ema/format/recent_shards.h"
 #include "fsdp_ema/format/shard_file.h"
 #include "fsdp_ema/format/shard_writer.h"
@@ -317,6 +318,7 @@ CheckpointIndex build_index(std::span<const ShardDescription> shards, int64_t wo
 
 CheckpointIndex build_index_from_dir(const std::string& dir, int64_t world_size,
                                      std::map<std::string, std::string> metadata) {
+  check_path(dir, "checkpoint directory");
   if (world_size < 1) throw FormatError(dir + ": world_size must be at least 1");
   std::vector<std::string> names;
   names.reserve(static_cast<size_t>(world_size));
@@ -327,6 +329,7 @@ CheckpointIndex build_index_from_dir(const std::string& dir, int64_t world_size,
 CheckpointIndex build_index_from_files(const std::string& dir,
                                        std::span<const std::string> file_names, int64_t world_size,
                                        std::map<std::string, std::string> metadata) {
+  check_path(dir, "checkpoint directory");
   if (world_size < 1) throw FormatError(dir + ": world_size must be at least 1");
   if (file_names.size() != static_cast<size_t>(world_size)) {
     throw FormatError(dir + ": " + std::to_string(file_names.size()) + " shard file names for " +
@@ -658,6 +661,7 @@ std::string resolve_piece_path(const std::string& dir, std::string_view name) {
 }
 
 void write_index(const std::string& dir, const CheckpointIndex& index, bool overwrite, bool fsync) {
+  check_path(dir, "checkpoint directory");
   const std::string path = detail::join_path(dir, kIndexFileName);
   validate_index(index, path);
   resolve_all_pieces(dir, index);
@@ -673,6 +677,7 @@ void write_index(const std::string& dir, const CheckpointIndex& index, bool over
 }
 
 CheckpointIndex read_index(const std::string& dir) {
+  check_path(dir, "checkpoint directory");
   if (!detail::is_directory(dir)) {
     throw FormatError(dir + ": not a directory (a checkpoint is a directory)");
   }

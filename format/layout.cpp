@@ -15,6 +15,7 @@
 
 #include "fsdp_ema/format/error.h"
 #include "fsdp_ema/format/file_util.h"
+#include "fsdp_ema/format/paths.h"
 #include "fsdp_ema/format/shard_writer.h"
 
 namespace fsdp_ema::format {
@@ -24,17 +25,27 @@ std::string errno_message(const std::string& what, const std::string& path, int 
   return path + ": " + what + ": " + detail::errno_text(err);
 }
 
-// mkdir -p: every missing component of `dir`, 0755 before the umask.
-void make_directories(const std::string& dir) {
+// mkdir -p: every missing component of `dir`, 0755 before the umask. Returns the topmost
+// directory it created ("" when `dir` existed), for remove_created_directories.
+std::string make_directories(const std::string& dir) {
   if (dir.empty()) throw FormatError("checkpoint directory: the path is empty");
+  check_path(dir, "checkpoint directory");
+  std::string created;
   for (size_t pos = dir.find('/', 1);; pos = dir.find('/', pos + 1)) {
     const std::string part = pos == std::string::npos ? dir : dir.substr(0, pos);
-    if (!part.empty() && ::mkdir(part.c_str(), 0755) != 0 && errno != EEXIST) {
-      throw FormatError(errno_message("cannot create the directory", part, errno));
+    if (!part.empty()) {
+      if (::mkdir(part.c_str(), 0755) == 0) {
+        if (created.empty()) created = part;
+      } else if (errno != EEXIST) {
+        const int err = errno;
+        remove_created_directories(part, created);
+        throw FormatError(errno_message("cannot create the directory", part, err));
+      }
     }
     if (pos == std::string::npos) break;
   }
   if (!detail::is_directory(dir)) throw FormatError(dir + ": not a directory");
+  return created;
 }
 
 // Owns an open DIR stream.
@@ -82,6 +93,7 @@ void remove_contents(int fd, const std::string& path) {
 }  // namespace
 
 DirectoryLock::DirectoryLock(const std::string& dir, Mode mode) {
+  check_path(dir, "checkpoint directory");
   fd_ = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd_ < 0) {
     throw FormatError("directory '" + dir + "' cannot be opened: " + detail::errno_text(errno));
@@ -100,6 +112,7 @@ DirectoryLock::~DirectoryLock() {
 }
 
 bool is_committed(const std::string& dir) {
+  check_path(dir, "checkpoint directory");
   return detail::path_exists(detail::join_path(dir, kIndexFileName));
 }
 
@@ -119,24 +132,42 @@ bool prepare_checkpoint_dir(const std::string& dir) {
   return is_committed(dir);
 }
 
+void remove_created_directories(const std::string& dir, const std::string& created) noexcept {
+  if (created.empty()) return;
+  std::string d = dir;
+  while (d.size() > 1 && d.back() == '/') d.pop_back();
+  // dir, then its parents, up to and including `created`, each only while empty (rmdir).
+  for (; d.size() >= created.size(); d = detail::parent_dir(d)) {
+    if (::rmdir(d.c_str()) != 0 || d == created) return;
+  }
+}
+
 uint64_t save_shard_to_dir(const std::string& dir, std::vector<TensorToWrite> tensors,
                            const WriteOptions& options, bool overwrite) {
-  const DirectoryLock lock(dir, DirectoryLock::Mode::kShared);
-  if (!overwrite && is_committed(dir)) {
-    throw FormatError("directory '" + dir + "' is already committed (" +
-                      std::string(kIndexFileName) +
-                      " exists); save into a fresh directory, or pass overwrite=True to replace "
-                      "it");
+  // A save that fails leaves no directory it created (the writer removes its temporary first).
+  const std::string created = make_directories(dir);
+  try {
+    const DirectoryLock lock(dir, DirectoryLock::Mode::kShared);
+    if (!overwrite && is_committed(dir)) {
+      throw FormatError("directory '" + dir + "' is already committed (" +
+                        std::string(kIndexFileName) +
+                        " exists); save into a fresh directory, or pass overwrite=True to "
+                        "replace it");
+    }
+    // An overwrite writes under a name the committed index does not reference: the old
+    // checkpoint stays whole until the commit replaces its index.
+    const std::string file = shard_file_name_to_write(dir, options.rank, options.world_size);
+    remove_stale_temporaries(dir, file);
+    return write_shard_file(detail::join_path(dir, file), std::move(tensors), options);
+  } catch (...) {
+    remove_created_directories(dir, created);
+    throw;
   }
-  // An overwrite writes under a name the committed index does not reference: the old checkpoint
-  // stays whole until the commit replaces its index.
-  const std::string file = shard_file_name_to_write(dir, options.rank, options.world_size);
-  remove_stale_temporaries(dir, file);
-  return write_shard_file(detail::join_path(dir, file), std::move(tensors), options);
 }
 
 void write_sidecar(const std::string& dir, std::string_view name, std::string_view content,
                    bool fsync) {
+  check_path(dir, "checkpoint directory");
   if (name.empty() || name.find('/') != std::string_view::npos || name.starts_with(".") ||
       name.find('\0') != std::string_view::npos) {
     throw FormatError(dir + ": sidecar name '" + std::string(name) +
@@ -151,6 +182,7 @@ void write_sidecar(const std::string& dir, std::string_view name, std::string_vi
 }
 
 std::vector<std::string> committed_checkpoints(const std::string& root, bool follow_links) {
+  check_path(root, "checkpoint root");
   std::vector<std::string> out;
   if (!detail::is_directory(root)) return out;
   for (const std::string& name : detail::list_dir(root)) {
@@ -171,6 +203,7 @@ std::vector<std::string> committed_checkpoints(const std::string& root, bool fol
 }
 
 void remove_checkpoint(const std::string& dir) {
+  check_path(dir, "checkpoint directory");
   std::string trimmed = dir;
   while (trimmed.size() > 1 && trimmed.back() == '/') trimmed.pop_back();
   const std::string parent = detail::parent_dir(trimmed), name = detail::base_name(trimmed);
@@ -229,6 +262,7 @@ std::string shard_file_name_to_write(const std::string& dir, int64_t rank, int64
 
 CheckpointIndex commit_directory(const std::string& dir, int64_t world_size, bool overwrite,
                                  bool fsync) {
+  check_path(dir, "checkpoint directory");
   if (world_size < 1) throw FormatError(dir + ": world_size must be at least 1");
   const DirectoryLock lock(dir, DirectoryLock::Mode::kExclusive);
   const std::string index_path = detail::join_path(dir, kIndexFileName);

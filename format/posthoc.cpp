@@ -19,6 +19,7 @@
 #include "fsdp_ema/format/index.h"
 #include "fsdp_ema/format/layout.h"
 #include "fsdp_ema/format/names.h"
+#include "fsdp_ema/format/paths.h"
 #include "fsdp_ema/format/shape.h"
 #include "fsdp_ema/format/shard_writer.h"
 
@@ -152,10 +153,30 @@ bool is_snapshot_metadata_tensor(std::string_view name) {
   return name == kSnapshotStepTensor || name == kSnapshotGammaTensor;
 }
 
+void check_posthoc_output(const PosthocPlan& plan, const std::string& out_dir) {
+  check_path(out_dir, "posthoc output");
+  const std::string where = "posthoc(" + out_dir + "): ";
+  for (const PosthocSnapshot& s : plan.snapshots) {
+    if (same_or_inside(out_dir, s.dir)) {
+      throw FormatError(where + "the output must not be a snapshot or inside one: it is (in) " +
+                        s.dir);
+    }
+  }
+  if (!plan.root.empty() && same_or_inside(out_dir, plan.root)) {
+    throw FormatError(where + "the output must not be inside the snapshot root " + plan.root +
+                      " (the next plan would find it there as a checkpoint that is no snapshot)");
+  }
+  if (!plan.root.empty() && same_or_inside(plan.root, out_dir)) {
+    throw FormatError(where + "the output must not hold the snapshot root " + plan.root);
+  }
+}
+
 PosthocPlan plan_posthoc(const std::string& snapshot_root, double sigma_rel,
                          std::optional<int64_t> step) {
   const std::string where = "posthoc(" + snapshot_root + "): ";
+  check_path(snapshot_root, "posthoc snapshot root");
   PosthocPlan plan;
+  plan.root = snapshot_root;
   plan.sigma_rel = sigma_rel;
   plan.gamma = power_ema_gamma(sigma_rel);
   if (!detail::is_directory(snapshot_root)) {
@@ -262,14 +283,15 @@ void posthoc_combine(const PosthocPlan& plan, const std::string& out_dir,
   if (plan.snapshots.empty() || plan.weights.size() != plan.snapshots.size()) {
     throw FormatError(where + "the plan has no snapshots or no weight per snapshot");
   }
-  for (const PosthocSnapshot& s : plan.snapshots) {
-    if (s.dir == out_dir) throw FormatError(where + "the output must not be a snapshot");
-  }
+  check_posthoc_output(plan, out_dir);
   std::vector<CheckpointDir> in;
   in.reserve(plan.snapshots.size());
   for (const PosthocSnapshot& s : plan.snapshots) in.push_back(CheckpointDir::open(s.dir));
   const CheckpointDir& last = in.back();
-  prepare_checkpoint_dir(out_dir);
+  if (!options.overwrite && is_committed(out_dir)) {
+    throw FormatError(where + "the output is already committed (" + std::string(kIndexFileName) +
+                      " exists); pass overwrite to replace it");
+  }
 
   uint64_t total = 0;
   for (const std::string& name : plan.tensors) total += last.tensor_nbytes(name);

@@ -13,6 +13,7 @@
 #include "fsdp_ema/format/checksum.h"
 #include "fsdp_ema/format/error.h"
 #include "fsdp_ema/format/file_util.h"
+#include "fsdp_ema/format/paths.h"
 #include "fsdp_ema/format/safetensors_header.h"
 
 namespace fsdp_ema::format {
@@ -182,6 +183,7 @@ std::vector<size_t> file_order(std::span<const RawTensor> tensors) {
 RawWriteResult write_safetensors_file(const std::string& path, std::span<const RawTensor> tensors,
                                       const MetadataFn& metadata, const WriteOptions& options,
                                       std::vector<size_t> order, const HeaderPatchFn& patch) {
+  check_path(path, "safetensors file");
   if (options.chunk_bytes < 64 || options.chunk_bytes % 64 != 0) {
     throw FormatError(path + ": WriteOptions::chunk_bytes " + std::to_string(options.chunk_bytes) +
                       " must be a positive multiple of 64");

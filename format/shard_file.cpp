@@ -17,6 +17,7 @@
 #include "fsdp_ema/format/json_strict.h"
 #include "fsdp_ema/format/name_index.h"
 #include "fsdp_ema/format/parallel.h"
+#include "fsdp_ema/format/paths.h"
 
 namespace fsdp_ema::format {
 namespace {
@@ -374,6 +375,7 @@ ShardFile& ShardFile::operator=(ShardFile&&) noexcept = default;
 ShardFile::~ShardFile() = default;
 
 ShardFile ShardFile::open(const std::string& path, bool verify_checksums) {
+  check_path(path, "shard file");
   auto impl = std::make_unique<Impl>();
   impl->path = path;
   auto fd = std::make_shared<detail::UniqueFd>(detail::open_read_only(path));

@@ -12,6 +12,7 @@
 #include "fsdp_ema/format/file_util.h"
 #include "fsdp_ema/format/json_strict.h"
 #include "fsdp_ema/format/name_hash.h"
+#include "fsdp_ema/format/paths.h"
 #include "fsdp_ema/format/recent_shards.h"
 #include "fsdp_ema/format/safetensors_writer.h"
 #include "fsdp_ema/format/shard_file.h"
@@ -87,6 +88,7 @@ TensorToWrite TensorToWrite::full(std::string name, DType dtype, Shape shape, co
 
 uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> tensors,
                           const WriteOptions& options, ShardDescription* written) {
+  check_path(path, "shard file");
   if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
     throw FormatError("write_shard_file(" + path + "): rank " + std::to_string(options.rank) +
                       " is not in [0, world_size " + std::to_string(options.world_size) + ")");

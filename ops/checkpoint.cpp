@@ -241,6 +241,11 @@ std::string checkpoint_info(c10::string_view directory) {
 
 namespace fsdp_ema::ops {
 
+bool is_committed(c10::string_view directory) {
+  return translate_errors("fsdp_ema::is_committed: ",
+                          [&] { return format::is_committed(std::string(directory)); });
+}
+
 bool prepare_checkpoint(c10::string_view directory) {
   return translate_errors("fsdp_ema::prepare_checkpoint: ",
                           [&] { return format::prepare_checkpoint_dir(std::string(directory)); });

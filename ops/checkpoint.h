@@ -73,6 +73,8 @@ std::string checkpoint_info(c10::string_view directory);
 // Creates `directory` (and parents) if missing; true when it holds a committed checkpoint already
 // (format::prepare_checkpoint_dir).
 bool prepare_checkpoint(c10::string_view directory);
+// Whether `directory` holds a committed checkpoint (format::is_committed); creates nothing.
+bool is_committed(c10::string_view directory);
 // A small file beside the shard files, written atomically (format::write_sidecar).
 void write_sidecar(c10::string_view directory, c10::string_view name, c10::string_view content,
                    bool fsync);

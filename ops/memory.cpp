@@ -40,9 +40,12 @@ Extent extent_of(const at::Tensor& t, bool written, size_t index) {
   const auto [lo, hi] = element_span(t);
   const auto base = reinterpret_cast<uintptr_t>(t.const_data_ptr());
   const auto size = static_cast<uintptr_t>(t.element_size());
-  return {base + static_cast<uintptr_t>(lo) * size, base + static_cast<uintptr_t>(hi + 1) * size,
-          device_key(t.device()),   written,
-          t.is_non_overlapping_and_dense(), index,
+  return {base + static_cast<uintptr_t>(lo) * size,
+          base + static_cast<uintptr_t>(hi + 1) * size,
+          device_key(t.device()),
+          written,
+          t.is_non_overlapping_and_dense(),
+          index,
           &t};
 }
 

@@ -41,10 +41,11 @@ std::vector<double> posthoc_weights(c10::ArrayRef<int64_t> steps, c10::ArrayRef<
 }
 
 std::string posthoc_plan(c10::string_view snapshot_root, double sigma_rel,
-                         std::optional<int64_t> step) {
+                         std::optional<int64_t> step, std::optional<c10::string_view> out) {
   return translate("fsdp_ema::", [&] {
     const format::PosthocPlan plan =
         format::plan_posthoc(std::string(snapshot_root), sigma_rel, step);
+    if (out.has_value()) format::check_posthoc_output(plan, std::string(*out));
     nlohmann::json j;
     j["snapshots"] = nlohmann::json::array();
     for (const auto& s : plan.snapshots) {

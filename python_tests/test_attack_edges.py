@@ -343,3 +343,45 @@ def test_sharded_ema_export_that_fails_midway_leaves_the_earlier_export_whole(tm
         ema.export(out, max_file_bytes=40, overwrite=True)
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+# --- #28: paths with an embedded NUL -----------------------------------------------------------
+
+def _nul_calls(tmp_path: Path):
+    """Every entry that takes a path, each given one with a NUL byte in it."""
+    good = tmp_path / "good"
+    ckpt.save(good, {"w": torch.ones(3)})
+    shard = str(good / ckpt.shard_file_name(0, 1))
+    new = str(tmp_path / "new") + "\0dir"
+    return {
+        "save": lambda: ckpt.save(new, {"w": torch.ones(3)}),
+        "save_shard": lambda: ckpt.save_shard(new, {"w": torch.ones(3)}),
+        "commit": lambda: ckpt.commit(new, 1),
+        "load_shard": lambda: ckpt.load_shard(shard + "\0.bin"),
+        "load": lambda: ckpt.load(str(good) + "\0x"),
+        "load_into": lambda: ckpt.load_into(str(good) + "\0x", {"w": torch.zeros(3)}),
+        "info": lambda: ckpt.info(str(good) + "\0x"),
+        "open_checkpoint": lambda: ckpt.open_checkpoint(str(good) + "\0x"),
+        "ShardedEMA.save": lambda: ShardedEMA(nn.Linear(2, 2)).save(new),
+        "ShardedEMA.export": lambda: ShardedEMA(nn.Linear(2, 2)).export(new),
+        "save_training_state": lambda: ts.save_training_state(new, model=nn.Linear(2, 2)),
+    }
+
+
+NUL_CALLS = ["save", "save_shard", "commit", "load_shard", "load", "load_into", "info",
+             "open_checkpoint", "ShardedEMA.save", "ShardedEMA.export", "save_training_state"]
+
+
+@pytest.mark.parametrize("call", NUL_CALLS)
+def test_a_nul_byte_in_a_path_is_refused_whole_and_creates_nothing(tmp_path, call):
+    """load_shard(path + "\\0.bin") read the file before the NUL, save(".../new\\0dir") created
+    ".../new" before refusing, and messages stopped at the NUL. Now the whole path is named
+    (the NUL as \\x00) and nothing is created or read."""
+    calls = _nul_calls(tmp_path)
+    assert sorted(calls) == sorted(NUL_CALLS)
+    fn = calls[call]
+    with pytest.raises(RuntimeError, match=r"holds a NUL byte at offset \d+") as info:
+        fn()
+    message = str(info.value)
+    assert "\\x00" in message and ("dir'" in message or ".bin'" in message or "x'" in message)
+    assert not (tmp_path / "new").exists()

@@ -306,6 +306,45 @@ def test_output_must_not_overwrite_a_checkpoint_unless_asked(tmp_path):
     with pytest.raises(FileExistsError, match="already holds a committed checkpoint"):
         fsdp_ema.posthoc(root, sigma_rel=TARGET, out=tmp_path / "out")
     fsdp_ema.posthoc(root, sigma_rel=0.09, out=tmp_path / "out", overwrite=True)
-    with pytest.raises(ValueError, match="must not be one of the snapshots"):
+    with pytest.raises(RuntimeError, match="must not be a snapshot or inside one"):
         fsdp_ema.posthoc(root, sigma_rel=TARGET, out=os.path.join(root, "step-000000003.profile-0"),
                          overwrite=True)
+
+
+def test_output_is_never_a_snapshot_by_any_path_and_a_refusal_creates_nothing(tmp_path,
+                                                                              monkeypatch):
+    """#28: the check compared path strings, so "<root>/s/", "./s", "s/." (the CLI) or a link
+    (Python) with overwrite replaced a snapshot and made the root unusable. Now by device and
+    inode, before anything is created; an output inside the root is refused too."""
+    root = small_snapshots(tmp_path / "root")
+    snap = "step-000000003.profile-0"
+    os.symlink(os.path.join(root, snap), tmp_path / "link")
+    monkeypatch.chdir(root)
+    before = fsdp_ema.posthoc_plan(root, TARGET)
+    for out in [os.path.join(root, snap) + "/", "./" + snap, snap + "/.", tmp_path / "link",
+                tmp_path / "link" / "new"]:
+        with pytest.raises(RuntimeError, match="must not be a snapshot or inside one"):
+            fsdp_ema.posthoc(root, sigma_rel=TARGET, out=out, overwrite=True)
+        cli = subprocess.run([str(CLI), "posthoc", str(root), str(out), "--sigma-rel",
+                              str(TARGET), "--overwrite"], capture_output=True, text=True)
+        assert cli.returncode == 1 and "must not be a snapshot or inside one" in cli.stderr, out
+    for out in ["new", os.path.join(root, "deeper", "new")]:
+        with pytest.raises(RuntimeError, match="must not be inside the snapshot root"):
+            fsdp_ema.posthoc(root, sigma_rel=TARGET, out=out)
+    with pytest.raises(RuntimeError, match="holds a NUL byte"):
+        fsdp_ema.posthoc(root, sigma_rel=TARGET, out=str(tmp_path / "nul") + "\0x")
+    assert not (tmp_path / "link" / "new").exists() and not os.path.exists("new")
+    assert not os.path.exists(os.path.join(root, "deeper")) and not (tmp_path / "nul").exists()
+    assert fsdp_ema.posthoc_plan(root, TARGET) == before  # every snapshot whole
+
+
+def test_a_failed_posthoc_leaves_no_output_directory(tmp_path):
+    root = small_snapshots(tmp_path / "root")
+    snap = Path(root) / "step-000000006.profile-1"
+    shard = snap / fsdp_ema.checkpoint.shard_file_name(0, 1)
+    raw = bytearray(shard.read_bytes())
+    raw[-3] ^= 0x40  # the last tensor's data: a checksum mismatch while combining
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(RuntimeError, match="checksum mismatch"):
+        fsdp_ema.posthoc(root, sigma_rel=TARGET, out=tmp_path / "out" / "deeper")
+    assert not (tmp_path / "out").exists()

@@ -173,6 +173,8 @@ TORCH_LIBRARY_FRAGMENT(fsdp_ema, m) {
                 " and world_size ", world_size);
     return fsdp_ema::format::shard_file_name(rank, world_size);
   });
+  // True when the directory holds a committed checkpoint (its index); creates nothing.
+  m.def("is_committed(str directory) -> bool", &fsdp_ema::ops::is_committed);
   // Creates the directory (and parents) if missing; true when it holds a committed checkpoint.
   m.def(torch::schema("prepare_checkpoint(str directory) -> bool",
                       c10::AliasAnalysisKind::CONSERVATIVE),
@@ -228,7 +230,7 @@ TORCH_LIBRARY_FRAGMENT(fsdp_ema, m) {
   // gamma).
   m.def("posthoc_weights(int[] steps, float[] gammas, int step, float gamma) -> float[]");
   // JSON plan of a post-hoc reconstruction from a snapshot root: snapshots, weights, tensors.
-  m.def("posthoc_plan(str snapshot_root, float sigma_rel, int? step=None) -> str");
+  m.def("posthoc_plan(str snapshot_root, float sigma_rel, int? step=None, str? out=None) -> str");
 }
 
 TORCH_LIBRARY_IMPL(fsdp_ema, CompositeExplicitAutograd, m) {

@@ -121,6 +121,20 @@ MUTANTS = {
         [pytest("python_tests/test_load_into.py", "-k", "version_counter"),
          pytest("python_tests/test_update.py", "-k", "version_counter")]),
     # --- format ---------------------------------------------------------------------------------
+    # #28: the post-hoc output compared with the snapshots as path strings.
+    "posthoc-output-compared-as-strings": (
+        "format/posthoc.cpp",
+        "    if (same_or_inside(out_dir, s.dir)) {",
+        "    if (out_dir == s.dir) {",
+        [ctest("^PosthocCombine.RefusesAnOutputThatIsASnapshot"),
+         pytest("python_tests/test_posthoc.py", "-k", "never_a_snapshot")]),
+    # #28: a path with a NUL byte cut at the NUL by the system calls.
+    "nul-in-a-path-not-refused": (
+        "format/paths.cpp",
+        "  if (nul == std::string_view::npos) return;",
+        "  if (nul != std::string_view::npos + 1) return;",
+        [pytest("python_tests/test_attack_edges.py", "-k", "nul_byte"),
+         ctest("^Export.RefusesAPathWithANulByte")]),
     # #28: tables of names from files keyed by the fixed-seed std::hash (hash flooding).
     "name-index-unseeded-hash": (
         "format/include/fsdp_ema/format/name_index.h",

@@ -44,9 +44,10 @@ def rank_world(group) -> tuple[int, int]:
 
 
 def check_fresh(directory: str, overwrite: bool) -> None:
-    """Creates ``directory`` if missing; FileExistsError if it holds a committed checkpoint and
-    ``overwrite`` is off."""
-    if torch.ops.fsdp_ema.prepare_checkpoint(directory) and not overwrite:
+    """FileExistsError if ``directory`` holds a committed checkpoint and ``overwrite`` is off.
+    Creates nothing: ``save_shard`` creates the directory when it writes (and removes it again if
+    its write fails), so a save that fails before writing leaves no trace."""
+    if torch.ops.fsdp_ema.is_committed(directory) and not overwrite:
         raise FileExistsError(f"{directory!r} already holds a committed checkpoint; pass "
                               f"overwrite=True to replace it")
 
@@ -77,8 +78,8 @@ def save_collective(directory: str | os.PathLike, pieces: Callable[[], Mapping[s
     ``pieces()`` gives this rank's ``save_shard`` input. With ``collective_pieces`` it runs after
     the first agreement on every rank (it may run collectives: FSDP1's exchange); without, it runs
     with the check, before it, so that its failure on one rank stops every rank before any file
-    is written. ``prepare()`` runs in the check, after the directory exists (sidecar files);
-    ``after_commit()`` once the commit is agreed (its error is the caller's to soften).
+    is written. ``prepare()`` runs in the write step, once this rank's file is written (sidecar
+    files); ``after_commit()`` once the commit is agreed (its error is the caller's to soften).
 
     Asynchronously, ``pieces()`` runs and its tensors are staged on the caller's thread (so the
     caller may modify its tensors as soon as this returns), and the same check, write and commit
@@ -98,18 +99,18 @@ def save_collective(directory: str | os.PathLike, pieces: Callable[[], Mapping[s
                 from ._async import wait_staged
 
                 wait_staged(staged_event)
-            shards = ready if ready is not None or collective_pieces else pieces()
-            if prepare is not None:
-                prepare()
-            return shards
+            return ready if ready is not None or collective_pieces else pieces()
 
         def write() -> int:
             # An overwrite keeps the old checkpoint whole until the new index lands (the new
             # files go under names the old index does not reference; the commit removes the old
             # ones after).
             shards = ready if ready is not None else pieces()
-            return _ckpt.save_shard(directory, shards, rank=rank, world_size=world,
-                                    overwrite=overwrite, fsync=fsync)
+            nbytes = _ckpt.save_shard(directory, shards, rank=rank, world_size=world,
+                                      overwrite=overwrite, fsync=fsync)
+            if prepare is not None:
+                prepare()
+            return nbytes
 
         def commit() -> None:
             if rank == 0:

@@ -103,7 +103,8 @@ def save_shard(directory: str | os.PathLike, shards: Mapping[str, Shard], *, ran
     if async_:
         return _save_async("save_shard", directory, shards, rank=rank, world_size=world_size,
                            fsync=fsync, overwrite=overwrite, if_busy=if_busy, and_commit=False)
-    torch.ops.fsdp_ema.prepare_checkpoint(os.fspath(directory))  # creates it if missing
+    # The op creates the directory (with its parents) if missing, and removes what it created when
+    # the write fails.
     with _gc_paused():
         names, tensors, offsets, global_shapes = _flatten(shards)
         return int(torch.ops.fsdp_ema.save_shard(os.fspath(directory), rank, world_size, names,

@@ -27,15 +27,18 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 
 
 def posthoc_plan(snapshot_root: str | os.PathLike, sigma_rel: float,
-                 step: int | None = None) -> dict[str, Any]:
+                 step: int | None = None, *, out: str | os.PathLike | None = None
+                 ) -> dict[str, Any]:
     """The reconstruction plan as a dict: ``snapshots`` (``dir``, ``step``, ``gamma``, sorted by
     step), ``weights`` (one per snapshot), ``step``, ``gamma``, ``sigma_rel``, ``world_size``
     (of the snapshots), ``tensors`` (the EMA tensor names) and ``skipped`` (incomplete snapshot
     directories, without an index). Raises RuntimeError naming the problem: no snapshots,
     sigma_rel out of (0, 1/sqrt(12)], a step past the last snapshot, snapshots of different
-    models or world sizes."""
-    return json.loads(torch.ops.fsdp_ema.posthoc_plan(os.fspath(snapshot_root), float(sigma_rel),
-                                                      None if step is None else int(step)))
+    models or world sizes; with ``out``, an output that is a snapshot, inside one or inside the
+    snapshot root (compared by device and inode: links and ``s002/.`` are caught)."""
+    return json.loads(torch.ops.fsdp_ema.posthoc_plan(
+        os.fspath(snapshot_root), float(sigma_rel), None if step is None else int(step),
+        None if out is None else os.fspath(out)))
 
 
 def _buckets(names, nbytes, limit):
@@ -79,10 +82,8 @@ def posthoc(snapshot_root: str | os.PathLike, *, sigma_rel: float, out: str | os
     run = functools.partial(agreed, group=process_group, device=device, what=what)
 
     def plan_and_layout():
-        plan = posthoc_plan(snapshot_root, sigma_rel, step)
-        out_abs = os.path.abspath(os.fspath(out))
-        if any(os.path.abspath(s["dir"]) == out_abs for s in plan["snapshots"]):
-            raise ValueError(f"{what}: the output must not be one of the snapshots")
+        # format/'s rule: out is no snapshot and not in the root, compared by device and inode.
+        plan = posthoc_plan(snapshot_root, sigma_rel, step, out=out)
         return plan, _ckpt.info(plan["snapshots"][-1]["dir"])["tensors"]
 
     plan, info = run(plan_and_layout)

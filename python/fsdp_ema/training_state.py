@@ -391,7 +391,7 @@ def save_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
 
     sidecar: list[str] = []
 
-    def prepare() -> None:  # in the check, once the directory exists
+    def prepare() -> None:  # in the write step, once this rank's shard file is written
         if sidecar:
             torch.ops.fsdp_ema.write_sidecar(directory, SIDECAR_NAME, sidecar[0], True)
 

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -191,9 +192,27 @@ TEST_F(Export, RefusesToClobberAnEarlierExportUnlessAsked) {
   EXPECT_THAT(testing::list_names(out), ElementsAre("model.safetensors"));
 }
 
-TEST_F(Export, RefusesTheCheckpointDirectoryItself) {
-  EXPECT_THAT(error_of([&] { export_consolidated(ckpt_, ckpt_ + "/."); }),
-              HasSubstr("another directory than the checkpoint"));
+TEST_F(Export, RefusesTheCheckpointDirectoryItselfOrInsideItByInode) {
+  // The same directory by another path, a new directory inside it, and a link to it: all refused
+  // before anything is created.
+  std::filesystem::create_directory_symlink(ckpt_, root_.file("link"));
+  for (const std::string& out :
+       {ckpt_ + "/.", ckpt_ + "/", ckpt_ + "/../ckpt", ckpt_ + "/sub", ckpt_ + "/sub/deeper",
+        root_.file("link"), root_.file("link") + "/sub"}) {
+    EXPECT_THAT(error_of([&] { export_consolidated(ckpt_, out); }),
+                HasSubstr("must go outside the checkpoint directory"))
+        << out;
+  }
+  EXPECT_FALSE(std::filesystem::exists(ckpt_ + "/sub"));
+  // A sibling whose name starts like the checkpoint's is outside it.
+  EXPECT_NO_THROW(export_consolidated(ckpt_, ckpt_ + "-export"));
+}
+
+TEST_F(Export, RefusesAPathWithANulByteAndCreatesNothing) {
+  const std::string out = root_.file("new") + std::string(1, '\0') + "dir";
+  EXPECT_THAT(error_of([&] { export_consolidated(ckpt_, out); }),
+              AllOf(HasSubstr("new\\x00dir"), HasSubstr("holds a NUL byte at offset")));
+  EXPECT_FALSE(std::filesystem::exists(root_.file("new")));
 }
 
 TEST_F(Export, StopsOnCorruptedData) {
@@ -203,8 +222,8 @@ TEST_F(Export, StopsOnCorruptedData) {
   testing::write_bytes(file, bytes);
   EXPECT_THAT(error_of([&] { export_consolidated(ckpt_, root_.file("out")); }),
               AllOf(HasSubstr("tensor \"ids\""), HasSubstr("checksum mismatch")));
-  // Nothing half-written is left under the final name.
-  EXPECT_TRUE(testing::list_names(root_.file("out")).empty());
+  // Nothing half-written is left, not even the output directory the export created.
+  EXPECT_FALSE(std::filesystem::exists(root_.file("out")));
 }
 
 }  // namespace

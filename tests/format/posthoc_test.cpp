@@ -7,12 +7,14 @@
 
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <string>
 #include <vector>
 
 #include "fsdp_ema/format/checkpoint_dir.h"
 #include "fsdp_ema/format/layout.h"
 #include "fsdp_ema/format/names.h"
+#include "fsdp_ema/format/shard_file.h"
 #include "fsdp_ema/format/shard_writer.h"
 #include "tests/format/test_util.h"
 
@@ -152,6 +154,57 @@ TEST(PosthocCombine, WritesTheWeightedSumAndCopiesIntegers) {
   EXPECT_EQ(out.find(kSnapshotStepTensor), nullptr);
   EXPECT_THAT(error_of([&] { posthoc_combine(plan, tmp.file("out"), opts); }),
               HasSubstr("already committed"));
+}
+
+TEST(PosthocCombine, RefusesAnOutputThatIsASnapshotOrInTheRootByInodeAndCreatesNothing) {
+  TempDir tmp;
+  const std::string root = tmp.subdir("snapshots");
+  write_snapshot(root + "/s001", 1, 10, 6.9, 1.0f);
+  write_snapshot(root + "/s002", 1, 20, 6.9, 2.0f);
+  std::filesystem::create_directory_symlink(root + "/s002", tmp.file("link"));
+  const PosthocPlan plan = plan_posthoc(root, 0.08);
+  PosthocOptions opts;
+  opts.fsync = false;
+  opts.overwrite = true;  // even so: a snapshot is never replaced
+  const std::vector<std::string> snapshots = {root + "/s002/", root + "/s002/.",
+                                              root + "/s001/../s002", tmp.file("link"),
+                                              tmp.file("link") + "/new"};
+  for (const std::string& out : snapshots) {
+    EXPECT_THAT(error_of([&] { posthoc_combine(plan, out, opts); }),
+                HasSubstr("the output must not be a snapshot or inside one"))
+        << out;
+  }
+  EXPECT_THAT(error_of([&] { posthoc_combine(plan, root + "/s003", opts); }),
+              HasSubstr("must not be inside the snapshot root"));
+  EXPECT_THAT(error_of([&] { posthoc_combine(plan, root, opts); }),
+              HasSubstr("must not be inside the snapshot root"));
+  EXPECT_THAT(error_of([&] { posthoc_combine(plan, tmp.path(), opts); }),
+              HasSubstr("must not hold the snapshot root"));
+  const std::string nul = tmp.file("out") + std::string(1, '\0') + "x";
+  EXPECT_THAT(error_of([&] { posthoc_combine(plan, nul, opts); }),
+              HasSubstr("holds a NUL byte at offset"));
+  EXPECT_FALSE(std::filesystem::exists(root + "/s003"));
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("out")));
+  // Every snapshot is still whole: the plan over the root is unchanged.
+  EXPECT_EQ(plan_posthoc(root, 0.08).snapshots.size(), 2u);
+}
+
+TEST(PosthocCombine, AFailedCombineLeavesNoOutputDirectory) {
+  TempDir tmp;
+  const std::string root = tmp.subdir("snapshots");
+  write_snapshot(root + "/a", 1, 10, 6.9, 1.0f);
+  write_snapshot(root + "/b", 1, 20, 6.9, 2.0f);
+  const PosthocPlan plan = plan_posthoc(root, 0.08);
+  // Corrupt a snapshot's data: the combine fails while writing.
+  const std::string file = root + "/b/" + shard_file_name(0, 1);
+  auto bytes = testing::read_bytes(file);
+  bytes[ShardFile::open(file).tensor("w").data_offset] ^= std::byte{1};
+  testing::write_bytes(file, bytes);
+  PosthocOptions opts;
+  opts.fsync = false;
+  EXPECT_THAT(error_of([&] { posthoc_combine(plan, tmp.file("out/deeper"), opts); }),
+              HasSubstr("checksum mismatch"));
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("out")));
 }
 
 TEST(PosthocPlan, RefusesMixedWorldSizesAndModels) {

@@ -54,6 +54,7 @@ struct PosthocSnapshot {
 };
 
 struct PosthocPlan {
+  std::string root;                        // the snapshot root the plan was made from
   std::vector<PosthocSnapshot> snapshots;  // sorted by (step, gamma)
   std::vector<double> weights;             // one per snapshot
   int64_t step = 0;                        // the target: the last snapshot's step by default
@@ -72,6 +73,12 @@ struct PosthocPlan {
 PosthocPlan plan_posthoc(const std::string& snapshot_root, double sigma_rel,
                          std::optional<int64_t> step = std::nullopt);
 
+// Refuses an output directory that is the snapshot root, a snapshot, or inside either (an output
+// in the root would be found by the next plan as a checkpoint that is no snapshot), or that holds
+// the root: compared by device and inode (paths.h), so "<root>/s002/", "./s002", "s002/." and
+// links are caught. Throws FormatError before anything is created.
+void check_posthoc_output(const PosthocPlan& plan, const std::string& out_dir);
+
 struct PosthocProgress {
   uint64_t bytes_done = 0;  // output bytes written so far
   uint64_t bytes_total = 0;
@@ -89,7 +96,8 @@ struct PosthocOptions {
 // names, dtypes and shapes as the snapshots; no metadata tensors): floating tensors are
 // sum_i weights[i] * snapshot_i accumulated in double in snapshot order, rounded once to the
 // tensor's dtype; other tensors (integer buffers) are copied from the last snapshot. Streams in
-// the writer's chunks, so memory stays a few chunks whatever the model size.
+// the writer's chunks, so memory stays a few chunks whatever the model size. Checks out_dir
+// (check_posthoc_output) first; a failure leaves no directory it created.
 void posthoc_combine(const PosthocPlan& plan, const std::string& out_dir,
                      const PosthocOptions& options = {});
 
