@@ -202,14 +202,19 @@ struct CheckpointDir::Impl {
   }
 
   // Verifies a piece once; false if it has no checksum.
+  // The verdict on piece (ti, pi), once: its checksum, and the checks every read of its bytes
+  // applies (ShardFile::read: BOOL bytes are 0 or 1), so that verify refuses exactly what a load
+  // refuses, on every layout (DCP and plain Hugging Face files have no checksums, but a BOOL byte
+  // of 2 is as wrong there). True when a checksum was verified.
   bool ensure_verified(size_t ti, size_t pi) const {
     const IndexPiece& p = index.tensors[ti].pieces[pi];
-    if (!p.checksum) return false;
+    const PieceRef& r = pieces[ti][pi];
+    if (!p.checksum && !ShardFile::has_data_checks(*r.info)) return false;
     std::call_once(verified[flag_base[ti] + pi], [&] {
-      const PieceRef& r = pieces[ti][pi];
-      check_checksum(ti, pi, files[r.file].compute_checksum(*r.info));
+      const uint64_t sum = files[r.file].compute_checksum(*r.info);  // reads: the data checks
+      if (p.checksum) check_checksum(ti, pi, sum);
     });
-    return true;
+    return p.checksum.has_value();
   }
 
   // Copies the intersection `box` of piece (ti, pi) into dst, a row-major buffer holding the

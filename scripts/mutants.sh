@@ -135,6 +135,13 @@ MUTANTS = {
         "  if (nul != std::string_view::npos + 1) return;",
         [pytest("python_tests/test_attack_edges.py", "-k", "nul_byte"),
          ctest("^Export.RefusesAPathWithANulByte")]),
+    # #28: verify skips the data checks of pieces without a checksum (DCP, plain HF), which a
+    # load applies: verify says OK where load refuses.
+    "verify-skips-data-checks-without-a-checksum": (
+        "format/checkpoint_dir.cpp",
+        "    if (!p.checksum && !ShardFile::has_data_checks(*r.info)) return false;",
+        "    if (!p.checksum) return false;",
+        [pytest("python_tests/test_one_verdict.py", "-k", "bool_byte")]),
     # #28: tables of names from files keyed by the fixed-seed std::hash (hash flooding).
     "name-index-unseeded-hash": (
         "format/include/fsdp_ema/format/name_index.h",

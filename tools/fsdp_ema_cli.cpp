@@ -87,7 +87,10 @@ int cmd_inspect(const std::string& dir) {
   return 0;
 }
 
-int cmd_verify(const std::string& dir, size_t max_failures) {
+// The loader's verdict (CheckpointDir::open, then every piece's checksum and data checks, what
+// every load applies), so verify and load agree on every layout; files the index does not list
+// are harmless to our readers and a warning (a failure with --strict: DCP's reader reads them).
+int cmd_verify(const std::string& dir, size_t max_failures, bool strict) {
   std::optional<fmt::CheckpointDir> ckpt;
   try {
     ckpt.emplace(fmt::CheckpointDir::open(dir));
@@ -102,10 +105,18 @@ int cmd_verify(const std::string& dir, size_t max_failures) {
     if (failures < max_failures) std::printf("FAIL: %s\n", printable(msg).c_str());
     ++failures;
   };
+  size_t warnings = 0;
   for (const std::string& f : ckpt->stray_files()) {
-    fail(dir + "/" + f +
-         ": not listed in the index (DCP's HuggingFace reader would read it as part of the "
-         "checkpoint; remove it)");
+    const std::string msg =
+        dir + "/" + f +
+        ": not listed in the index (our readers ignore it, but DCP's "
+        "HuggingFace reader would read it as part of the checkpoint; remove it)";
+    if (strict) {
+      fail(msg);
+    } else {
+      std::printf("WARNING: %s\n", printable(msg).c_str());
+      ++warnings;
+    }
   }
   for (const fmt::IndexTensor& t : ckpt->tensors()) {
     for (size_t p = 0; p < t.pieces.size(); ++p) {
@@ -125,9 +136,10 @@ int cmd_verify(const std::string& dir, size_t max_failures) {
     std::printf("verify: %zu failure(s) in %s\n", failures, printable(dir).c_str());
     return 1;
   }
-  std::printf("OK: %zu tensors, %zu pieces, %s; coverage checked, %zu checksums verified%s\n",
+  std::printf("OK: %zu tensors, %zu pieces, %s; coverage checked, %zu checksums verified%s%s\n",
               ckpt->tensors().size(), pieces, human_bytes(bytes).c_str(), verified,
-              verified < pieces ? " (DCP files carry no checksums)" : "");
+              verified < pieces ? " (DCP files carry no checksums)" : "",
+              warnings > 0 ? ("; " + std::to_string(warnings) + " warning(s)").c_str() : "");
   return 0;
 }
 
@@ -183,7 +195,7 @@ int main(int argc, char** argv) {
   std::string dir, out, dtype, what;
   size_t max_failures = 10;
   uint64_t max_file_size = 5'000'000'000;
-  bool overwrite = false, no_verify = false, quiet = false;
+  bool overwrite = false, no_verify = false, quiet = false, strict = false;
 
   CLI::App* inspect = app.add_subcommand(
       "inspect",
@@ -194,10 +206,13 @@ int main(int argc, char** argv) {
 
   CLI::App* verify = app.add_subcommand(
       "verify",
-      "Check every header, the index, the coverage of every tensor and every checksum; exit 0 "
-      "only if all is good");
+      "Check every header, the index, the coverage of every tensor, every checksum and every "
+      "byte a load checks; exit 0 exactly when a load would succeed");
   verify->add_option("DIR", dir, "Checkpoint directory")->required()->check(CLI::ExistingDirectory);
   verify->add_option("--max-failures", max_failures, "Failures to print (default 10)");
+  verify->add_flag("--strict", strict,
+                   "Also fail on *.safetensors files the index does not list (a warning "
+                   "otherwise: DCP's reader would read them)");
 
   CLI::App* exp = app.add_subcommand(
       "export",
@@ -265,7 +280,7 @@ int main(int argc, char** argv) {
     // one that is running; ranks saving shard files (shared) do not block it.
     const fmt::DirectoryLock lock(dir, fmt::DirectoryLock::Mode::kShared);
     if (*inspect) return cmd_inspect(dir);
-    if (*verify) return cmd_verify(dir, max_failures);
+    if (*verify) return cmd_verify(dir, max_failures, strict);
     if (*exp) {
       return cmd_export(dir, out, dtype, what, max_file_size, overwrite, no_verify, quiet);
     }

@@ -63,7 +63,9 @@ expect 1 'error: .*incomplete checkpoint' -- "$CLI" inspect "$WORK/noindex"
 
 cp -r "$WORK/ckpt" "$WORK/stray"
 cp "$WORK/ckpt/shard-00000-of-00003.safetensors" "$WORK/stray/old-shard.safetensors"
-expect 1 'FAIL: .*old-shard\.safetensors: not listed in the index' -- "$CLI" verify "$WORK/stray"
+expect 0 'WARNING: .*old-shard\.safetensors: not listed in the index' -- "$CLI" verify "$WORK/stray"
+expect 1 'FAIL: .*old-shard\.safetensors: not listed in the index' -- "$CLI" verify --strict \
+  "$WORK/stray"
 
 cp -r "$WORK/ckpt" "$WORK/truncated"
 truncate -s -5 "$WORK/truncated/shard-00002-of-00003.safetensors"

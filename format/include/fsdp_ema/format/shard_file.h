@@ -89,12 +89,15 @@ class ShardFile {
   // tensor). Returns whether a checksum was checked.
   bool read_verified(const TensorInfo& tensor, void* dst, bool verify) const;
 
-  // Checks the stored checksum of one tensor: true when it matches, false when the file stores
-  // none; throws FormatError("<file>: tensor '<name>': checksum mismatch ...") otherwise.
+  // The verdict on one tensor's bytes, the same a read gives: its stored checksum (true when it
+  // matches, false when the file stores none) and the data checks every read applies (BOOL
+  // bytes are 0 or 1, checksum or not); throws FormatError("<file>: tensor '<name>': ...").
   bool verify(std::string_view name) const;
   bool verify(const TensorInfo& tensor) const;
   // verify() for every tensor; returns how many had a checksum.
   size_t verify_all() const;
+  // Whether a read checks the tensor's bytes beyond its checksum (BOOL tensors).
+  static bool has_data_checks(const TensorInfo& tensor);
 
   // XXH3-64 of the tensor's bytes as they are in the file now (streamed through pread).
   uint64_t compute_checksum(const TensorInfo& tensor) const;
