@@ -719,6 +719,10 @@ bool CheckpointDir::verify_piece(std::string_view name, size_t piece) const {
   return impl_->ensure_verified(ti, piece);
 }
 
+void CheckpointDir::check_unchanged() const {
+  for (const ShardFile& f : impl_->files) f.check_unchanged();
+}
+
 size_t CheckpointDir::verify_all() const {
   size_t n = 0;
   for (size_t ti = 0; ti < impl_->index.tensors.size(); ++ti) {

@@ -67,11 +67,19 @@ uint64_t fd_size(int fd, const std::string& path) {
 
 namespace {
 FileIdentity identity_of(const struct stat& st) {
-  return {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
+  return {static_cast<uint64_t>(st.st_dev),
+          static_cast<uint64_t>(st.st_ino),
           static_cast<uint64_t>(st.st_size),
-          static_cast<int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec};
+          static_cast<int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec,
+          static_cast<int64_t>(st.st_ctim.tv_sec) * 1'000'000'000 + st.st_ctim.tv_nsec,
+          static_cast<uint64_t>(st.st_nlink)};
 }
 }  // namespace
+
+bool unchanged_since(const FileIdentity& now, const FileIdentity& then) {
+  return now.device == then.device && now.inode == then.inode && now.size == then.size &&
+         now.mtime_ns == then.mtime_ns && (now.ctime_ns == then.ctime_ns || now.links == 0);
+}
 
 FileIdentity file_identity(int fd, const std::string& path) {
   struct stat st {};

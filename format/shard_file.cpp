@@ -294,13 +294,18 @@ class ReadFdCache {
       return it->second->second;
     }
     auto fd = std::make_shared<detail::UniqueFd>(detail::open_read_only(path));
-    if (detail::file_identity(fd->get(), path) != identity) {
+    check_identity(fd->get(), path, identity);
+    insert_locked(key, fd);
+    return fd;
+  }
+
+  static void check_identity(int fd, const std::string& path,
+                             const detail::FileIdentity& identity) {
+    if (!detail::unchanged_since(detail::file_identity(fd, path), identity)) {
       throw FormatError(path +
                         ": changed since it was opened (replaced, truncated or rewritten by "
                         "another writer): refusing to read it");
     }
-    insert_locked(key, fd);
-    return fd;
   }
 
   void forget(const void* key) noexcept {
@@ -479,6 +484,11 @@ uint64_t ShardFile::compute_checksum(const TensorInfo& t) const {
 }
 
 bool ShardFile::has_data_checks(const TensorInfo& t) { return t.dtype == DType::kBool; }
+
+void ShardFile::check_unchanged() const {
+  const auto fd = impl_->fd();  // a reopened descriptor is checked by fd() itself
+  ReadFdCache::check_identity(fd->get(), impl_->path, impl_->identity);
+}
 
 bool ShardFile::verify(const TensorInfo& t) const {
   if (!t.checksum) {

@@ -84,6 +84,24 @@ std::shared_ptr<const format::CheckpointDir> open_dir(c10::string_view directory
   });
 }
 
+// Runs `read` (reads of pieces hashed before, by this call or an earlier check_into, which are
+// not hashed again) between two fstat checks of every file: a file rewritten in place since it
+// was opened, even with its size and mtime kept, is refused before the first destination is
+// written, and reported if it changed while it was read.
+template <typename F>
+auto between_unchanged_checks(const format::CheckpointDir& dir, F&& read) {
+  dir.check_unchanged();
+  auto result = read();
+  try {
+    dir.check_unchanged();
+  } catch (const format::FormatError& e) {
+    throw format::FormatError(std::string(e.what()) +
+                              "; it changed while it was read: what was read from it may be "
+                              "partly the new content");
+  }
+  return result;
+}
+
 // load_into_'s reads, on a directory opened already.
 void read_into(const format::CheckpointDir& dir, const Plan& plan, at::TensorList out,
                bool verify) {
@@ -91,27 +109,30 @@ void read_into(const format::CheckpointDir& dir, const Plan& plan, at::TensorLis
     // Every stored piece these reads touch is hashed first (once each, on the machine's cores),
     // so that a corrupted file is refused with every destination still untouched.
     if (verify) verify_pieces(dir, plan);
-    bump_versions(out);  // as torch's in-place ops: backward through an overwritten tensor raises
-    at::parallel_for(0, static_cast<int64_t>(plan.size()), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const at::Tensor& t = out[i];
-        if (t.numel() == 0) continue;
-        const format::IndexTensor& info = *plan[i].first;
-        const bool direct = t.device().is_cpu() && t.is_contiguous();
-        // Non-contiguous or device destinations go through a host buffer of their own.
-        at::Tensor host = t;
-        if (!direct) {
-          host = at::detail::empty_cpu(t.sizes(), t.scalar_type(),
-                                       /*pin_memory=*/t.device().is_cuda(), std::nullopt);
+    between_unchanged_checks(dir, [&] {
+      bump_versions(out);  // as torch's in-place ops: backward through an overwritten tensor raises
+      at::parallel_for(0, static_cast<int64_t>(plan.size()), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const at::Tensor& t = out[i];
+          if (t.numel() == 0) continue;
+          const format::IndexTensor& info = *plan[i].first;
+          const bool direct = t.device().is_cpu() && t.is_contiguous();
+          // Non-contiguous or device destinations go through a host buffer of their own.
+          at::Tensor host = t;
+          if (!direct) {
+            host = at::detail::empty_cpu(t.sizes(), t.scalar_type(),
+                                         /*pin_memory=*/t.device().is_cuda(), std::nullopt);
+          }
+          const auto rows = plan[i].second;
+          if (info.shape.empty() || (rows.begin == 0 && rows.end == info.shape[0])) {
+            dir.read_full(info.name, host.data_ptr(), host.nbytes(), verify);
+          } else {
+            dir.read_rows(info.name, rows.begin, rows.end, host.data_ptr(), host.nbytes(), verify);
+          }
+          if (!direct) out[i].copy_(host);
         }
-        const auto rows = plan[i].second;
-        if (info.shape.empty() || (rows.begin == 0 && rows.end == info.shape[0])) {
-          dir.read_full(info.name, host.data_ptr(), host.nbytes(), verify);
-        } else {
-          dir.read_rows(info.name, rows.begin, rows.end, host.data_ptr(), host.nbytes(), verify);
-        }
-        if (!direct) out[i].copy_(host);
-      }
+      });
+      return 0;
     });
   });
 }
@@ -151,10 +172,16 @@ std::vector<at::Tensor> OpenCheckpoint::load(const std::vector<std::string>& nam
   constexpr const char* kLoad = "fsdp_ema::OpenCheckpoint.load: ";
   check_rank(kLoad, rank, world_size);
   return translate_errors(kLoad, [&] {
-    return load_tensors_from(dir_, names, rank, world_size, verify, std::nullopt, false);
+    return between_unchanged_checks(*dir_, [&] {
+      return load_tensors_from(dir_, names, rank, world_size, verify, std::nullopt, false);
+    });
   });
 }
 
 std::string OpenCheckpoint::info() const { return info_json(*dir_); }
+
+void OpenCheckpoint::check_unchanged() const {
+  translate_errors("fsdp_ema::OpenCheckpoint.check_unchanged: ", [&] { dir_->check_unchanged(); });
+}
 
 }  // namespace fsdp_ema::ops

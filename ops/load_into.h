@@ -20,8 +20,9 @@ namespace fsdp_ema::ops {
 //   out:   [N]  destinations (CPU or CUDA, any strides) of the stored dtype and of the shape of
 //               the rows read; no two may share memory
 // Validates every destination and (verify) hashes every stored piece it reads before writing
-// any destination. A file modified while the call runs raises, and may leave destinations
-// partly written.
+// any destination; then fstat's every file (size, mtime, ctime) before the first write and after
+// the last read: a file modified in place after it was hashed is refused with nothing written,
+// one modified while it is read raises (destinations may then be partly written).
 void load_into_(c10::string_view directory, const std::vector<std::string>& names,
                 at::TensorList out, int64_t rank, int64_t world_size, bool verify);
 
@@ -36,10 +37,12 @@ void load_into_meta(c10::string_view directory, const std::vector<std::string>& 
 //   check_into  what load_into_ checks and hashes, writing nothing
 //   load_into_  load_into_ on this directory (pieces check_into hashed are not hashed again)
 //   load        load_tensors on this directory (owned CPU tensors)
+//   check_unchanged  no file modified since it was opened (fstat: size, mtime, ctime)
 //   info        checkpoint_info's JSON
 // Once open, a file replaced by rename (an overwrite committed meanwhile) is read as it was when
 // opened, or refused ("changed since it was opened") if its descriptor had to be reopened; a
-// file modified in place between check_into and load_into_ is not detected.
+// file modified in place between check_into and load_into_ / load (same size, mtime set back)
+// is refused by their fstat check: its ctime, which no user can set, moved.
 class OpenCheckpoint : public torch::CustomClassHolder {
  public:
   explicit OpenCheckpoint(const std::string& directory);
@@ -49,6 +52,8 @@ class OpenCheckpoint : public torch::CustomClassHolder {
                   int64_t rank, int64_t world_size, bool verify) const;
   std::vector<at::Tensor> load(const std::vector<std::string>& names, int64_t rank,
                                int64_t world_size, bool verify) const;
+  // fstat of every file against what was opened (format::CheckpointDir::check_unchanged).
+  void check_unchanged() const;
   std::string info() const;
 
  private:

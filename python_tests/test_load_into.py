@@ -7,6 +7,7 @@ the saved tensors; every refusal must leave every destination as it was.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,58 @@ def test_a_sparse_destination_is_named_as_sparse(tmp_path):
     ckpt.save(tmp_path, {"w": torch.zeros(4, 4)})
     with pytest.raises(RuntimeError, match=r"out\[0\] \('w'\) is a Sparse tensor; pass a dense"):
         ckpt.load_into(tmp_path, {"w": torch.zeros(4, 4).to_sparse()})
+
+
+def _rewrite_in_place_keeping_size_and_mtime(path: Path) -> None:
+    """Flips one data byte in place (same size) and sets the mtime back, as a user could."""
+    st = os.stat(path)
+    time.sleep(0.05)  # past the file system clock's tick: the ctime must be able to move
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0x10
+    with open(path, "r+b") as f:
+        f.write(raw)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+
+def test_a_same_size_rewrite_with_mtime_restored_is_refused(tmp_path):
+    """#28: between check_into (which hashes every piece) and load_into (which does not hash them
+    again), a file rewritten in place with its size and mtime kept loaded wrong data with no
+    error. The fstat check of size, mtime and ctime (which no user can set back) refuses it."""
+    ref = reference()
+    ckpt.save(tmp_path, ref)
+    dst = sentinels(ref)
+    before = {k: v.clone() for k, v in dst.items()}
+    opened = ckpt.open_checkpoint(tmp_path)
+    opened.check_into(dst)
+    _rewrite_in_place_keeping_size_and_mtime(Path(tmp_path) / ckpt.shard_file_name(0, 1))
+    for call in (lambda: opened.load_into(dst), lambda: opened.load(list(ref)),
+                 opened.check_unchanged):
+        with pytest.raises(RuntimeError, match="changed since it was opened"):
+            call()
+    for k, v in before.items():
+        assert torch.equal(dst[k], v), f"{k} was written"
+
+
+def test_a_collective_load_refuses_a_file_rewritten_after_its_check(tmp_path, monkeypatch):
+    """ShardedEMA.load checks and hashes on every rank, agrees, then writes: a file rewritten in
+    place after the check is refused by the agreed fstat step, with the EMA untouched."""
+    import fsdp_ema
+
+    model = torch.nn.Linear(30, 20)
+    ema = fsdp_ema.ShardedEMA(model)
+    ema.save(tmp_path)
+    with torch.no_grad():
+        for t in ema._ema:
+            t.fill_(7.0)
+    real_check = ckpt.OpenCheckpoint.check_into
+
+    def check_then_rewrite(self, *args, **kwargs):
+        real_check(self, *args, **kwargs)
+        _rewrite_in_place_keeping_size_and_mtime(Path(tmp_path) / ckpt.shard_file_name(0, 1))
+
+    monkeypatch.setattr(ckpt.OpenCheckpoint, "check_into", check_then_rewrite)
+    with pytest.raises(RuntimeError, match="changed since it was opened"):
+        ema.load(tmp_path)
+    assert all(torch.all(t == 7.0) for t in ema._ema)

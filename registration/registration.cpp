@@ -207,6 +207,7 @@ TORCH_LIBRARY_FRAGMENT(fsdp_ema, m) {
       .def("check_into", &fsdp_ema::ops::OpenCheckpoint::check_into)
       .def("load_into_", &fsdp_ema::ops::OpenCheckpoint::load_into_)
       .def("load", &fsdp_ema::ops::OpenCheckpoint::load)
+      .def("check_unchanged", &fsdp_ema::ops::OpenCheckpoint::check_unchanged)
       .def("info", &fsdp_ema::ops::OpenCheckpoint::info);
 }
 

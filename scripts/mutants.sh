@@ -11,6 +11,7 @@
 #   bash scripts/mutants.sh                 # every mutant
 #   bash scripts/mutants.sh NAME...         # some of them (names from --list)
 #   bash scripts/mutants.sh --list
+#   bash scripts/mutants.sh --check         # seconds: every mutant's old text is in its file once
 #   FSDP_EMA_MUTANTS_NO_BASELINE=1 ...      # skip the baseline run
 #
 # Prints a killed/survived table; exits non-zero when a mutant survives or is an ERROR (its old
@@ -142,6 +143,13 @@ MUTANTS = {
         "    if (!p.checksum && !ShardFile::has_data_checks(*r.info)) return false;",
         "    if (!p.checksum) return false;",
         [pytest("python_tests/test_one_verdict.py", "-k", "bool_byte")]),
+    # #28: a file's identity without its ctime: a same-size rewrite with the mtime set back
+    # between a collective load's check and its write loads wrong data.
+    "identity-without-ctime": (
+        "format/file_util.cpp",
+        "         now.mtime_ns == then.mtime_ns && (now.ctime_ns == then.ctime_ns || now.links == 0);",
+        "         now.mtime_ns == then.mtime_ns;",
+        [pytest("python_tests/test_load_into.py", "-k", "rewrit")]),
     # #28: tables of names from files keyed by the fixed-seed std::hash (hash flooding).
     "name-index-unseeded-hash": (
         "format/include/fsdp_ema/format/name_index.h",
@@ -188,6 +196,7 @@ MUTANTS = {
     "rename-before-the-header-write": (
         "format/safetensors_writer.cpp",
         "  detail::pwrite_all(fd.get(), header.data(), header.size(), 0, guard.path);\n"
+        "  result.header_checksum = checksum_of(header.data(), header.size());\n"
         "  if (options.fsync) detail::fsync_fd(fd.get(), guard.path);\n"
         "  fd.close_or_throw(guard.path);\n"
         "  detail::rename_replace(guard.path, path);\n"
@@ -195,6 +204,7 @@ MUTANTS = {
         "  detail::rename_replace(guard.path, path);\n"
         "  guard.armed = false;\n"
         "  detail::pwrite_all(fd.get(), header.data(), header.size(), 0, path);\n"
+        "  result.header_checksum = checksum_of(header.data(), header.size());\n"
         "  if (options.fsync) detail::fsync_fd(fd.get(), path);\n"
         "  fd.close_or_throw(path);\n",
         [pytest("python_tests/test_disk_full.py")]),
@@ -211,8 +221,9 @@ MUTANTS = {
          ctest("^DTypeCast\\.")]),
     "commit-indexes-without-a-missing-rank": (
         "format/index.cpp",
-        "    if (!detail::path_exists(path)) {\n      throw FormatError(dir + \": missing shard file \"",
-        "    if (!detail::path_exists(path)) continue;\n    if (false) {\n"
+        "    if (!detail::path_exists(detail::join_path(dir, name))) {\n"
+        "      throw FormatError(dir + \": missing shard file \"",
+        "    if (!detail::path_exists(detail::join_path(dir, name))) continue;\n    if (false) {\n"
         "      throw FormatError(dir + \": missing shard file \"",
         [pytest("python_tests/test_checkpoint.py", "-k", "missing_rank")]),
     "index-json-drops-a-zero-checksum": (
@@ -264,8 +275,9 @@ MUTANTS = {
         [pytest("python_tests/test_sharded_ema_local.py", "-k", "strict_false")]),
     "strict-false-load-directory-loads-nothing": (
         "python/fsdp_ema/sharded_ema.py",
-        "for fqn, _ in slot.names() if fqn in loaded} for slot in self._slots]",
-        "for fqn, _ in slot.names() if fqn in loaded and strict} for slot in self._slots]",
+        "check_names=lambda available: self._check_names(available, strict, \"load\"),",
+        "check_names=lambda available: self._check_names(available, strict, \"load\") or "
+        "(not strict and available.clear()),",
         [pytest("python_tests/test_sharded_ema_local.py", "-k", "strict_false")]),
     "power-ema-counts-t-from-0": (
         "python/fsdp_ema/power_ema.py",
@@ -355,11 +367,32 @@ def describe(kind, cmd):
     return "pytest " + " ".join(repr(a) if " " in a else a for a in args)
 
 
+def check_sites():
+    """Every mutant's old text must be in its file exactly once (scripts/test.sh runs this), so
+    that code moved by a refactor can never silently retire a mutant."""
+    bad = []
+    for name, (path, old, _new, _tests) in MUTANTS.items():
+        try:
+            with open(os.path.join(ROOT, path)) as f:
+                count = f.read().count(old)
+        except FileNotFoundError:
+            count = "no such file"
+        if count != 1:
+            bad.append(f"{name}: old text found {count} times in {path}")
+    for line in bad:
+        print(f"mutants.sh --check: {line}", file=sys.stderr)
+    print(f"mutants.sh --check: {len(MUTANTS) - len(bad)} of {len(MUTANTS)} mutant sites found "
+          f"exactly once")
+    return 1 if bad else 0
+
+
 def main(argv):
     if argv[:1] == ["--list"]:
         for name, (path, *_rest) in MUTANTS.items():
             print(f"{name:45s} {path}")
         return 0
+    if argv[:1] == ["--check"]:
+        return check_sites()
     unknown = [a for a in argv if a not in MUTANTS]
     if unknown:
         print(f"mutants.sh: unknown mutant(s) {unknown}; see --list", file=sys.stderr)

@@ -10,6 +10,9 @@ source "$here/env.sh"
 echo "== lint (scripts/lint.sh: ruff, clang-format)"
 lint_status=0
 bash "$here/lint.sh" || lint_status=$?
+# Seconds: every planted bug of scripts/mutants.sh still has its site (moved code can never
+# silently retire a mutant); running them is not part of the suite (about 10 minutes).
+bash "$here/mutants.sh" --check || lint_status=$?
 bash "$here/build.sh"
 
 echo "== C++ tests (ctest)"

@@ -206,8 +206,10 @@ def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
     ``before_write()``, then ``load_into`` of the in-place destinations from the same open files
     (the pieces are hashed already). Agree. Then the fresh values are copied into their
     destinations. A failure in the check on any rank raises on every rank before any rank
-    writes; the write can then fail only if a file is modified in place or unreadable meanwhile,
-    and raises on every rank too (its destinations may then be partly written)."""
+    writes. Just before the write, every rank checks its open files with ``fstat`` (size, mtime,
+    ctime) and all agree: a file rewritten in place since the check is refused on every rank with
+    nothing written. The write can then fail only if a file changes or becomes unreadable while
+    it is read, and raises on every rank too (its destinations may then be partly written)."""
     run = functools.partial(agreed, group=group, device=device, what=what)
 
     def check():
@@ -252,6 +254,7 @@ def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
         return ckpt, by_request, fresh, values
 
     ckpt, by_request, fresh, values = run(check)
+    run(ckpt.check_unchanged)  # a file rewritten in place since the check: refused everywhere
 
     def write() -> None:
         if before_write is not None:

@@ -208,8 +208,10 @@ def load_into(directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     Nothing is allocated and nothing is copied twice, so resuming into a model's parameters costs
     one read. Every destination is checked, and (``verify``) every stored piece read is hashed,
     before the first destination is written: a bad request or a corrupted file leaves all of
-    them as they were. (A file modified while the call runs raises, and may leave them partly
-    written.)
+    them as they were. Each file is checked with ``fstat`` (size, mtime and ctime, which no user
+    can set back) just before the first write and again after the last read: a file rewritten in
+    place after it was hashed is refused with every destination untouched, and one rewritten
+    while it is read raises, possibly after some destinations were written.
 
     Example::
 
@@ -231,7 +233,8 @@ class OpenCheckpoint:
     only then every rank runs ``load_into``, which finds those pieces hashed already. A file
     replaced by rename meanwhile (an overwrite committed) is read as it was opened, or refused
     ("changed since it was opened") if its descriptor had to be reopened; a file modified in
-    place between the two calls is not detected.
+    place between the two calls (even with the same size and its mtime set back) is refused by
+    the ``fstat`` check ``load_into`` and ``load`` run before their first read: its ctime moved.
 
     Example::
 
@@ -263,6 +266,12 @@ class OpenCheckpoint:
         with torch.no_grad(), _gc_paused():
             self._handle.load_into_(list(tensors), list(tensors.values()), rank, world_size,
                                     verify)
+
+    def check_unchanged(self) -> None:
+        """Raises RuntimeError ("changed since it was opened") when a file of this checkpoint
+        was modified since it was opened: ``fstat`` of every file against its size, mtime and
+        ctime (which no user can set back). ``load_into`` and ``load`` run it themselves."""
+        self._handle.check_unchanged()
 
     def load(self, names: Sequence[str], *, rank: int = 0, world_size: int = 1,
              verify: bool = True) -> dict:

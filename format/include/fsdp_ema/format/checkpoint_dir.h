@@ -82,6 +82,9 @@ class CheckpointDir {
   bool verify_piece(std::string_view name, size_t piece) const;
   // verify_piece for every piece; returns the number of pieces with a checksum.
   size_t verify_all() const;
+  // ShardFile::check_unchanged for every file: what a load checks before it writes pieces it
+  // hashed earlier (and once more after), so that a file rewritten in place meanwhile is refused.
+  void check_unchanged() const;
 
  private:
   struct Impl;

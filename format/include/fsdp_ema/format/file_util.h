@@ -37,15 +37,23 @@ UniqueFd open_read_only(const std::string& path);
 UniqueFd create_exclusive(const std::string& path);
 uint64_t fd_size(int fd, const std::string& path);
 
-// What a reader checks to know that a file it reopens is the one whose header it validated: the
-// same inode, size and modification time (an in-place rewrite changes the last).
+// What a reader checks to know that a file it reopens (or holds open) is the one whose header it
+// validated: the same inode, size, modification time and status-change time. A write changes the
+// ctime, and no user can set it back (utime restores mtime, not ctime), so a same-size in-place
+// rewrite with its mtime restored is still seen.
 struct FileIdentity {
   uint64_t device = 0;
   uint64_t inode = 0;
   uint64_t size = 0;
   int64_t mtime_ns = 0;
+  int64_t ctime_ns = 0;
+  uint64_t links = 0;  // 0 once the file is unlinked (its open descriptors still read it)
   bool operator==(const FileIdentity&) const = default;
 };
+// Whether the file described by `now` (its descriptor's fstat) still holds what `then` saw: the
+// same inode, size, mtime and ctime; a file unlinked since (links 0: an overwrite's commit
+// removed it, which moves the ctime but not the bytes an open descriptor reads) keeps its data.
+bool unchanged_since(const FileIdentity& now, const FileIdentity& then);
 // fstat of an open regular file (throws for anything else).
 FileIdentity file_identity(int fd, const std::string& path);
 // stat of a path (links followed); nullopt when it does not exist or is not a regular file.

@@ -98,6 +98,10 @@ class ShardFile {
   size_t verify_all() const;
   // Whether a read checks the tensor's bytes beyond its checksum (BOOL tensors).
   static bool has_data_checks(const TensorInfo& tensor);
+  // fstat of the descriptor reads go through: throws FormatError "changed since it was opened"
+  // when its size, mtime or ctime differ from when the header was validated (an in-place
+  // rewrite, even with the same size and its mtime set back).
+  void check_unchanged() const;
 
   // XXH3-64 of the tensor's bytes as they are in the file now (streamed through pread).
   uint64_t compute_checksum(const TensorInfo& tensor) const;
