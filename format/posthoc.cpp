@@ -33,6 +33,22 @@ std::string num(double v) {
   return s.str();
 }
 
+constexpr double kMaxDouble = std::numeric_limits<double>::max();
+// Profiles whose gamma is beyond this lose (gamma + 1) / (gamma_a + gamma_b + 1) to rounding.
+constexpr double kMaxGamma = 1e300;
+
+// The shortest text that reads back as v (what a user typed, for the usual values).
+std::string short_num(double v) {
+  if (!std::isfinite(v)) return num(v);
+  for (int precision = 1; precision < 17; ++precision) {
+    std::ostringstream s;
+    s.precision(precision);
+    s << v;
+    if (std::stod(s.str()) == v) return s.str();
+  }
+  return num(v);
+}
+
 // g^3 + 7 g^2 + (16 - s) g + (12 - s).
 double sigma_cubic(double g, double s) { return ((g + 7.0) * g + (16.0 - s)) * g + (12.0 - s); }
 
@@ -46,6 +62,13 @@ double power_ema_gamma(double sigma_rel) {
                       num(sigma_rel));
   }
   const double s = 1.0 / (sigma_rel * sigma_rel);
+  if (!std::isfinite(s)) {
+    // gamma is about 1 / sigma_rel: past double's range (7.5e-155 is the limit).
+    throw FormatError("sigma_rel must be at least " + num(1.0 / std::sqrt(kMaxDouble)) +
+                      " (a smaller one gives a gamma of about 1 / sigma_rel, beyond what a "
+                      "double holds), got " +
+                      num(sigma_rel));
+  }
   // On [0, inf) the cubic is convex (its second derivative 6 g + 14 is positive) and not positive
   // at 0 (s >= 12), so it has exactly one root there, the largest real root: bisection to the
   // last bit, bracketed by [0, sqrt(s) + 8] (the cubic is positive at the upper end).
@@ -71,7 +94,8 @@ double power_profile_dot(double t_a, double gamma_a, double t_b, double gamma_b)
   // tb^(gb+1)) = (ga + 1)(gb + 1) m^(ga + gb + 1) / ((ga + gb + 1) ta^(ga+1) tb^(gb+1)); with
   // m = t_a this is (ga + 1)(gb + 1) (t_a / t_b)^gb / ((ga + gb + 1) t_b), symmetric otherwise.
   // Written with the ratio <= 1 so that no power overflows.
-  const double num_factor = (gamma_a + 1.0) * (gamma_b + 1.0) / (gamma_a + gamma_b + 1.0);
+  // The ratio first, so that huge gammas do not overflow the product.
+  const double num_factor = (gamma_a + 1.0) / (gamma_a + gamma_b + 1.0) * (gamma_b + 1.0);
   if (t_a <= t_b) return num_factor * std::pow(t_a / t_b, gamma_b) / t_b;
   return num_factor * std::pow(t_b / t_a, gamma_a) / t_a;
 }
@@ -91,9 +115,9 @@ std::vector<double> posthoc_weights(std::span<const int64_t> steps, std::span<co
       throw FormatError(op + "steps[" + std::to_string(i) + "] is " + std::to_string(steps[i]) +
                         "; snapshot steps count updates and start at 1");
     }
-    if (!(gammas[i] >= 0.0 && std::isfinite(gammas[i]))) {
-      throw FormatError(op + "gammas[" + std::to_string(i) + "] must be finite and >= 0, got " +
-                        num(gammas[i]));
+    if (!(gammas[i] >= 0.0 && gammas[i] <= kMaxGamma)) {
+      throw FormatError(op + "gammas[" + std::to_string(i) +
+                        "] must be finite and >= 0 (at most 1e300), got " + short_num(gammas[i]));
     }
     last = std::max(last, steps[i]);
   }
@@ -102,25 +126,53 @@ std::vector<double> posthoc_weights(std::span<const int64_t> steps, std::span<co
                       "] (the last snapshot's step; the snapshots say nothing past it), got " +
                       std::to_string(step));
   }
-  if (!(gamma >= 0.0 && std::isfinite(gamma))) {
-    throw FormatError(op + "gamma must be finite and >= 0, got " + num(gamma));
+  if (!(gamma >= 0.0 && gamma <= kMaxGamma)) {
+    throw FormatError(op + "gamma must be finite and >= 0 (at most 1e300), got " +
+                      short_num(gamma));
   }
-  // [A | b], row-major, n x (n + 1).
-  std::vector<double> m(n * (n + 1));
+  // The Gram system A w = b of the profiles' inner products, scaled by the diagonal: row and
+  // column i divided by sqrt(A_ii), so that A has a unit diagonal (cosines of the profiles) and
+  // snapshots 2^63 steps apart are as well conditioned as 10 steps apart (unscaled, a pivot of
+  // 1/t next to one of 1/1 looked singular). w_i = w'_i / sqrt(A_ii).
+  std::vector<double> norm(n);
+  for (size_t i = 0; i < n; ++i) {
+    const double t = static_cast<double>(steps[i]);
+    norm[i] = std::sqrt(power_profile_dot(t, gammas[i], t, gammas[i]));
+  }
+  std::vector<double> m(n * (n + 1));  // [A | b], row-major, n x (n + 1)
   auto at = [&](size_t r, size_t c) -> double& { return m[r * (n + 1) + c]; };
-  double scale = 0.0;
   for (size_t i = 0; i < n; ++i) {
     for (size_t j = 0; j < n; ++j) {
       at(i, j) = power_profile_dot(static_cast<double>(steps[i]), gammas[i],
-                                   static_cast<double>(steps[j]), gammas[j]);
-      scale = std::max(scale, std::abs(at(i, j)));
+                                   static_cast<double>(steps[j]), gammas[j]) /
+                 norm[i] / norm[j];
     }
     at(i, n) = power_profile_dot(static_cast<double>(steps[i]), gammas[i],
-                                 static_cast<double>(step), gamma);
+                                 static_cast<double>(step), gamma) /
+               norm[i];
+  }
+  // Two snapshots whose profiles are one and the same (cosine 1 to rounding) are named: the same
+  // step and gamma, or steps past 2^53 that are one number as doubles.
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t j = i + 1; j < n; ++j) {
+      if (at(i, j) < 1.0 - 64 * std::numeric_limits<double>::epsilon()) continue;
+      const auto snap = [&](size_t k) {
+        return "snapshot " + std::to_string(k) + " (step " + std::to_string(steps[k]) + ", gamma " +
+               num(gammas[k]) + ")";
+      };
+      const bool same_step = static_cast<double>(steps[i]) == static_cast<double>(steps[j]);
+      throw FormatError(op + snap(i) + " and " + snap(j) + " have the same profile" +
+                        (same_step && steps[i] != steps[j]
+                             ? " (their steps differ, but are one number as doubles: steps "
+                               "past 2^53 must differ by more than double precision resolves)"
+                             : "") +
+                        "; drop one of them");
+    }
   }
   // Gaussian elimination with partial pivoting (what LAPACK's gesv, behind numpy.linalg.solve
-  // and torch.linalg.solve, does); a pivot at rounding level means a singular Gram matrix.
-  const double tiny = scale * static_cast<double>(n) * std::numeric_limits<double>::epsilon();
+  // and torch.linalg.solve, does); on the unit-diagonal system a pivot at rounding level means
+  // profiles that are combinations of others.
+  const double tiny = static_cast<double>(n) * 16 * std::numeric_limits<double>::epsilon();
   for (size_t col = 0; col < n; ++col) {
     size_t pivot = col;
     for (size_t r = col + 1; r < n; ++r) {
@@ -128,8 +180,10 @@ std::vector<double> posthoc_weights(std::span<const int64_t> steps, std::span<co
     }
     if (!(std::abs(at(pivot, col)) > tiny)) {
       throw FormatError(op +
-                        "the snapshots' profiles are linearly dependent (two snapshots with the "
-                        "same step and gamma?); the least-squares system is singular");
+                        "the snapshots' profiles are linearly dependent to double "
+                        "precision (snapshot " +
+                        std::to_string(col) +
+                        " is a combination of others); the least-squares system is singular");
     }
     if (pivot != col) {
       for (size_t c = col; c <= n; ++c) std::swap(at(col, c), at(pivot, c));
@@ -146,6 +200,7 @@ std::vector<double> posthoc_weights(std::span<const int64_t> steps, std::span<co
     for (size_t c = i + 1; c < n; ++c) v -= at(i, c) * w[c];
     w[i] = v / at(i, i);
   }
+  for (size_t i = 0; i < n; ++i) w[i] /= norm[i];
   return w;
 }
 
@@ -262,6 +317,17 @@ PosthocPlan plan_posthoc(const std::string& snapshot_root, double sigma_rel,
   std::sort(plan.snapshots.begin(), plan.snapshots.end(), [](const auto& x, const auto& y) {
     return std::pair(x.step, x.gamma) < std::pair(y.step, y.gamma);
   });
+  for (size_t i = 1; i < plan.snapshots.size(); ++i) {  // sorted: duplicates are neighbours
+    const PosthocSnapshot& a = plan.snapshots[i - 1];
+    const PosthocSnapshot& b = plan.snapshots[i];
+    if (a.step == b.step && a.gamma == b.gamma) {
+      throw FormatError(where + "snapshots " + a.dir + " and " + b.dir +
+                        " have the same step and gamma (" + std::to_string(a.step) + ", " +
+                        num(a.gamma) +
+                        "): one profile twice makes the least-squares system "
+                        "singular; remove one of them");
+    }
+  }
   plan.step = step.value_or(plan.snapshots.back().step);
   std::vector<int64_t> steps;
   std::vector<double> gammas;

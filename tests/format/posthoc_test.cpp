@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,7 @@
 namespace fsdp_ema::format {
 namespace {
 
+using ::testing::AllOf;
 using testing::error_of;
 using ::testing::HasSubstr;
 using testing::TempDir;
@@ -82,7 +84,61 @@ TEST(PosthocWeights, BadArgumentsAreNamed) {
   EXPECT_THAT(error_of([&] {
                 posthoc_weights(std::vector<int64_t>{10, 10}, g2, 10, 1);
               }),
-              HasSubstr("linearly dependent"));
+              HasSubstr("snapshot 0 (step 10, gamma 2) and snapshot 1 (step 10, gamma 2) have the "
+                        "same profile"));
+}
+
+// #28: what used to be called "linearly dependent", and what it really was.
+TEST(PosthocWeights, StepsFarApartAreSolvedNotCalledDependent) {
+  // 1 and 2^63 - 1: unscaled, the pivot 1/t of the late snapshot was under the threshold set by
+  // the early one's, and the system was refused as singular.
+  constexpr int64_t kLast = std::numeric_limits<int64_t>::max();
+  const std::vector<int64_t> steps = {1, 1 << 20, kLast, kLast};
+  const std::vector<double> gammas = {6.9, 6.9, 6.9, 16.9};
+  const std::vector<double> w = posthoc_weights(steps, gammas, kLast, 16.9);
+  for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(w[i], i == 3 ? 1.0 : 0.0, 1e-9) << i;
+  // The normal equations A w = b hold, each row relative to its diagonal.
+  const std::vector<double> mid = posthoc_weights(steps, gammas, kLast, 10.0);
+  for (size_t i = 0; i < 4; ++i) {
+    const double ti = static_cast<double>(steps[i]);
+    double lhs = 0;
+    for (size_t j = 0; j < 4; ++j) {
+      lhs += power_profile_dot(ti, gammas[i], static_cast<double>(steps[j]), gammas[j]) * mid[j];
+    }
+    const double b = power_profile_dot(ti, gammas[i], static_cast<double>(kLast), 10.0);
+    EXPECT_NEAR(lhs / power_profile_dot(ti, gammas[i], ti, gammas[i]),
+                b / power_profile_dot(ti, gammas[i], ti, gammas[i]), 1e-9)
+        << i;
+  }
+}
+
+TEST(PosthocWeights, HugeGammasAreSolvedOrNamed) {
+  // A profile of gamma 1e200 is all at its last step: orthogonal to the others, not dependent.
+  const std::vector<double> w = posthoc_weights(std::vector<int64_t>{10, 20, 20},
+                                                std::vector<double>{5, 5, 1e200}, 20, 1e200);
+  EXPECT_NEAR(w[2], 1.0, 1e-9);
+  EXPECT_NEAR(w[0], 0.0, 1e-9);
+  EXPECT_THAT(error_of([&] {
+                posthoc_weights(std::vector<int64_t>{10, 20}, std::vector<double>{5, 1e301}, 20, 1);
+              }),
+              HasSubstr("gammas[1] must be finite and >= 0 (at most 1e300), got 1e+301"));
+}
+
+TEST(PosthocWeights, StepsThatAreOneDoubleAreNamedAsSuch) {
+  const int64_t big = int64_t{1} << 62;
+  EXPECT_THAT(
+      error_of([&] {
+        posthoc_weights(std::vector<int64_t>{big, big + 1}, std::vector<double>{5, 5}, big, 5);
+      }),
+      AllOf(HasSubstr("have the same profile"),
+            HasSubstr("their steps differ, but are one number as doubles")));
+}
+
+TEST(PowerEmaGamma, ATinySigmaRelIsNamedNotAnInfiniteGamma) {
+  EXPECT_THAT(error_of([] { power_ema_gamma(1e-320); }),
+              AllOf(HasSubstr("sigma_rel must be at least 7.4583407312002"),
+                    HasSubstr("got 9.9998886718268301e-321")));
+  EXPECT_NEAR(power_ema_gamma(1e-150), 1e150, 1e140);  // still a number at the edge
 }
 
 // A snapshot written by `world` ranks: tensor "w" (5 x 2 floats, value base + row), a 0-dim
