@@ -266,7 +266,8 @@ def test_commit_refuses_a_committed_directory_unless_asked(committed):
 
 def test_commit_refuses_a_missing_rank(tmp_path):
     ckpt.save_shard(tmp_path, {"w": (torch.ones(2), [0], [4])}, rank=0, world_size=2)
-    with pytest.raises(RuntimeError, match="shard-00001-of-00002.safetensors"):
+    with pytest.raises(RuntimeError, match=r"missing shard file shard-00001-of-00002\.safetensors "
+                                           r"\(rank 1 of 2 did not finish writing\)"):
         ckpt.commit(tmp_path, 2)
     assert not (tmp_path / "fsdp_ema.index.json").exists()
     with pytest.raises(RuntimeError, match="incomplete checkpoint"):
@@ -285,7 +286,8 @@ def test_commit_refuses_a_missing_rank_whose_file_holds_nothing(tmp_path):
     on 2 ranks): the commit must still wait for rank 1's file, not index what is there."""
     ckpt.save_shard(tmp_path, {"s": torch.tensor(1.0), "row": (torch.ones(1, 4), [0, 0], [1, 4])},
                     rank=0, world_size=2)
-    with pytest.raises(RuntimeError, match="shard-00001-of-00002.safetensors"):
+    with pytest.raises(RuntimeError, match=r"missing shard file shard-00001-of-00002\.safetensors "
+                                           r"\(rank 1 of 2 did not finish writing\)"):
         ckpt.commit(tmp_path, 2)
     assert not (tmp_path / "fsdp_ema.index.json").exists()
     ckpt.save_shard(tmp_path, {}, rank=1, world_size=2)
