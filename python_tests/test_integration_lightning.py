@@ -143,7 +143,8 @@ def run_resume(rank, world, kind, root):
     warnings.filterwarnings("ignore")
     lightning_env(rank, world)
     calls = {"full_tensor": 0, "full_state_dict": 0}
-    real_full_tensor, real_full_state_dict = DTensor.full_tensor, fsdp_ema.ShardedEMA.full_state_dict
+    real_full_tensor = DTensor.full_tensor
+    real_full_state_dict = fsdp_ema.ShardedEMA.full_state_dict
 
     def counting(name, real):
         def fn(self, *args, **kwargs):
@@ -153,8 +154,10 @@ def run_resume(rank, world, kind, root):
 
     ckpt_dir = os.path.join(root, "ckpt")
     out = {}
+    # DDP: the update compiled (fullgraph; aot_eager keeps the test quick).
+    compiled = {"compile": {"backend": "aot_eager"}} if kind == "ddp" else {}
     for run in ("straight", "resumed"):
-        cb = ShardedEMA(0.875, copy_to_model_at_end=True, **OPTIONS)
+        cb = ShardedEMA(0.875, copy_to_model_at_end=True, **OPTIONS, **compiled)
         module = Module(kind)
         callbacks = [cb]
         if run == "straight":
@@ -234,7 +237,7 @@ def test_fit_resumed_from_a_mid_run_checkpoint_equals_the_uninterrupted_fit_bit_
         assert state["layout"] == "callback" and state["ema"]["fsdp_ema.step"] == 3
 
 
-# --- evaluation with the EMA -----------------------------------------------------------------------
+# --- evaluation with the EMA ----------------------------------------------------------------------
 
 def run_evaluate(rank, world, kind, root):
     import warnings
@@ -295,7 +298,54 @@ def test_validation_and_test_run_with_the_ema_weights_and_give_the_loss_of_a_ler
         assert torch.equal(t, results[0]["ema"][name]), name
 
 
-# --- parity with Lightning's EMAWeightAveraging ----------------------------------------------------
+# --- another world size ---------------------------------------------------------------------------
+
+class EMAProbe(pl.Callback):
+    """After ShardedEMA in the list: the EMA as the resumed fit starts."""
+
+    def __init__(self, cb):
+        self.cb, self.seen = cb, None
+
+    def on_train_start(self, trainer, pl_module):
+        self.seen = (full_ema(self.cb.ema), int(self.cb.ema.step), self.cb.ema.nbytes)
+
+
+def run_checkpoint(rank, world, root):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    lightning_env(rank, world)
+    cb = ShardedEMA(0.875, **OPTIONS)
+    t = trainer("fsdp2", world, root, [cb, pl.callbacks.ModelCheckpoint(dirpath=root)],
+                max_epochs=1, limit_val_batches=0, enable_checkpointing=True)
+    t.fit(Module("fsdp2"), loader())
+    return full_ema(cb.ema), int(cb.ema.step)
+
+
+def run_resume_at(rank, world, root):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    lightning_env(rank, world)
+    cb = ShardedEMA(0.875, **OPTIONS)
+    probe = EMAProbe(cb)
+    t = trainer("fsdp2", world, os.path.join(root, "resumed"), [cb, probe], max_epochs=2,
+                limit_val_batches=0)
+    t.fit(Module("fsdp2"), loader(), ckpt_path=os.path.join(root, "epoch=0-step=3.ckpt"))
+    return probe.seen
+
+
+def test_fsdp2_checkpoint_of_2_ranks_resumes_at_1_rank_with_the_ema_resharded(pools, tmp_path):
+    (saved, step), _ = pools.get(2).run(run_checkpoint, str(tmp_path))
+    ((restored, restored_step, nbytes),) = pools.get(1).run(run_resume_at, str(tmp_path))
+    assert step == restored_step == 3
+    assert sorted(restored) == sorted(saved)
+    for name, t in saved.items():
+        assert torch.equal(restored[name], t), name
+    assert nbytes == sum(t.numel() * 4 for name, t in saved.items() if name != "fsdp_ema.step")
+
+
+# --- parity with Lightning's EMAWeightAveraging ---------------------------------------------------
 
 def run_parity(rank, world, root):
     import warnings
@@ -370,3 +420,41 @@ def test_import_without_lightning_names_the_extra(monkeypatch):
 
 
 # --- FSDP1 (FSDPStrategy): GPUs only -------------------------------------------------------------
+
+def run_fsdp1_cuda(rank, world, root):
+    """FSDPStrategy (FSDP1) on the GPU, sharded checkpoints: a fit resumed from the checkpoint
+    after the first epoch equals the uninterrupted one."""
+    import warnings
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    warnings.filterwarnings("ignore")
+    lightning_env(rank, world)
+    ckpt_dir = os.path.join(root, "ckpt")
+    out = {}
+    for run in ("straight", "resumed"):
+        cb = ShardedEMA(0.875, **OPTIONS)
+        callbacks = [cb]
+        if run == "straight":
+            callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1,
+                                                          save_top_k=-1))
+        strategy = FSDPStrategy(state_dict_type="sharded", auto_wrap_policy={torch.nn.Linear})
+        t = trainer("ddp", world, os.path.join(root, run), callbacks, max_epochs=2,
+                    limit_val_batches=0, enable_checkpointing=True, accelerator="cuda",
+                    strategy=strategy)
+        t.fit(Module("fsdp1"), loader(),
+              ckpt_path=None if run == "straight" else os.path.join(ckpt_dir,
+                                                                    "epoch=0-step=3.ckpt"))
+        out[run] = (full_ema(cb.ema), int(cb.ema.step))
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDPStrategy (FSDP1) needs a GPU")
+def test_cuda_fsdp1_strategy_fit_resumed_from_a_sharded_checkpoint_equals_the_uninterrupted_fit(
+        pools, tmp_path):
+    # One GPU: one rank (Lightning's FSDP1 refuses the CPU, and NCCL one GPU per rank).
+    (r,) = pools.get(1).run(run_fsdp1_cuda, str(tmp_path))
+    (straight, s_step), (resumed, r_step) = r["straight"], r["resumed"]
+    assert s_step == r_step == 6
+    for name, t in straight.items():
+        assert torch.equal(resumed[name], t), name

@@ -68,8 +68,8 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class FSDP2Trainer(transformers.Trainer):
-    """Test fixture only: Accelerate's FSDP2 plugin forced on the CPU, where the Trainer's own
-    setup drops it (and trains DDP)."""
+    """Test fixture only: Accelerate's FSDP plugin forced (FSDP2 on the CPU, where the Trainer's
+    own setup drops it and trains DDP; FSDP1 on one GPU)."""
 
     def create_accelerator_and_postprocess(self):
         from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
@@ -406,3 +406,34 @@ def test_import_without_transformers_names_the_extra(monkeypatch):
 
 
 # --- FSDP1: GPUs only ---------------------------------------------------------------------------
+
+def run_fsdp1_cuda(rank, world, root):
+    """Accelerate's FSDP1 plugin on the GPU (forced, as FSDP2 on the CPU: one process), sharded
+    checkpoints: resumed from checkpoint-4 equals the uninterrupted run."""
+    hf_env(rank, world)
+    config = dict(FSDP_CONFIG, version=1, use_orig_params="false")
+    out = {}
+    for run in ("straight", "resumed"):
+        hf_env(rank, world)
+        cb = ShardedEMACallback(0.875, warmup=True)
+        output_dir = os.path.join(root, "out")
+        args = transformers.TrainingArguments(
+            output_dir=output_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+            max_steps=6, learning_rate=1e-2, report_to=[], disable_tqdm=True,
+            save_strategy="steps", save_steps=2, seed=0, fsdp=True, fsdp_config=config)
+        t = FSDP2Trainer(model=tiny_llama(), args=args, train_dataset=Tokens(TRAIN_ROWS, 1),
+                         callbacks=[cb])
+        t.train(resume_from_checkpoint=None if run == "straight" else
+                os.path.join(output_dir, "checkpoint-4"))
+        out[run] = (cb.ema.full_state_dict(rank0_only=False), int(cb.ema.step))
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDP1 through Accelerate needs a GPU")
+def test_cuda_fsdp1_train_resumed_from_a_mid_run_checkpoint_equals_the_uninterrupted_run(
+        pools, tmp_path):
+    (r,) = pools.get(1).run(run_fsdp1_cuda, str(tmp_path))
+    (straight, s_step), (resumed, r_step) = r["straight"], r["resumed"]
+    assert s_step == r_step == 6
+    for name, t in straight.items():
+        assert torch.equal(resumed[name], t), name
