@@ -182,7 +182,7 @@ def run_resume(rank, world, kind, root):
             if run == "straight":
                 t.train()
             elif kind == "fsdp2":
-                t.train(resume_from_checkpoint=True)  # "latest": resumed_dir/checkpoint-4
+                t.train(resume_from_checkpoint=True)  # the latest: resumed_dir/checkpoint-4
             else:
                 t.train(resume_from_checkpoint=os.path.join(resumed_dir, "checkpoint-4"))
         finally:
