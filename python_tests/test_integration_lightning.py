@@ -158,8 +158,10 @@ def run_resume(rank, world, kind, root):
     compiled = {"compile": {"backend": "aot_eager"}} if kind == "ddp" else {}
     for run in ("straight", "resumed"):
         cb = ShardedEMA(0.875, copy_to_model_at_end=True, **OPTIONS, **compiled)
+        # A second EMA in the same checkpoints, under its own key.
+        second = ShardedEMA(0.5, key="ema", swap_for_validation=False)
         module = Module(kind)
-        callbacks = [cb]
+        callbacks = [cb, second]
         if run == "straight":
             callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1,
                                                           save_top_k=-1))
@@ -178,6 +180,7 @@ def run_resume(rank, world, kind, root):
                                                                           real_full_state_dict)
         ema = cb.ema
         out[run] = {"ema": full_ema(ema), "step": int(ema.step), "global_step": t.global_step,
+                    "second": full_ema(second.ema),
                     "model": full_weights(module), "nbytes": ema.nbytes, "gathers": dict(calls),
                     "full_bytes": sum(p.numel() * 4 for p in UnevenMLP().parameters())}
     if rank == 0:
@@ -187,7 +190,7 @@ def run_resume(rank, world, kind, root):
 
             md = dcp.FileSystemReader(meta).read_metadata().state_dict_metadata
             out["dcp"] = {k: [list(c.offsets) for c in v.chunks] for k, v in md.items()
-                          if "fsdp_ema/" in k and hasattr(v, "chunks")}
+                          if "/" in k and hasattr(v, "chunks")}
             pickled = torch.load(os.path.join(meta, "meta.pt"), weights_only=False)
         else:
             pickled = torch.load(meta, weights_only=False)
@@ -213,10 +216,11 @@ def test_fit_resumed_from_a_mid_run_checkpoint_equals_the_uninterrupted_fit_bit_
         assert straight["step"] == resumed["step"] == 6
         for name in straight["ema"]:
             assert torch.equal(straight["ema"][name], resumed["ema"][name]), (rank, name)
+            assert torch.equal(straight["second"][name], resumed["second"][name]), (rank, name)
+            assert not torch.equal(straight["second"][name], straight["ema"][name]), (rank, name)
             # copy_to_model_at_end: the model holds the EMA, bit for bit.
             assert torch.equal(straight["model"][name], straight["ema"][name]), (rank, name)
             assert torch.equal(resumed["model"][name], resumed["ema"][name]), (rank, name)
-        # The EMA is not the weights (the schedule ran), so the comparison above means something.
         assert straight["gathers"] == resumed["gathers"] == {"full_tensor": 0,
                                                                "full_state_dict": 0}
     full = results[0]["straight"]["full_bytes"]
@@ -230,6 +234,7 @@ def test_fit_resumed_from_a_mid_run_checkpoint_equals_the_uninterrupted_fit_bit_
         chunks = results[0]["dcp"]
         assert chunks["state_dict.fsdp_ema/net.inp.weight"] == [[0, 0], [4, 0]], chunks
         assert "state_dict.fsdp_ema/fsdp_ema.step" in chunks
+        assert chunks["state_dict.ema/net.inp.weight"] == [[0, 0], [4, 0]], chunks
     else:
         # DDP: every rank holds the whole EMA, and it is the callback's state (rank 0 writes it).
         assert nbytes == [full, full]

@@ -145,9 +145,9 @@ class ShardedEMA(Callback):
 
         # The strategy names the checkpoint's top-level entry ("state_dict" for
         # ModelParallelStrategy, "model" for FSDPStrategy): find the one holding our entries.
-        suffix = self.prefix + fsdp_ema.ShardedEMA.STEP_KEY
+        suffix = "." + self.prefix + fsdp_ema.ShardedEMA.STEP_KEY  # DCP joins nested keys by "."
         metadata = dcp.FileSystemReader(os.fspath(path)).read_metadata()
-        tops = sorted({k[:-len(suffix)].rstrip(".") for k in metadata.state_dict_metadata
+        tops = sorted({k[:-len(suffix)] for k in metadata.state_dict_metadata
                        if k.endswith(suffix)})
         if not tops:
             return False
