@@ -117,10 +117,15 @@ def test_wheel_name_metadata_and_contents_name_the_torch_it_needs(wheel):
         wheel_info = z.read(f"fsdp_ema-{version}.dist-info/WHEEL").decode()
     assert f"Version: {version}\n" in metadata
     assert f"Requires-Dist: torch=={RELEASE}\n" in metadata
+    # The trainer integrations' extras (fsdp_ema.integrations): pip install "fsdp-ema[lightning]".
+    assert "Provides-Extra: lightning\n" in metadata and 'extra == "lightning"' in metadata
+    assert "Provides-Extra: transformers\n" in metadata and 'extra == "transformers"' in metadata
     assert f"Tag: py3-none-{PLATFORM}\n" in wheel_info
     assert record["torch_version"] == str(torch.__version__)
     assert record["torch_cuda"] == torch.version.cuda
-    for name in ("fsdp_ema/__init__.py", "fsdp_ema/_library.py", "fsdp_ema/lib/libfsdp_ema.so",
+    for name in ("fsdp_ema/__init__.py", "fsdp_ema/_library.py",
+                 "fsdp_ema/integrations/lightning.py", "fsdp_ema/integrations/transformers.py",
+                 "fsdp_ema/lib/libfsdp_ema.so",
                  "fsdp_ema/include/fsdp_ema/ops.h",
                  "fsdp_ema/lib/cmake/fsdp_ema/fsdp_emaConfig.cmake",
                  f"fsdp_ema-{version}.data/scripts/fsdp-ema"):

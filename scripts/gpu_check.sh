@@ -275,6 +275,9 @@ else
   tail -n 5 "$OUT/ctest.log"
   timeout_arg=()
   "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_arg=(--timeout 120)
+  # -k cuda also selects the integrations' FSDP1 tests (python_tests/test_integration_*.py: one
+  # GPU, one rank); they need lightning / transformers + accelerate in this Python and skip
+  # without them.
   run pytest "$T_PYTEST" "$OUT/pytest.log" "$PY" -m pytest -q -rfE -p no:cacheprovider \
     "${timeout_arg[@]}" -k cuda "$ROOT/python_tests" || status=1
   tail -n 5 "$OUT/pytest.log"
