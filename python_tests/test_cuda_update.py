@@ -196,7 +196,7 @@ def test_runs_on_the_current_side_stream():
 
 @pytest.mark.parametrize("count,launches", [(800, 2), (1600, 3)])
 def test_kernel_launches_per_call(count, launches):
-    """One table-fill launch per ~800 pairs plus the update itself (README, update_)."""
+    """One table-fill launch per ~800 pairs plus the update itself (docs/OPERATORS.md, update_)."""
     ema = [randn(100 + i % 50, torch.float32, i) for i in range(count)]
     model = [randn(100 + i % 50, torch.bfloat16, 9000 + i) for i in range(count)]
     decay = torch.tensor(0.9, device="cuda")

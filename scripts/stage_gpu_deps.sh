@@ -4,7 +4,7 @@
 # CMake package configs and the GoogleTest/GoogleMock static libraries. The files are copied from
 # this machine's Debian packages (the ones the build finds here) with the /usr layout kept, so the
 # relocatable package configs resolve to the staged folder. scripts/gpu_check.sh puts the folder
-# on CMAKE_PREFIX_PATH when it exists; the device tool carries it (README, "GPU").
+# on CMAKE_PREFIX_PATH when it exists; the device tool carries it (docs/DEVELOPMENT.md, "The GPU check").
 #   usage: bash scripts/stage_gpu_deps.sh [DEST]     (DEST defaults to <repo>/gpu-deps)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -61,7 +61,7 @@ namespace fsdp_ema {
 // atomically; returns the file's size in bytes. offsets / global_shapes hold one entry per
 // dimension of each shard, concatenated in shard order. A committed directory is refused unless
 // overwrite (the old checkpoint then stays loadable until commit_checkpoint(overwrite=true)).
-// See the op reference in README.md.
+// See the op reference in docs/OPERATORS.md.
 int64_t save_shard(const std::string& directory, int64_t rank, int64_t world_size,
                    const std::vector<std::string>& names, c10::ArrayRef<at::Tensor> shards,
                    c10::ArrayRef<int64_t> offsets, c10::ArrayRef<int64_t> global_shapes,
