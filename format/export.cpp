@@ -96,20 +96,13 @@ void switch_to_staged(const std::string& out_dir, const std::string& stage,
   if (fsync) detail::fsync_directory(out_dir);
 }
 
-// The output directory of one export: created if missing (and then removed again, when empty,
-// unless the export finished: a failed export leaves no directory behind), with the earlier
-// export's files in it listed; refused when there are some, unless overwrite.
+// The output directory of one export: created with its parents if missing (and removed again,
+// while empty, unless the export finished: a failed export leaves no directory behind), with the
+// earlier export's files in it listed; refused when there are some, unless overwrite.
 class OutDir {
  public:
-  OutDir(const std::string& out_dir, bool overwrite) : path_(out_dir) {
-    if (!detail::is_directory(out_dir)) {
-      if (::mkdir(out_dir.c_str(), 0755) == 0) {
-        created_ = true;
-      } else if (errno != EEXIST) {
-        throw FormatError(out_dir +
-                          ": cannot create output directory: " + detail::errno_text(errno));
-      }
-    }
+  OutDir(const std::string& out_dir, bool overwrite)
+      : path_(out_dir), created_(detail::make_directories(out_dir)) {
     for (const std::string& n : detail::list_dir(out_dir)) {
       if (is_export_file_name(n)) existing_.push_back(n);
     }
@@ -121,7 +114,7 @@ class OutDir {
     }
   }
   ~OutDir() {
-    if (created_ && !kept_) ::rmdir(path_.c_str());
+    if (!kept_) detail::remove_created_directories(path_, created_);
   }
   OutDir(const OutDir&) = delete;
   OutDir& operator=(const OutDir&) = delete;
@@ -130,8 +123,8 @@ class OutDir {
 
  private:
   std::string path_;
+  std::string created_;  // the topmost directory this export made ("" for none)
   std::vector<std::string> existing_;
-  bool created_ = false;
   bool kept_ = false;
 };
 

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "fsdp_ema/format/error.h"
+#include "fsdp_ema/format/paths.h"
 
 namespace fsdp_ema::format::detail {
 
@@ -257,6 +258,37 @@ std::string read_small_file(const std::string& path, uint64_t max_bytes) {
   std::string out(size, '\0');
   pread_all(fd.get(), out.data(), out.size(), 0, path);
   return out;
+}
+
+std::string make_directories(const std::string& dir) {
+  if (dir.empty()) throw FormatError("directory: the path is empty");
+  check_path(dir, "directory");
+  std::string created;
+  for (size_t pos = dir.find('/', 1);; pos = dir.find('/', pos + 1)) {
+    const std::string part = pos == std::string::npos ? dir : dir.substr(0, pos);
+    if (!part.empty()) {
+      if (::mkdir(part.c_str(), 0755) == 0) {
+        if (created.empty()) created = part;
+      } else if (errno != EEXIST) {
+        const int err = errno;
+        remove_created_directories(part, created);
+        throw FormatError(part + ": cannot create the directory: " + errno_text(err));
+      }
+    }
+    if (pos == std::string::npos) break;
+  }
+  if (!is_directory(dir)) throw FormatError(dir + ": not a directory");
+  return created;
+}
+
+void remove_created_directories(const std::string& dir, const std::string& created) noexcept {
+  if (created.empty()) return;
+  std::string d = dir;
+  while (d.size() > 1 && d.back() == '/') d.pop_back();
+  // dir, then its parents, up to and including `created`, each only while empty (rmdir).
+  for (; d.size() >= created.size(); d = parent_dir(d)) {
+    if (::rmdir(d.c_str()) != 0 || d == created) return;
+  }
 }
 
 bool path_exists(const std::string& path) {

@@ -25,29 +25,6 @@ std::string errno_message(const std::string& what, const std::string& path, int 
   return path + ": " + what + ": " + detail::errno_text(err);
 }
 
-// mkdir -p: every missing component of `dir`, 0755 before the umask. Returns the topmost
-// directory it created ("" when `dir` existed), for remove_created_directories.
-std::string make_directories(const std::string& dir) {
-  if (dir.empty()) throw FormatError("checkpoint directory: the path is empty");
-  check_path(dir, "checkpoint directory");
-  std::string created;
-  for (size_t pos = dir.find('/', 1);; pos = dir.find('/', pos + 1)) {
-    const std::string part = pos == std::string::npos ? dir : dir.substr(0, pos);
-    if (!part.empty()) {
-      if (::mkdir(part.c_str(), 0755) == 0) {
-        if (created.empty()) created = part;
-      } else if (errno != EEXIST) {
-        const int err = errno;
-        remove_created_directories(part, created);
-        throw FormatError(errno_message("cannot create the directory", part, err));
-      }
-    }
-    if (pos == std::string::npos) break;
-  }
-  if (!detail::is_directory(dir)) throw FormatError(dir + ": not a directory");
-  return created;
-}
-
 // Owns an open DIR stream.
 struct DirStream {
   DIR* d = nullptr;
@@ -128,24 +105,14 @@ void remove_stale_temporaries(const std::string& dir, std::string_view file) {
 }
 
 bool prepare_checkpoint_dir(const std::string& dir) {
-  make_directories(dir);
+  detail::make_directories(dir);
   return is_committed(dir);
-}
-
-void remove_created_directories(const std::string& dir, const std::string& created) noexcept {
-  if (created.empty()) return;
-  std::string d = dir;
-  while (d.size() > 1 && d.back() == '/') d.pop_back();
-  // dir, then its parents, up to and including `created`, each only while empty (rmdir).
-  for (; d.size() >= created.size(); d = detail::parent_dir(d)) {
-    if (::rmdir(d.c_str()) != 0 || d == created) return;
-  }
 }
 
 uint64_t save_shard_to_dir(const std::string& dir, std::vector<TensorToWrite> tensors,
                            const WriteOptions& options, bool overwrite) {
   // A save that fails leaves no directory it created (the writer removes its temporary first).
-  const std::string created = make_directories(dir);
+  const std::string created = detail::make_directories(dir);
   try {
     const DirectoryLock lock(dir, DirectoryLock::Mode::kShared);
     if (!overwrite && is_committed(dir)) {
@@ -160,7 +127,7 @@ uint64_t save_shard_to_dir(const std::string& dir, std::vector<TensorToWrite> te
     remove_stale_temporaries(dir, file);
     return write_shard_file(detail::join_path(dir, file), std::move(tensors), options);
   } catch (...) {
-    remove_created_directories(dir, created);
+    detail::remove_created_directories(dir, created);
     throw;
   }
 }
@@ -177,7 +144,7 @@ void write_sidecar(const std::string& dir, std::string_view name, std::string_vi
     throw FormatError(dir + ": sidecar name '" + std::string(name) +
                       "' is a name of the checkpoint layout itself (index or shard file)");
   }
-  make_directories(dir);
+  detail::make_directories(dir);
   detail::write_file_atomically(detail::join_path(dir, name), content, fsync, /*replace=*/true);
 }
 

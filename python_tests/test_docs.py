@@ -67,7 +67,8 @@ def test_python_block_runs(block, tmp_path):
 def compile_flags() -> list[str]:
     from torch.utils.cpp_extension import include_paths
 
-    flags = ["-std=c++20", "-fsyntax-only", "-w",
+    # USE_C10D_GLOO: what a C++ program that makes a ProcessGroupGloo defines (docs/CPP.md).
+    flags = ["-std=c++20", "-fsyntax-only", "-w", "-DUSE_C10D_GLOO",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
              f"-I{ROOT / 'include'}", f"-I{ROOT / 'format' / 'include'}",
              f"-I{sysconfig.get_paths()['include']}"]

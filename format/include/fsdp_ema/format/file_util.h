@@ -91,6 +91,15 @@ bool write_file_atomically(const std::string& final_path, std::string_view conte
 // Reads a whole (small) file; throws if it is larger than max_bytes.
 std::string read_small_file(const std::string& path, uint64_t max_bytes);
 
+// mkdir -p: every missing component of `dir`, 0755 before the umask (a path with a NUL byte is
+// refused first). Returns the topmost directory it created ("" when `dir` existed), for
+// remove_created_directories; throws FormatError when a component cannot be made or `dir` is no
+// directory.
+std::string make_directories(const std::string& dir);
+// Removes `dir` and its parents up to `created` (a directory make_directories created, "" for
+// none), each only while it is empty: what a failed save or export created, and nothing else.
+void remove_created_directories(const std::string& dir, const std::string& created) noexcept;
+
 bool path_exists(const std::string& path);
 bool is_directory(const std::string& path);
 

@@ -75,10 +75,6 @@ std::unordered_set<std::string, detail::NameHash, std::equal_to<>> committed_fil
 // alternate_shard_file_name when the committed index references the former.
 std::string shard_file_name_to_write(const std::string& dir, int64_t rank, int64_t world_size);
 
-// Removes `dir` and its parents up to `created` (a directory make_directories created, "" for
-// none), each only while it is empty: what a failed save created, and nothing else.
-void remove_created_directories(const std::string& dir, const std::string& created) noexcept;
-
 // One rank's save into `dir` (created with its parents if missing, and removed again when the save
 // fails): under the shared directory lock, refuses a committed `dir` unless `overwrite`, removes
 // this rank's stale temporaries, and writes its file (write_shard_file) under
