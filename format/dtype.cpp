@@ -1,59 +1,59 @@
 #include "fsdp_ema/format/dtype.h"
 
-#include <array>
+#include <algorithm>
+#include <cctype>
+#include <string>
 
 namespace fsdp_ema::format {
 namespace {
 
-struct DTypeInfo {
-  DType dtype;
-  std::string_view name;
-  size_t size;
-  bool floating;
-};
-
-constexpr std::array<DTypeInfo, 12> kInfos = {{
-    {DType::kF64, "F64", 8, true},
-    {DType::kF32, "F32", 4, true},
-    {DType::kF16, "F16", 2, true},
-    {DType::kBF16, "BF16", 2, true},
-    {DType::kI64, "I64", 8, false},
-    {DType::kI32, "I32", 4, false},
-    {DType::kI16, "I16", 2, false},
-    {DType::kI8, "I8", 1, false},
-    {DType::kU8, "U8", 1, false},
-    {DType::kBool, "BOOL", 1, false},
-    {DType::kF8E4M3, "F8_E4M3", 1, true},
-    {DType::kF8E5M2, "F8_E5M2", 1, true},
-}};
-
-constexpr std::array<DType, 12> kAll = [] {
-  std::array<DType, 12> all{};
-  for (size_t i = 0; i < kInfos.size(); ++i) all[i] = kInfos[i].dtype;
+constexpr auto kAll = [] {
+  std::array<DType, std::size(detail::kDTypeRows)> all{};
+  for (size_t i = 0; i < all.size(); ++i) all[i] = detail::kDTypeRows[i].dtype;
   return all;
 }();
 
-const DTypeInfo& info(DType dtype) {
-  // The enum values are the table indices; a value outside the enum is a caller bug.
-  const auto i = static_cast<size_t>(dtype);
-  return kInfos[i < kInfos.size() ? i : 0];
-}
+// The enum values are the table's row indices.
+static_assert([] {
+  for (size_t i = 0; i < std::size(detail::kDTypeRows); ++i) {
+    if (static_cast<size_t>(detail::kDTypeRows[i].dtype) != i) return false;
+  }
+  return true;
+}());
 
 }  // namespace
 
-std::string_view dtype_name(DType dtype) { return info(dtype).name; }
-
 std::optional<DType> parse_dtype(std::string_view name) {
-  for (const DTypeInfo& i : kInfos) {
-    if (i.name == name) return i.dtype;
+  for (const detail::DTypeRow& r : detail::kDTypeRows) {
+    if (r.name == name) return r.dtype;
   }
   return std::nullopt;
 }
 
-size_t dtype_size(DType dtype) { return info(dtype).size; }
-
-bool is_floating(DType dtype) { return info(dtype).floating; }
+std::optional<DType> parse_dtype_spelling(std::string_view text) {
+  std::string upper(text);
+  std::transform(upper.begin(), upper.end(), upper.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
+  for (const detail::DTypeRow& r : detail::kDTypeRows) {
+    if (r.name == upper || r.python == text) return r.dtype;
+  }
+  return std::nullopt;
+}
 
 std::span<const DType> all_dtypes() { return kAll; }
+
+std::string dtype_names(std::string_view sep) {
+  std::string out;
+  for (const detail::DTypeRow& r : detail::kDTypeRows) (out += out.empty() ? "" : sep) += r.name;
+  return out;
+}
+
+std::string dtype_names_with_role(DTypeRole role, std::string_view sep) {
+  std::string out;
+  for (const detail::DTypeRow& r : detail::kDTypeRows) {
+    if ((r.roles & role) != 0) (out += out.empty() ? "" : sep) += r.name;
+  }
+  return out;
+}
 
 }  // namespace fsdp_ema::format

@@ -162,9 +162,7 @@ inline uint16_t bf16_of_f32_bits(uint32_t bits) {
   return static_cast<uint16_t>((bits & 0x7fffffff) > 0x7f800000 ? nan : rounded);
 }
 
-bool castable(DType t) {
-  return t == DType::kF64 || t == DType::kF32 || t == DType::kF16 || t == DType::kBF16;
-}
+bool castable(DType t) { return has_role(t, kRoleCast); }
 
 }  // namespace
 
@@ -185,7 +183,8 @@ float f16_bits_to_f32(uint16_t bits) { return static_cast<float>(decode<5, 10>(b
 void cast_elements(DType from, const void* src, DType to, void* dst, size_t count) {
   if (!can_cast(from, to)) {
     throw FormatError("cast from " + std::string(dtype_name(from)) + " to " +
-                      std::string(dtype_name(to)) + " is not supported (F64/F32/F16/BF16 only)");
+                      std::string(dtype_name(to)) + " is not supported (" +
+                      dtype_names_with_role(kRoleCast, "/") + " only)");
   }
   const auto* s = static_cast<const std::byte*>(src);
   auto* d = static_cast<std::byte*>(dst);

@@ -130,8 +130,8 @@ class OutDir {
 
 void check_dtype_option(const ExportOptions& options) {
   if (options.dtype && !can_cast(*options.dtype, *options.dtype)) {
-    throw FormatError("export: --dtype must be F64, F32, F16 or BF16, not " +
-                      std::string(dtype_name(*options.dtype)));
+    throw FormatError("export: --dtype must be " + dtype_names_with_role(kRoleCast, ", ") +
+                      ", not " + std::string(dtype_name(*options.dtype)));
   }
 }
 

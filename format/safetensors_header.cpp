@@ -55,7 +55,7 @@ HeaderTensor parse_entry(const std::string& file, const std::string& name, JsonR
   auto dtype = parse_dtype(*dtype_text);
   if (!dtype) {
     throw FormatError(ctx() + ": unknown dtype " + detail::json_quote(*dtype_text) +
-                      " (known: F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL F8_E4M3 F8_E5M2)");
+                      " (known: " + dtype_names() + ")");
   }
   t.dtype = *dtype;
   if (!has_shape) throw FormatError(ctx() + ": missing \"shape\"");

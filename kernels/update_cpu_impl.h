@@ -111,33 +111,29 @@ void update_typed(void* ema, const void* model, int64_t begin, int64_t end, doub
   }
 }
 
-template <typename E>
-void update_model_dtype(const UpdatePair& p, int64_t begin, int64_t end, double decay) {
-  switch (p.model_dtype) {
-    case Dtype::kFloat32:
-      return update_typed<E, float>(p.ema, p.model, begin, end, decay);
-    case Dtype::kFloat64:
-      return update_typed<E, double>(p.ema, p.model, begin, end, decay);
-    case Dtype::kBFloat16:
-      return update_typed<E, c10::BFloat16>(p.ema, p.model, begin, end, decay);
-    case Dtype::kFloat16:
-      return update_typed<E, c10::Half>(p.ema, p.model, begin, end, decay);
+// Calls f(TypeTag<T>{}) with T the CPU element type of update dtype d (the dtype table's cpu_type
+// column); nothing for a dtype the update does not take (the ops refuse it first).
+template <typename F>
+inline void visit_update_type(format::DType d, F&& f) {
+  switch (d) {
+#define FSDP_EMA_X(id, name, size, floating, torch, python, roles, cpu_type, cuda_type) \
+  case format::DType::id:                                                               \
+    if constexpr (!std::is_void_v<cpu_type>) f(TypeTag<cpu_type>{});                    \
+    return;
+    FSDP_EMA_DTYPES(FSDP_EMA_X)
+#undef FSDP_EMA_X
   }
 }
 
 }  // namespace CPU_CAPABILITY
 
 void FSDP_EMA_CPU_KERNEL_NAME(const UpdatePair& p, int64_t begin, int64_t end, double decay) {
-  switch (p.ema_dtype) {
-    case Dtype::kFloat32:
-      return update_model_dtype<float>(p, begin, end, decay);
-    case Dtype::kFloat64:
-      return update_model_dtype<double>(p, begin, end, decay);
-    case Dtype::kBFloat16:
-      return update_model_dtype<c10::BFloat16>(p, begin, end, decay);
-    case Dtype::kFloat16:
-      return update_model_dtype<c10::Half>(p, begin, end, decay);
-  }
+  visit_update_type(p.ema_dtype, [&](auto ema_tag) {
+    visit_update_type(p.model_dtype, [&](auto model_tag) {
+      update_typed<typename decltype(ema_tag)::type, typename decltype(model_tag)::type>(
+          p.ema, p.model, begin, end, decay);
+    });
+  });
 }
 
 }  // namespace fsdp_ema::kernels

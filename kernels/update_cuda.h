@@ -1,5 +1,7 @@
-// CUDA EMA update: multi-tensor apply whose tensor table lives in device memory, so one launch
-// covers any number of tensors. Plain CUDA runtime types only: no ATen here.
+// The CUDA EMA update of update_ and update_multi_: one kernel, templated on K, the EMA profiles
+// one table entry updates from one read of its model chunk (update_ is K = 1). Multi-tensor apply
+// whose table lives in device memory, so one launch covers any number of tensors. Plain CUDA
+// runtime types only: no ATen here.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -10,32 +12,41 @@
 
 namespace fsdp_ema::kernels {
 
-// Elements one thread block updates (a multiple of every pack width, so each chunk of a pair
-// starts at the same alignment as the pair itself).
+// Elements one thread block updates (a multiple of every pack width, so each chunk of a tensor
+// starts at the same alignment as the tensor itself).
 constexpr int64_t kCudaChunk = 16384;
+
+// The largest K a launch takes: update_multi_ puts more profiles in more entries over the same
+// model tensor, each reading it once.
+constexpr int kCudaMaxProfiles = 4;
 
 // Elements per vector pack of a dtype pair: 16-byte accesses on the narrower side (8 elements for
 // bf16/fp16, 4 for fp32, 2 for fp64), several 16-byte accesses on the wider one.
-inline constexpr int cuda_pack_elements(Dtype ema, Dtype model) {
-  return static_cast<int>(
-      16 / (dtype_size(ema) < dtype_size(model) ? dtype_size(ema) : dtype_size(model)));
+inline constexpr int cuda_pack_elements(format::DType ema, format::DType model) {
+  const auto e = format::dtype_size(ema), m = format::dtype_size(model);
+  return static_cast<int>(16 / (e < m ? e : m));
 }
 
-// One (ema, model) pair as the device sees it. Empty pairs are never put in the table.
+// One model tensor and up to K of its EMAs, all of one dtype and one vector head (the host
+// groups a tensor's EMAs by those two, so any mix of dtypes and alignments works). Empty tensors
+// are never put in the table.
+template <int K>
 struct CudaUpdateEntry {
-  void* ema;
+  void* ema[K];
   const void* model;
   int64_t numel;
-  int64_t first_block;  // index of this pair's first block (chunk) in the flattened grid
-  Dtype ema_dtype;
-  Dtype model_dtype;
-  // Elements before both pointers are 16-byte aligned (0 <= head < pack width): the kernel
-  // updates them one by one, then whole packs. -1: no such head (the offsets of ema and model
+  int64_t first_block;     // index of this entry's first block (chunk) in the flattened grid
+  int32_t decay_index[K];  // which of the call's decays each EMA uses
+  int8_t count;            // EMAs in use, 1..K
+  format::DType ema_dtype;
+  format::DType model_dtype;
+  // Elements before the model and every EMA pointer are 16-byte aligned (0 <= head < pack
+  // width): the kernel updates them one by one, then whole packs. -1: no such head (the offsets
   // disagree modulo the pack), every element one by one.
   int8_t vector_head;
 };
 
-// Where the kernel reads decay from: a host value baked into the launch, or a 0-dim fp32/fp64
+// Where the kernel reads a decay from: a host value written into the table, or a 0-dim fp32/fp64
 // device tensor read by the kernel itself (no host synchronization).
 struct CudaDecay {
   double value;
@@ -43,14 +54,17 @@ struct CudaDecay {
   bool device_is_double;
 };
 
-// Bytes of device memory the table for `num_entries` pairs needs.
-int64_t cuda_table_bytes(int64_t num_entries);
+// Bytes of device memory (16-byte aligned) the table of `num_entries` entries of
+// CudaUpdateEntry<k> followed by `num_decays` decays needs.
+int64_t cuda_update_table_bytes(int k, int64_t num_entries, int64_t num_decays);
 
-// Writes `entries` into `device_table` (kernels/device_table.cuh: one small fill launch per ~800
-// entries, capturable, no pinned staging), then launches the update over `total_chunks` blocks,
-// all on `stream`. Returns the first launch error.
-cudaError_t launch_update_cuda(const CudaUpdateEntry* entries, int64_t num_entries,
-                               int64_t total_chunks, CudaUpdateEntry* device_table, CudaDecay decay,
-                               cudaStream_t stream);
+// Writes the entries and the decays into `device_table` (kernels/device_table.cuh: one small fill
+// launch per 32 KB of them, capturable, no pinned staging), then launches the update over
+// `total_chunks` blocks of kCudaChunk elements, all on `stream`. Returns the first launch error.
+// Instantiated for K = 1 (update_) and K = kCudaMaxProfiles (update_multi_).
+template <int K>
+cudaError_t launch_update_cuda(const CudaUpdateEntry<K>* entries, int64_t num_entries,
+                               const CudaDecay* decays, int64_t num_decays, int64_t total_chunks,
+                               void* device_table, cudaStream_t stream);
 
 }  // namespace fsdp_ema::kernels

@@ -1,4 +1,4 @@
-// Device helpers shared by the CUDA update kernels (update_cuda.cu, update_multi_cuda.cu):
+// Device helpers of the CUDA update kernel (update_cuda.cu): the element types of the dtype table,
 // conversions to and from the math type, 16-byte packs, and torch.lerp's two-sided form.
 #pragma once
 
@@ -6,10 +6,25 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/update_cuda.h"
 
 namespace fsdp_ema::kernels::cuda_math {
+
+// Calls f(TypeTag<T>{}) with T the CUDA element type of update dtype d (the dtype table's
+// cuda_type column); nothing for a dtype the update does not take (the ops refuse it first).
+template <typename F>
+__device__ __forceinline__ void visit_update_type(format::DType d, F&& f) {
+  switch (d) {
+#define FSDP_EMA_X(id, name, size, floating, torch, python, roles, cpu_type, cuda_type) \
+  case format::DType::id:                                                               \
+    if constexpr (!std::is_void_v<cuda_type>) f(TypeTag<cuda_type>{});                  \
+    return;
+    FSDP_EMA_DTYPES(FSDP_EMA_X)
+#undef FSDP_EMA_X
+  }
+}
 
 template <typename Op, typename T>
 __device__ __forceinline__ Op to_op(T x) {
@@ -72,9 +87,11 @@ __device__ __forceinline__ Op lerp(Op e, Op m, Op w, Op c, bool small) {
 
 // The decay a launch uses: its host value, or the 0-dim device tensor it points at.
 __device__ __forceinline__ double decay_value(const CudaDecay& decay) {
-  if (decay.device_ptr == nullptr) return decay.value;
-  return decay.device_is_double ? *static_cast<const double*>(decay.device_ptr)
-                                : static_cast<double>(*static_cast<const float*>(decay.device_ptr));
+  const void* p = decay.device_ptr;
+  if (p == nullptr) return decay.value;
+  __builtin_assume(__isGlobal(p));  // a device tensor: a global load, not a generic one
+  return decay.device_is_double ? *static_cast<const double*>(p)
+                                : static_cast<double>(*static_cast<const float*>(p));
 }
 
 }  // namespace fsdp_ema::kernels::cuda_math

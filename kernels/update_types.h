@@ -1,18 +1,21 @@
 // Plain data shared by the host code in ops/ and the CPU/CUDA update kernels (no torch types, so
-// the .cu files stay free of ATen headers).
+// the .cu files stay free of ATen headers). Element types are format::DType, from the one dtype
+// table (fsdp_ema/format/dtype_table.h): the kernels take the rows with kRoleEma / kRoleModel, as
+// the table's cpu_type / cuda_type columns give them.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
+
+#include "fsdp_ema/format/dtype_table.h"
 
 namespace fsdp_ema::kernels {
 
-// Element types the update kernels handle (EMA and model sides alike).
-enum class Dtype : uint8_t { kFloat32 = 0, kFloat64 = 1, kBFloat16 = 2, kFloat16 = 3 };
-constexpr int kNumDtypes = 4;
-
-inline constexpr int64_t dtype_size(Dtype d) {
-  return d == Dtype::kFloat64 ? 8 : d == Dtype::kFloat32 ? 4 : 2;
-}
+// A type, as a value (for visitors).
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
 
 #if defined(__CUDACC__)
 #define FSDP_EMA_HOST_DEVICE __host__ __device__
@@ -34,8 +37,8 @@ struct UpdatePair {
   void* ema;
   const void* model;
   int64_t numel;
-  Dtype ema_dtype;
-  Dtype model_dtype;
+  format::DType ema_dtype;
+  format::DType model_dtype;
 };
 
 }  // namespace fsdp_ema::kernels

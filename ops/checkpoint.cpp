@@ -224,7 +224,7 @@ std::string info_json(const format::CheckpointDir& dir) {
   j["tensors"] = nlohmann::json::object();
   for (const auto& t : dir.tensors()) {
     j["tensors"][t.name] = {{"dtype", std::string(format::dtype_name(t.dtype))},
-                            {"torch_dtype", torch_dtype_name(t.dtype)},
+                            {"torch_dtype", std::string(format::python_dtype_name(t.dtype))},
                             {"shape", t.shape}};
   }
   j["metadata"] = dir.index().metadata;

@@ -1,33 +1,16 @@
 #include "ops/format_bridge.h"
 
+#include <vector>
+
 namespace fsdp_ema::ops {
 
 std::optional<format::DType> format_dtype_of(at::ScalarType t) {
   switch (t) {
-    case at::kDouble:
-      return format::DType::kF64;
-    case at::kFloat:
-      return format::DType::kF32;
-    case at::kHalf:
-      return format::DType::kF16;
-    case at::kBFloat16:
-      return format::DType::kBF16;
-    case at::kLong:
-      return format::DType::kI64;
-    case at::kInt:
-      return format::DType::kI32;
-    case at::kShort:
-      return format::DType::kI16;
-    case at::kChar:
-      return format::DType::kI8;
-    case at::kByte:
-      return format::DType::kU8;
-    case at::kBool:
-      return format::DType::kBool;
-    case at::kFloat8_e4m3fn:
-      return format::DType::kF8E4M3;
-    case at::kFloat8_e5m2:
-      return format::DType::kF8E5M2;
+#define FSDP_EMA_X(id, name, size, floating, torch, ...) \
+  case at::ScalarType::torch:                            \
+    return format::DType::id;
+    FSDP_EMA_DTYPES(FSDP_EMA_X)
+#undef FSDP_EMA_X
     default:
       return std::nullopt;
   }
@@ -41,62 +24,30 @@ format::DType to_format_dtype(at::ScalarType t, const std::string& what) {
 
 at::ScalarType to_scalar_type(format::DType d) {
   switch (d) {
-    case format::DType::kF64:
-      return at::kDouble;
-    case format::DType::kF32:
-      return at::kFloat;
-    case format::DType::kF16:
-      return at::kHalf;
-    case format::DType::kBF16:
-      return at::kBFloat16;
-    case format::DType::kI64:
-      return at::kLong;
-    case format::DType::kI32:
-      return at::kInt;
-    case format::DType::kI16:
-      return at::kShort;
-    case format::DType::kI8:
-      return at::kChar;
-    case format::DType::kU8:
-      return at::kByte;
-    case format::DType::kBool:
-      return at::kBool;
-    case format::DType::kF8E4M3:
-      return at::kFloat8_e4m3fn;
-    case format::DType::kF8E5M2:
-      return at::kFloat8_e5m2;
+#define FSDP_EMA_X(id, name, size, floating, torch, ...) \
+  case format::DType::id:                                \
+    return at::ScalarType::torch;
+    FSDP_EMA_DTYPES(FSDP_EMA_X)
+#undef FSDP_EMA_X
   }
   TORCH_CHECK(false, "fsdp_ema: unknown format dtype");
 }
 
-const char* torch_dtype_name(format::DType d) {
-  switch (d) {
-    case format::DType::kF64:
-      return "float64";
-    case format::DType::kF32:
-      return "float32";
-    case format::DType::kF16:
-      return "float16";
-    case format::DType::kBF16:
-      return "bfloat16";
-    case format::DType::kI64:
-      return "int64";
-    case format::DType::kI32:
-      return "int32";
-    case format::DType::kI16:
-      return "int16";
-    case format::DType::kI8:
-      return "int8";
-    case format::DType::kU8:
-      return "uint8";
-    case format::DType::kBool:
-      return "bool";
-    case format::DType::kF8E4M3:
-      return "float8_e4m3fn";
-    case format::DType::kF8E5M2:
-      return "float8_e5m2";
+bool has_role(at::ScalarType t, format::DTypeRole role) {
+  const auto d = format_dtype_of(t);
+  return d && format::has_role(*d, role);
+}
+
+std::string torch_dtypes_with_role(format::DTypeRole role) {
+  std::vector<std::string> names;
+  for (const format::DType d : format::all_dtypes()) {
+    if (format::has_role(d, role)) names.emplace_back(c10::toString(to_scalar_type(d)));
   }
-  TORCH_CHECK(false, "fsdp_ema: unknown format dtype");
+  std::string out;
+  for (size_t i = 0; i < names.size(); ++i) {
+    out += (i == 0 ? "" : i + 1 == names.size() ? " or " : ", ") + names[i];
+  }
+  return out;
 }
 
 void check_rank(const char* op, int64_t rank, int64_t world_size) {

@@ -1,7 +1,7 @@
-// The one bridge between torch and the torch-free format/ library: dtype maps both ways and the
-// translation of format::FormatError into c10::Error (RuntimeError in Python) with the caller's
-// name in front. Every op and the C++ reader use these; nothing else maps dtypes or catches
-// FormatError.
+// The one bridge between torch and the torch-free format/ library: the dtype maps both ways
+// (generated from the one dtype table, fsdp_ema/format/dtype_table.h) and the translation of
+// format::FormatError into c10::Error (RuntimeError in Python) with the caller's name in front.
+// Every op and the C++ reader use these; nothing else maps dtypes or catches FormatError.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -22,8 +22,11 @@ std::optional<format::DType> format_dtype_of(at::ScalarType t);
 // Same, raising "<what> has dtype X, which safetensors cannot store" for one it cannot.
 format::DType to_format_dtype(at::ScalarType t, const std::string& what);
 at::ScalarType to_scalar_type(format::DType d);
-// The torch dtype's Python name ("float32", "bfloat16", ...), for Python to look up in `torch`.
-const char* torch_dtype_name(format::DType d);
+// Whether a torch dtype may play `role` (format/dtype_table.h): the update kernels' EMA and
+// model dtypes, the export casts.
+bool has_role(at::ScalarType t, format::DTypeRole role);
+// "Double, Float, Half or BFloat16": the torch dtypes that may play `role`, for messages.
+std::string torch_dtypes_with_role(format::DTypeRole role);
 
 // The (rank, world_size) pair an op addresses: world_size >= 1, rank in [0, world_size).
 // `op` prefixes the message (e.g. "fsdp_ema::load_tensors: ").

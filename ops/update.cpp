@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "kernels/update_cpu.h"
-#include "ops/dtypes.h"
+#include "ops/format_bridge.h"
 #include "ops/memory.h"
 
 namespace fsdp_ema::ops {
@@ -31,9 +31,11 @@ void check_no_shared_memory(const char* op, TensorList ema, TensorList model) {
                    "; every EMA tensor needs storage of its own");
 }
 
-void check_float_dtype(const char* op, const at::Tensor& t, const char* name, size_t i) {
-  TORCH_CHECK(is_supported_dtype(t.scalar_type()), op, name, "[", i, "] has dtype ",
-              t.scalar_type(), "; expected Float, Double, BFloat16 or Half");
+// An EMA or model dtype of the update kernels (format/dtype_table.h).
+void check_float_dtype(const char* op, const at::Tensor& t, const char* name, size_t i,
+                       format::DTypeRole role) {
+  TORCH_CHECK(has_role(t.scalar_type(), role), op, name, "[", i, "] has dtype ", t.scalar_type(),
+              "; expected ", torch_dtypes_with_role(role));
 }
 
 }  // namespace
@@ -52,8 +54,8 @@ void validate_pairs(const char* op, TensorList ema, TensorList model, UpdateChec
     TORCH_CHECK(m.defined(), op, "model[", i, "] is an undefined tensor");
     check_strided(op, e, ema_label, j);
     check_strided(op, m, model_label, i);
-    check_float_dtype(op, e, "ema", j);
-    check_float_dtype(op, m, "model", i);
+    check_float_dtype(op, e, "ema", j, format::kRoleEma);
+    check_float_dtype(op, m, "model", i, format::kRoleModel);
     TORCH_CHECK(m.device() == e.device(), op, "model[", i, "] is on ", m.device(), " but ema[", j,
                 "] is on ", e.device());
     TORCH_CHECK(e.device() == device, op, "ema[", j, "] is on ", e.device(), " but ema[0] is on ",
@@ -181,8 +183,8 @@ void run_cpu(TensorList ema, TensorList model, double decay) {
   pairs.reserve(p.ema.size());
   for (const auto i : c10::irange(p.ema.size())) {
     pairs.push_back({p.ema[i].data_ptr(), p.model[i].const_data_ptr(), p.ema[i].numel(),
-                     to_kernel_dtype(p.ema[i].scalar_type()),
-                     to_kernel_dtype(p.model[i].scalar_type())});
+                     to_format_dtype(p.ema[i].scalar_type(), "ema"),
+                     to_format_dtype(p.model[i].scalar_type(), "model")});
   }
   kernels::update_cpu(pairs.data(), static_cast<int64_t>(pairs.size()), decay);
   p.finish();

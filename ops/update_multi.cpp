@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "kernels/update_cpu.h"
-#include "ops/dtypes.h"
+#include "ops/format_bridge.h"
 #include "ops/memory.h"
 #include "ops/update.h"
 
@@ -25,7 +25,8 @@ void run_cpu(at::TensorList ema, at::TensorList model, const std::vector<double>
   for (const auto j : c10::irange(p.ema.size())) {
     const at::Tensor& m = p.model[j % n];
     pairs.push_back({p.ema[j].data_ptr(), m.const_data_ptr(), m.numel(),
-                     to_kernel_dtype(p.ema[j].scalar_type()), to_kernel_dtype(m.scalar_type())});
+                     to_format_dtype(p.ema[j].scalar_type(), "ema"),
+                     to_format_dtype(m.scalar_type(), "model")});
   }
   if (n > 0) {
     kernels::update_multi_cpu(pairs.data(), n, static_cast<int64_t>(decays.size()), decays.data());

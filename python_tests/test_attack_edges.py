@@ -385,3 +385,18 @@ def test_a_nul_byte_in_a_path_is_refused_whole_and_creates_nothing(tmp_path, cal
     message = str(info.value)
     assert "\\x00" in message and ("dir'" in message or ".bin'" in message or "x'" in message)
     assert not (tmp_path / "new").exists()
+
+
+def test_a_save_creates_its_directory_and_a_failed_one_leaves_none(tmp_path):
+    """#28: save_shard creates the directory (with its parents) when it writes; a save refused
+    for its input removes what it created, so nothing is left behind."""
+    ops = torch.ops.fsdp_ema
+    target = tmp_path / "a" / "b" / "ckpt"
+    with pytest.raises(RuntimeError, match=r"shards\[0\] \('w'\): offset 5"):
+        ops.save_shard(str(target), 0, 1, ["w"], [torch.zeros(2)], [5], [2])  # checked first
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(RuntimeError, match="name is reserved by safetensors"):  # checked after
+        ops.save_shard(str(target), 0, 1, ["__metadata__"], [torch.zeros(2)], [0], [2])
+    assert not (tmp_path / "a").exists()
+    nbytes = ops.save_shard(str(target), 0, 1, ["w"], [torch.zeros(2)], [0], [2])
+    assert int(nbytes) == (target / ckpt.shard_file_name(0, 1)).stat().st_size

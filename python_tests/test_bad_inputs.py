@@ -157,10 +157,12 @@ CASES.update({
                                              "global_shapes has 3 entries", False),
     "save_shard-global_shapes-too-small": (lambda e: S(e, global_shapes=[1, 3]),
                                            "exceeds global size 1 in dim 0", False),
-    "save_shard-directory-missing": (lambda e: S(e, directory=str(e["root"] / "no" / "such")),
-                                     "no/such' cannot be opened", False),
+    # A missing directory is created (and removed again if the save fails: test_attack_edges).
     "save_shard-directory-is-file": (lambda e: S(e, directory=str(e["file"])),
-                                     "afile' cannot be opened", False),
+                                     "afile: not a directory", False),
+    "save_shard-parent-is-file": (lambda e: S(e, directory=str(e["file"] / "sub")),
+                                  "afile/sub: cannot create the directory: Not a directory",
+                                  False),
     # commit_checkpoint(directory, world_size, overwrite, fsync)
     "commit-world_size-zero": (lambda e: (ops.commit_checkpoint,
                                           [str(e["part"]), 0, False, False]),

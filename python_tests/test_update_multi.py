@@ -82,7 +82,7 @@ def test_non_contiguous_ema_and_model(device):
     ("no_decays", r"decays is empty"),
     ("empty_model", r"model is empty"),
     ("shape", r"ema\[1\] has 4 elements but model\[0\] has 3"),
-    ("dtype", r"ema\[1\] has dtype Int; expected Float"),
+    ("dtype", r"ema\[1\] has dtype Int; expected Double, Float, Half or BFloat16"),
     ("decay_range", r"decays\[1\] must be in \[0, 1\], got 1.5"),
     ("decay_shape", r"decays\[0\] must be a 0-dim tensor"),
     ("overlap_profiles", r"ema\[1\] overlaps ema\[0\]|ema\[0\] overlaps ema\[1\]"),

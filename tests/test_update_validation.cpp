@@ -51,7 +51,7 @@ std::vector<BadCall> bad_calls() {
          ema.push_back(at::zeros({3}, at::TensorOptions(d).dtype(at::kLong)));
          fsdp_ema::update_(ema, V{at::ones({5}, f32(d)), at::ones({3}, f32(d))}, 0.5);
        },
-       "ema[1] has dtype Long; expected Float, Double, BFloat16 or Half"},
+       "ema[1] has dtype Long; expected Double, Float, Half or BFloat16"},
       {"ModelDtype",
        [](V& ema, auto d) {
          fsdp_ema::update_(ema, V{at::ones({5}, at::TensorOptions(d).dtype(at::kInt))}, 0.5);

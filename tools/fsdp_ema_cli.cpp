@@ -143,13 +143,18 @@ int cmd_verify(const std::string& dir, size_t max_failures, bool strict) {
   return 0;
 }
 
-std::optional<fmt::DType> parse_cast_dtype(std::string s) {
+// --dtype: a dtype the export casts to, as its safetensors name in any case ("bf16") or its
+// Python name ("bfloat16"): the table's spellings (fsdp_ema/format/dtype_table.h).
+std::string cast_dtype_spellings(std::string_view sep) {
+  std::string s = fmt::dtype_names_with_role(fmt::kRoleCast, sep);
   std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
-  if (s == "bf16" || s == "bfloat16") return fmt::DType::kBF16;
-  if (s == "f16" || s == "fp16" || s == "float16" || s == "half") return fmt::DType::kF16;
-  if (s == "f32" || s == "fp32" || s == "float32" || s == "float") return fmt::DType::kF32;
-  if (s == "f64" || s == "fp64" || s == "float64" || s == "double") return fmt::DType::kF64;
-  return std::nullopt;
+  return s;
+}
+
+std::optional<fmt::DType> parse_cast_dtype(const std::string& s) {
+  const auto d = fmt::parse_dtype_spelling(s);
+  if (!d || !fmt::has_role(*d, fmt::kRoleCast)) return std::nullopt;
+  return d;
 }
 
 int cmd_export(const std::string& dir, const std::string& out, const std::string& dtype,
@@ -221,13 +226,13 @@ int main(int argc, char** argv) {
   exp->add_option("DIR", dir, "Checkpoint directory")->required()->check(CLI::ExistingDirectory);
   exp->add_option("OUT", out, "Output directory (created if missing)")->required();
   exp->add_option("--dtype", dtype,
-                  "Cast floating tensors to bf16, f16, f32 or f64 (round to nearest even); "
-                  "integer tensors are kept")
+                  "Cast floating tensors to " + cast_dtype_spellings(", ") +
+                      " (round to nearest even); integer tensors are kept")
       ->check(CLI::Validator(
           [](std::string& s) {
-            return parse_cast_dtype(s) ? std::string() : "must be bf16, f16, f32 or f64";
+            return parse_cast_dtype(s) ? std::string() : "must be " + cast_dtype_spellings(", ");
           },
-          "bf16|f16|f32|f64"));
+          cast_dtype_spellings("|")));
   exp->add_option("--what", what,
                   "Training-state checkpoints: export the 'ema.' or 'model.' tensors, named "
                   "without that prefix (default: every tensor, names as stored)")
