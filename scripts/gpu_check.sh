@@ -410,7 +410,7 @@ if [ $DRY -eq 1 ]; then
       "$PY" -m pytest -q -p no:cacheprovider -k cuda "$ROOT/python_tests" || status=1
     tail -n 3 "$OUT/pytest.log"
   else
-    say "   pytest: no development build ($DEV_LIB); run scripts/build.sh for this step"
+    say "   pytest: skipped: no development build ($DEV_LIB); run scripts/build.sh for this step"
   fi
 else
   export FSDP_EMA_LIBRARY="$LIB"
