@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Stages into gpu-deps/ (git-ignored, a few MB) every third-party file the GPU build needs that a
+# Stages into gpu-deps/ (git-ignored, about 10 MB) every third-party file the GPU build needs that a
 # bare GPU image lacks: the nlohmann-json, xxhash, CLI11, GoogleTest and GoogleMock headers, their
-# CMake package configs and the GoogleTest/GoogleMock static libraries. The files are copied from
+# CMake package configs and the GoogleTest/GoogleMock static libraries; and bin/cuobjdump and
+# bin/nvdisasm for the GPU run's cubin and SASS checks (below). The files are copied from
 # this machine's Debian packages (the ones the build finds here) with the /usr layout kept, so the
 # relocatable package configs resolve to the staged folder. scripts/gpu_check.sh puts the folder
 # on CMAKE_PREFIX_PATH when it exists; the device tool carries it (docs/DEVELOPMENT.md, "The GPU check").
@@ -9,6 +10,9 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEST="${1:-$ROOT/gpu-deps}"
+source "$ROOT/scripts/env.sh"
+PY="$FSDP_EMA_PYTHON"
+[ -x "$PY" ] || PY=python3
 PACKAGES=(nlohmann-json3-dev libxxhash-dev libcli11-dev libgtest-dev libgmock-dev)
 
 missing=()
@@ -47,6 +51,44 @@ done
        "multiarch: $(gcc -print-multiarch 2>/dev/null || echo unknown)"
   for p in "${PACKAGES[@]}"; do dpkg-query -W -f='${Package} ${Version}\n' "$p"; done
 } >"$DEST/MANIFEST.txt"
+
+# NVIDIA's cuobjdump and nvdisasm (which `cuobjdump -sass` runs) from their PyPI wheels, into
+# bin/: gpu_check.sh's cubin, register and SASS checks use them when the PATH has none (this
+# machine's CUDA 13.0 toolkit ships nvcc without either; the GPU machine's may too). Optional on
+# the device (without them its run warns and skips those checks); the dry run requires them.
+CUDA_TOOLS_VERSION=13.2.51
+tools_note="not staged"
+tools_tmp="$(mktemp -d)"
+trap 'rm -rf "$tools_tmp"' EXIT
+if "$PY" -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: \
+     --platform manylinux_2_17_x86_64 -d "$tools_tmp" \
+     "nvidia-cuda-cuobjdump==$CUDA_TOOLS_VERSION" "nvidia-cuda-nvdisasm==$CUDA_TOOLS_VERSION"; then
+  mkdir -p "$DEST/bin"
+  tools_note=""
+  for t in cuobjdump nvdisasm; do
+    "$PY" - "$tools_tmp"/nvidia_cuda_"$t"-*.whl "nvidia/cu13/bin/$t" "$DEST/bin/$t" <<'PYEOF'
+import shutil, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as whl, whl.open(sys.argv[2]) as src:
+    with open(sys.argv[3], "wb") as dst:
+        shutil.copyfileobj(src, dst)
+PYEOF
+    chmod 755 "$DEST/bin/$t"
+    # The tool must run here (the GPU machine is the same x86-64 Linux).
+    if v="$("$DEST/bin/$t" --version 2>&1 | grep -m1 -oE 'V[0-9][0-9.]+')"; then
+      tools_note+="$t $v, "
+      count=$((count + 1))
+    else
+      echo "stage_gpu_deps: WARNING: the staged $t does not run here; left out" >&2
+      rm -f "$DEST/bin/$t"
+    fi
+  done
+  tools_note="${tools_note%, } (PyPI wheels nvidia-cuda-*==$CUDA_TOOLS_VERSION)"
+else
+  echo "stage_gpu_deps: WARNING: could not download cuobjdump/nvdisasm $CUDA_TOOLS_VERSION from" \
+       "PyPI: the GPU run skips its cubin and SASS checks unless its toolkit has them, and" \
+       "gpu_check.sh --dry-run refuses to run" >&2
+fi
+echo "# cuda tools in bin/: $tools_note" >>"$DEST/MANIFEST.txt"
 
 # The package configs the GPU build points at (gpu_check.sh passes them as <Package>_DIR too, so a
 # machine whose CMake looks in another multiarch folder still finds them).
