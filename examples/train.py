@@ -410,8 +410,7 @@ def main() -> None:
         print(f"exported: {', '.join(exported)}, {out / 'val'}, {out / 'result.json'}")
         if counter and counter.frame_count != 1:
             print(f"warning: the optimizer + EMA step compiled {counter.frame_count} times")
-    dist.barrier()
-    dist.destroy_process_group()
+    fsdp_ema.destroy_process_group()  # barrier, destroy, and gloo's clean exit
 
 
 if __name__ == "__main__":

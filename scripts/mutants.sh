@@ -150,6 +150,12 @@ MUTANTS = {
         "         now.mtime_ns == then.mtime_ns && (now.ctime_ns == then.ctime_ns || now.links == 0);",
         "         now.mtime_ns == then.mtime_ns;",
         [pytest("python_tests/test_load_into.py", "-k", "rewrit")]),
+    # #28: the clean exit without its GIL-free settling time (gloo's workers abort the exit).
+    "clean-exit-without-settling": (
+        "python/fsdp_ema/_shutdown.py",
+        "    time.sleep(settle)",
+        "    pass",
+        [pytest("python_tests/test_clean_exit.py", "-k", "exits_zero")]),
     # #28: tables of names from files keyed by the fixed-seed std::hash (hash flooding).
     "name-index-unseeded-hash": (
         "format/include/fsdp_ema/format/name_index.h",

@@ -67,6 +67,24 @@ TEST(CheckpointReader, ReshardsToAnyWorldSize) {
   }
 }
 
+TEST(CheckpointReader, LoadAllGivesEveryTensorWholeInNameOrder) {
+  const auto tensors = reference();
+  const fs::path dir = scratch_dir("load_all");
+  write_sharded(dir, tensors, 3);
+  for (const bool mmap : {false, true}) {
+    const fsdp_ema::CheckpointReader reader(dir.string(), mmap);
+    const std::map<std::string, at::Tensor> all = reader.load_all();
+    ASSERT_EQ(all.size(), tensors.size());
+    auto it = all.begin();
+    for (const auto& [name, t] : tensors) {  // both maps are ordered by name
+      EXPECT_EQ(it->first, name);
+      EXPECT_TRUE(at::equal(it->second, t)) << name << " mmap=" << mmap;
+      ++it;
+    }
+  }
+  fs::remove_all(dir);
+}
+
 TEST(CheckpointReader, RefusesAnIncompleteCheckpoint) {
   const fs::path dir = scratch_dir("incomplete");
   write_sharded(dir, reference(), 2);
