@@ -77,13 +77,6 @@ std::pair<torch::Tensor, torch::Tensor> batch(int64_t step, int64_t rank) {
   return {x, torch::sin(x.matmul(w))};
 }
 
-// torch.chunk's rows [begin, end) of `rows` for rank r of `world` (possibly empty).
-std::pair<int64_t, int64_t> chunk_rows(int64_t rows, int64_t r, int64_t world) {
-  const int64_t size = (rows + world - 1) / world;
-  const int64_t begin = std::min(rows, r * size);
-  return {begin, std::min(rows, begin + size)};
-}
-
 std::string step_dir(const std::string& out, int64_t step) {
   char name[32];
   std::snprintf(name, sizeof(name), "step-%06lld", static_cast<long long>(step));
@@ -124,7 +117,7 @@ void train_rank(const Options& o, int rank, uint16_t port) {
   std::vector<int64_t> offsets, global_shapes;
   for (size_t i = 0; i < n; ++i) {
     rows[i] = params[i].size(0);
-    const auto [b, e] = chunk_rows(rows[i], rank, world);
+    const auto [b, e] = fsdp_ema::chunk_rows(rows[i], rank, world);
     local[i] = params[i].detach().narrow(0, b, e - b).clone().requires_grad_(true);
     for (int64_t d = 0; d < params[i].dim(); ++d) {
       offsets.push_back(d == 0 ? b : 0);
@@ -141,7 +134,7 @@ void train_rank(const Options& o, int rank, uint16_t port) {
   for (size_t i = 0; i < n; ++i) {
     row_numel[i] = params[i].numel() / std::max<int64_t>(rows[i], 1);
     for (int64_t r = 0; r < world; ++r) {
-      const auto [b, e] = chunk_rows(rows[i], r, world);
+      const auto [b, e] = fsdp_ema::chunk_rows(rows[i], r, world);
       segment[r] += (e - b) * row_numel[i];
     }
   }
@@ -163,7 +156,7 @@ void train_rank(const Options& o, int rank, uint16_t port) {
     for (int64_t r = 0; r < world; ++r) {
       std::vector<torch::Tensor> pieces;
       for (size_t i = 0; i < n; ++i) {
-        const auto [b, e] = chunk_rows(rows[i], r, world);
+        const auto [b, e] = fsdp_ema::chunk_rows(rows[i], r, world);
         pieces.push_back(params[i].grad().narrow(0, b, e - b).reshape({-1}));
       }
       pieces.push_back(torch::zeros({segment_max - segment[r]}));

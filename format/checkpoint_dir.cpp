@@ -166,6 +166,21 @@ struct CheckpointDir::Impl {
   std::vector<std::vector<PieceRef>> pieces;
   std::vector<size_t> flag_base;  // first once_flag of each tensor
   std::unique_ptr<std::once_flag[]> verified;
+  std::map<std::string, size_t> file_slot;  // file name -> index in files (while opening)
+
+  // open(), one layout each: fill index, files and pieces, or throw.
+  void open_fsdp_ema(const std::vector<std::string>& names);
+  void open_dcp_huggingface(const std::vector<std::string>& names);
+
+  // Opens shard file `name` once (its header parsed, no checksum read); its index in `files`.
+  size_t open_file(const std::string& name) {
+    auto [it, inserted] = file_slot.try_emplace(name, files.size());
+    if (inserted) {
+      file_names.push_back(name);
+      files.push_back(ShardFile::open(resolve_piece_path(path, name), /*verify_checksums=*/false));
+    }
+    return it->second;
+  }
 
   size_t tensor_index(std::string_view name) const {
     const IndexTensor* t = index.find(name);
@@ -322,209 +337,207 @@ CheckpointDir CheckpointDir::open(const std::string& dir) {
   auto impl = std::make_unique<Impl>();
   impl->path = dir;
   const std::vector<std::string> names = list_dir(dir);
-  const bool has_index = std::binary_search(names.begin(), names.end(), kIndexFileName);
-
-  std::map<std::string, size_t> file_slot;
-  auto open_file = [&](const std::string& name) -> size_t {
-    auto [it, inserted] = file_slot.try_emplace(name, impl->files.size());
-    if (inserted) {
-      impl->file_names.push_back(name);
-      impl->files.push_back(
-          ShardFile::open(resolve_piece_path(dir, name), /*verify_checksums=*/false));
-    }
-    return it->second;
-  };
-
-  if (has_index) {
-    impl->layout = CheckpointLayout::kFsdpEma;
-    // The index and the shard files it names are independent parses: the listing's
-    // .safetensors files are opened while the index is read (on the machine's cores when the
-    // index is large), then those the index names are kept. A file it names that the listing
-    // did not show is opened after; an error of one it does not name is dropped.
-    std::vector<std::string> listed;
-    for (const std::string& n : names) {
-      if (n.ends_with(".safetensors")) listed.push_back(n);
-    }
-    std::vector<std::optional<ShardFile>> early(listed.size());
-    struct stat st {};
-    const std::string index_path = dir + "/" + std::string(kIndexFileName);
-    const bool large = ::stat(index_path.c_str(), &st) == 0 &&
-                       static_cast<uint64_t>(st.st_size) >= detail::kParallelParseBytes;
-    const auto errors = detail::run_jobs(
-        1 + listed.size(),
-        [&](size_t i) {
-          if (i == 0) {
-            impl->index = read_index(dir);
-          } else {
-            early[i - 1].emplace(ShardFile::open(resolve_piece_path(dir, listed[i - 1]),
-                                                 /*verify_checksums=*/false));
-          }
-        },
-        large ? 0 : 1);
-    if (errors[0]) std::rethrow_exception(errors[0]);
-    std::set<std::string_view> files;
-    std::string_view last;
-    for (const IndexTensor& t : impl->index.tensors) {
-      for (const IndexPiece& p : t.pieces) {
-        if (p.file != last) files.insert(last = p.file);
-      }
-    }
-    for (std::string_view f : files) {
-      const auto it = std::lower_bound(listed.begin(), listed.end(), f);
-      const size_t k = static_cast<size_t>(it - listed.begin());
-      if (it == listed.end() || *it != f) {
-        open_file(std::string(f));
-        continue;
-      }
-      if (errors[1 + k]) std::rethrow_exception(errors[1 + k]);
-      file_slot.emplace(std::string(f), impl->files.size());
-      impl->file_names.emplace_back(f);
-      impl->files.push_back(std::move(*early[k]));
-    }
-    for (size_t i = 0; i < impl->files.size(); ++i) {
-      const ShardHeader& h = impl->files[i].header();
-      if (!h.fsdp_ema) {
-        throw FormatError(impl->files[i].path() + ": listed in " + std::string(kIndexFileName) +
-                          " but its header has no " + std::string(kMetaFormatVersion) +
-                          ": not an fsdp_ema shard file");
-      }
-      if (h.world_size && *h.world_size != impl->index.world_size) {
-        throw FormatError(impl->files[i].path() + ": written for world size " +
-                          std::to_string(*h.world_size) + " but the index says " +
-                          std::to_string(impl->index.world_size));
-      }
-    }
-    // matched[file][i]: the file's i-th tensor is a piece the index lists.
-    std::vector<std::vector<char>> matched(impl->files.size());
-    for (size_t fi = 0; fi < impl->files.size(); ++fi) {
-      matched[fi].assign(impl->files[fi].tensors().size(), 0);
-    }
-    impl->pieces.resize(impl->index.tensors.size());
-    for (size_t ti = 0; ti < impl->index.tensors.size(); ++ti) {
-      const IndexTensor& t = impl->index.tensors[ti];
-      for (const IndexPiece& p : t.pieces) {
-        const size_t fi = file_slot.at(p.file);
-        const ShardFile& f = impl->files[fi];
-        auto ctx = [&] { return f.path() + ": tensor " + json_quote(t.name); };  // on error only
-        const TensorInfo* info = f.find(t.name);
-        if (info == nullptr) {
-          throw FormatError(ctx() + ": listed in the index but missing from the file");
-        }
-        char& seen = matched[fi][static_cast<size_t>(info - f.tensors().data())];
-        if (seen) throw FormatError(ctx() + ": the index lists this file's piece twice");
-        seen = 1;
-        auto mismatch = [&](const std::string& what, const std::string& in_index,
-                            const std::string& in_file) {
-          return FormatError(ctx() + ": " + what + " " + in_index + " in the index but " + in_file +
-                             " in the file header");
-        };
-        if (info->dtype != t.dtype) {
-          throw mismatch("dtype", std::string(dtype_name(t.dtype)),
-                         std::string(dtype_name(info->dtype)));
-        }
-        if (info->shape != p.shape) {
-          throw mismatch("shape", shape_to_string(p.shape), shape_to_string(info->shape));
-        }
-        if (info->offsets != p.offsets) {
-          throw mismatch("offsets", shape_to_string(p.offsets), shape_to_string(info->offsets));
-        }
-        if (f.is_fsdp_ema() && info->global_shape != t.shape) {
-          throw mismatch("global shape", shape_to_string(t.shape),
-                         shape_to_string(info->global_shape));
-        }
-        if (info->checksum && p.checksum && *info->checksum != *p.checksum) {
-          throw mismatch("checksum", format_checksum(*p.checksum),
-                         format_checksum(*info->checksum));
-        }
-        impl->pieces[ti].push_back(Impl::PieceRef{fi, info});
-      }
-    }
-    for (size_t fi = 0; fi < impl->files.size(); ++fi) {
-      const auto& tensors = impl->files[fi].tensors();
-      for (size_t i = 0; i < tensors.size(); ++i) {
-        if (!matched[fi][i]) {
-          throw FormatError(impl->files[fi].path() + ": tensor " + json_quote(tensors[i].name) +
-                            " is not listed in the index");
-        }
-      }
-    }
+  if (std::binary_search(names.begin(), names.end(), kIndexFileName)) {
+    impl->open_fsdp_ema(names);
   } else {
-    const std::vector<std::string> st = safetensors_files(names);
-    for (const std::string& n : st) {
-      if (is_our_shard_name(n)) {
-        throw FormatError(dir + ": incomplete checkpoint: fsdp_ema.index.json missing (found " + n +
-                          "; the index is written last, after every rank's file)");
-      }
-    }
-    if (st.empty()) {
-      if (std::binary_search(names.begin(), names.end(), std::string(".metadata"))) {
-        throw FormatError(dir +
-                          ": a native torch.distributed.checkpoint directory (pickled "
-                          ".metadata + .distcp files) is not readable here: pickle is never "
-                          "loaded; save with HuggingFaceStorageWriter instead");
-      }
-      throw FormatError(dir +
-                        ": not a checkpoint: no fsdp_ema.index.json and no .safetensors "
-                        "files");
-    }
-    check_dcp_file_set(dir, st);
-    impl->layout = CheckpointLayout::kDcpHuggingFace;
-    std::map<std::string, IndexTensor> by_name;
-    std::map<std::string, std::vector<Impl::PieceRef>> refs;
-    for (const std::string& n : st) {
-      const size_t fi = open_file(n);
-      const ShardFile& f = impl->files[fi];
-      if (f.is_fsdp_ema()) {
-        throw FormatError(dir + ": incomplete checkpoint: fsdp_ema.index.json missing (" + n +
-                          " is an fsdp_ema shard file)");
-      }
-      for (const TensorInfo& info : f.tensors()) {
-        auto [it, inserted] = by_name.try_emplace(info.name);
-        IndexTensor& t = it->second;
-        if (inserted) {
-          t.name = info.name;
-          t.dtype = info.dtype;
-          t.shape.assign(info.shape.size(), 0);
-        } else if (t.dtype != info.dtype || t.shape.size() != info.shape.size()) {
-          throw FormatError(
-              f.path() + ": tensor " + json_quote(info.name) + " is " +
-              std::string(dtype_name(info.dtype)) + " with " + std::to_string(info.shape.size()) +
-              " dimensions but " + t.pieces.front().file + " has it as " +
-              std::string(dtype_name(t.dtype)) + " with " + std::to_string(t.shape.size()));
-        }
-        for (size_t d = 0; d < info.shape.size(); ++d) {
-          t.shape[d] = std::max(t.shape[d], info.offsets[d] + info.shape[d]);
-        }
-        t.pieces.push_back(IndexPiece{n, info.offsets, info.shape, info.checksum});
-        refs[info.name].push_back(Impl::PieceRef{fi, &info});
-      }
-    }
-    impl->index.world_size = static_cast<int64_t>(std::max<size_t>(1, st.size()));
-    for (auto& entry : by_name) {
-      // Keep pieces and their file references in the same (offset) order. (No structured
-      // binding: clang 14 cannot capture one in the lambda below.)
-      IndexTensor& t = entry.second;
-      std::vector<Impl::PieceRef>& r = refs[entry.first];
-      std::vector<size_t> order(t.pieces.size());
-      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-      std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-        return t.pieces[a].offsets != t.pieces[b].offsets
-                   ? t.pieces[a].offsets < t.pieces[b].offsets
-                   : t.pieces[a].file < t.pieces[b].file;
-      });
-      IndexTensor sorted{t.name, t.dtype, t.shape, {}};
-      std::vector<Impl::PieceRef> sorted_refs;
-      for (size_t i : order) {
-        sorted.pieces.push_back(std::move(t.pieces[i]));
-        sorted_refs.push_back(r[i]);
-      }
-      impl->index.tensors.push_back(std::move(sorted));
-      impl->pieces.push_back(std::move(sorted_refs));
-    }
-    validate_index(impl->index, dir, /*require_checksums=*/false);
+    impl->open_dcp_huggingface(names);
   }
   impl->init_flags();
   return CheckpointDir(std::move(impl));
+}
+
+// Ours: the index, and the header of every shard file it names checked against it.
+void CheckpointDir::Impl::open_fsdp_ema(const std::vector<std::string>& names) {
+  const std::string& dir = path;
+  layout = CheckpointLayout::kFsdpEma;
+  // The index and the shard files it names are independent parses: the listing's
+  // .safetensors files are opened while the index is read (on the machine's cores when the
+  // index is large), then those the index names are kept. A file it names that the listing
+  // did not show is opened after; an error of one it does not name is dropped.
+  std::vector<std::string> listed;
+  for (const std::string& n : names) {
+    if (n.ends_with(".safetensors")) listed.push_back(n);
+  }
+  std::vector<std::optional<ShardFile>> early(listed.size());
+  struct stat st {};
+  const std::string index_path = dir + "/" + std::string(kIndexFileName);
+  const bool large = ::stat(index_path.c_str(), &st) == 0 &&
+                     static_cast<uint64_t>(st.st_size) >= detail::kParallelParseBytes;
+  const auto errors = detail::run_jobs(
+      1 + listed.size(),
+      [&](size_t i) {
+        if (i == 0) {
+          index = read_index(dir);
+        } else {
+          early[i - 1].emplace(ShardFile::open(resolve_piece_path(dir, listed[i - 1]),
+                                               /*verify_checksums=*/false));
+        }
+      },
+      large ? 0 : 1);
+  if (errors[0]) std::rethrow_exception(errors[0]);
+  std::set<std::string_view> named;  // the files the index names
+  std::string_view last;
+  for (const IndexTensor& t : index.tensors) {
+    for (const IndexPiece& p : t.pieces) {
+      if (p.file != last) named.insert(last = p.file);
+    }
+  }
+  for (std::string_view f : named) {
+    const auto it = std::lower_bound(listed.begin(), listed.end(), f);
+    const size_t k = static_cast<size_t>(it - listed.begin());
+    if (it == listed.end() || *it != f) {
+      open_file(std::string(f));
+      continue;
+    }
+    if (errors[1 + k]) std::rethrow_exception(errors[1 + k]);
+    file_slot.emplace(std::string(f), files.size());
+    file_names.emplace_back(f);
+    files.push_back(std::move(*early[k]));
+  }
+  for (size_t i = 0; i < files.size(); ++i) {
+    const ShardHeader& h = files[i].header();
+    if (!h.fsdp_ema) {
+      throw FormatError(files[i].path() + ": listed in " + std::string(kIndexFileName) +
+                        " but its header has no " + std::string(kMetaFormatVersion) +
+                        ": not an fsdp_ema shard file");
+    }
+    if (h.world_size && *h.world_size != index.world_size) {
+      throw FormatError(files[i].path() + ": written for world size " +
+                        std::to_string(*h.world_size) + " but the index says " +
+                        std::to_string(index.world_size));
+    }
+  }
+  // matched[file][i]: the file's i-th tensor is a piece the index lists.
+  std::vector<std::vector<char>> matched(files.size());
+  for (size_t fi = 0; fi < files.size(); ++fi) {
+    matched[fi].assign(files[fi].tensors().size(), 0);
+  }
+  pieces.resize(index.tensors.size());
+  for (size_t ti = 0; ti < index.tensors.size(); ++ti) {
+    const IndexTensor& t = index.tensors[ti];
+    for (const IndexPiece& p : t.pieces) {
+      const size_t fi = file_slot.at(p.file);
+      const ShardFile& f = files[fi];
+      auto ctx = [&] { return f.path() + ": tensor " + json_quote(t.name); };  // on error only
+      const TensorInfo* info = f.find(t.name);
+      if (info == nullptr) {
+        throw FormatError(ctx() + ": listed in the index but missing from the file");
+      }
+      char& seen = matched[fi][static_cast<size_t>(info - f.tensors().data())];
+      if (seen) throw FormatError(ctx() + ": the index lists this file's piece twice");
+      seen = 1;
+      auto mismatch = [&](const std::string& what, const std::string& in_index,
+                          const std::string& in_file) {
+        return FormatError(ctx() + ": " + what + " " + in_index + " in the index but " + in_file +
+                           " in the file header");
+      };
+      if (info->dtype != t.dtype) {
+        throw mismatch("dtype", std::string(dtype_name(t.dtype)),
+                       std::string(dtype_name(info->dtype)));
+      }
+      if (info->shape != p.shape) {
+        throw mismatch("shape", shape_to_string(p.shape), shape_to_string(info->shape));
+      }
+      if (info->offsets != p.offsets) {
+        throw mismatch("offsets", shape_to_string(p.offsets), shape_to_string(info->offsets));
+      }
+      if (f.is_fsdp_ema() && info->global_shape != t.shape) {
+        throw mismatch("global shape", shape_to_string(t.shape),
+                       shape_to_string(info->global_shape));
+      }
+      if (info->checksum && p.checksum && *info->checksum != *p.checksum) {
+        throw mismatch("checksum", format_checksum(*p.checksum), format_checksum(*info->checksum));
+      }
+      pieces[ti].push_back(Impl::PieceRef{fi, info});
+    }
+  }
+  for (size_t fi = 0; fi < files.size(); ++fi) {
+    const auto& tensors = files[fi].tensors();
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (!matched[fi][i]) {
+        throw FormatError(files[fi].path() + ": tensor " + json_quote(tensors[i].name) +
+                          " is not listed in the index");
+      }
+    }
+  }
+}
+
+// No index: DCP's HuggingFace writer's files (or a plain Hugging Face directory), the index
+// synthesized from every file's pieces as DCP's reader places them.
+void CheckpointDir::Impl::open_dcp_huggingface(const std::vector<std::string>& names) {
+  const std::string& dir = path;
+  const std::vector<std::string> st = safetensors_files(names);
+  for (const std::string& n : st) {
+    if (is_our_shard_name(n)) {
+      throw FormatError(dir + ": incomplete checkpoint: fsdp_ema.index.json missing (found " + n +
+                        "; the index is written last, after every rank's file)");
+    }
+  }
+  if (st.empty()) {
+    if (std::binary_search(names.begin(), names.end(), std::string(".metadata"))) {
+      throw FormatError(dir +
+                        ": a native torch.distributed.checkpoint directory (pickled "
+                        ".metadata + .distcp files) is not readable here: pickle is never "
+                        "loaded; save with HuggingFaceStorageWriter instead");
+    }
+    throw FormatError(dir +
+                      ": not a checkpoint: no fsdp_ema.index.json and no .safetensors "
+                      "files");
+  }
+  check_dcp_file_set(dir, st);
+  layout = CheckpointLayout::kDcpHuggingFace;
+  std::map<std::string, IndexTensor> by_name;
+  std::map<std::string, std::vector<Impl::PieceRef>> refs;
+  for (const std::string& n : st) {
+    const size_t fi = open_file(n);
+    const ShardFile& f = files[fi];
+    if (f.is_fsdp_ema()) {
+      throw FormatError(dir + ": incomplete checkpoint: fsdp_ema.index.json missing (" + n +
+                        " is an fsdp_ema shard file)");
+    }
+    for (const TensorInfo& info : f.tensors()) {
+      auto [it, inserted] = by_name.try_emplace(info.name);
+      IndexTensor& t = it->second;
+      if (inserted) {
+        t.name = info.name;
+        t.dtype = info.dtype;
+        t.shape.assign(info.shape.size(), 0);
+      } else if (t.dtype != info.dtype || t.shape.size() != info.shape.size()) {
+        throw FormatError(f.path() + ": tensor " + json_quote(info.name) + " is " +
+                          std::string(dtype_name(info.dtype)) + " with " +
+                          std::to_string(info.shape.size()) + " dimensions but " +
+                          t.pieces.front().file + " has it as " + std::string(dtype_name(t.dtype)) +
+                          " with " + std::to_string(t.shape.size()));
+      }
+      for (size_t d = 0; d < info.shape.size(); ++d) {
+        t.shape[d] = std::max(t.shape[d], info.offsets[d] + info.shape[d]);
+      }
+      t.pieces.push_back(IndexPiece{n, info.offsets, info.shape, info.checksum});
+      refs[info.name].push_back(Impl::PieceRef{fi, &info});
+    }
+  }
+  index.world_size = static_cast<int64_t>(std::max<size_t>(1, st.size()));
+  for (auto& entry : by_name) {
+    // Keep pieces and their file references in the same (offset) order. (No structured
+    // binding: clang 14 cannot capture one in the lambda below.)
+    IndexTensor& t = entry.second;
+    std::vector<Impl::PieceRef>& r = refs[entry.first];
+    std::vector<size_t> order(t.pieces.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return t.pieces[a].offsets != t.pieces[b].offsets ? t.pieces[a].offsets < t.pieces[b].offsets
+                                                        : t.pieces[a].file < t.pieces[b].file;
+    });
+    IndexTensor sorted{t.name, t.dtype, t.shape, {}};
+    std::vector<Impl::PieceRef> sorted_refs;
+    for (size_t i : order) {
+      sorted.pieces.push_back(std::move(t.pieces[i]));
+      sorted_refs.push_back(r[i]);
+    }
+    index.tensors.push_back(std::move(sorted));
+    pieces.push_back(std::move(sorted_refs));
+  }
+  validate_index(index, dir, /*require_checksums=*/false);
 }
 
 const std::string& CheckpointDir::path() const { return impl_->path; }
@@ -637,11 +650,12 @@ void CheckpointDir::read_rows(std::string_view name, int64_t row_begin, int64_t 
 void CheckpointDir::read_chunk(std::string_view name, int64_t rank, int64_t world, void* dst,
                                size_t dst_bytes, bool verify) const {
   const IndexTensor& t = tensor(name);
-  if (t.shape.empty()) {
-    throw FormatError(impl_->path + ": tensor " + json_quote(t.name) +
-                      ": is 0-dim, it cannot be chunked along dim 0");
+  if (t.shape.empty()) {  // every rank holds a 0-dim tensor whole (rows.h)
+    tensor_rows(t.shape, rank, world);
+    read_full(name, dst, dst_bytes, verify);
+    return;
   }
-  const RowRange r = chunk_rows(t.shape[0], rank, world);
+  const RowRange r = tensor_rows(t.shape, rank, world);
   read_rows(name, r.begin, r.end, dst, dst_bytes, verify);
 }
 

@@ -20,4 +20,12 @@ RowRange chunk_rows(int64_t rows, int64_t rank, int64_t world) {
   return {begin, end};
 }
 
+RowRange tensor_rows(std::span<const int64_t> shape, int64_t rank, int64_t world) {
+  if (shape.empty()) {
+    chunk_rows(1, rank, world);  // the same argument checks
+    return {0, 1};
+  }
+  return chunk_rows(shape[0], rank, world);
+}
+
 }  // namespace fsdp_ema::format

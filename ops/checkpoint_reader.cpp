@@ -10,8 +10,9 @@
 #include "fsdp_ema/checkpoint.h"
 #include "fsdp_ema/format/checkpoint_dir.h"
 #include "fsdp_ema/format/error.h"
-#include "ops/checkpoint.h"
-#include "ops/checkpoint_read.h"
+#include "fsdp_ema/format/rows.h"
+#include "ops/format_bridge.h"
+#include "ops/reads.h"
 
 namespace fsdp_ema {
 namespace {
@@ -80,8 +81,9 @@ at::Tensor CheckpointReader::load_chunk(const std::string& name, int64_t rank, i
               "rank must be in [0, world_size), got rank ", rank, " of ", world_size);
   return translate([&] {
     const format::IndexTensor& info = impl_->dir.tensor(name);
-    const at::Tensor t = ops::read_rows(impl_->owner, info, ops::rank_rows(info, rank, world_size),
-                                        verify, impl_->mmap && device.is_cpu());
+    const at::Tensor t =
+        ops::read_rows(impl_->owner, info, format::tensor_rows(info.shape, rank, world_size),
+                       verify, impl_->mmap && device.is_cpu());
     return device.is_cpu() ? t : t.to(device);
   });
 }
@@ -92,7 +94,7 @@ std::map<std::string, at::Tensor> CheckpointReader::load_all(at::Device device, 
     // each piece while reading it.
     std::vector<std::pair<const format::IndexTensor*, format::RowRange>> plan;
     for (const auto& t : impl_->dir.tensors()) {
-      plan.emplace_back(&t, ops::rank_rows(t, 0, 1));
+      plan.emplace_back(&t, format::tensor_rows(t.shape, 0, 1));
     }
     translate([&] { ops::verify_pieces(impl_->dir, plan); });
   }

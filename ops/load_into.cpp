@@ -13,11 +13,13 @@
 #include <algorithm>
 #include <memory>
 
-#include "ops/checkpoint.h"
-#include "ops/checkpoint_meta.h"
-#include "ops/checkpoint_read.h"
+#include "fsdp_ema/format/rows.h"
+#include "ops/checkpoint_info.h"
 #include "ops/format_bridge.h"
+#include "ops/load_tensors.h"
 #include "ops/memory.h"
+#include "ops/reads.h"
+#include "ops/tracing.h"
 
 namespace fsdp_ema::ops {
 namespace {
@@ -43,7 +45,7 @@ Plan plan_load_into(const std::shared_ptr<const format::CheckpointDir>& dir,
     const format::IndexTensor* info = dir->find(names[i]);
     TORCH_CHECK(info != nullptr, kOp, "names[", i, "] '", names[i], "' is not in checkpoint '",
                 directory, "'");
-    const format::RowRange rows = rank_rows(*info, rank, world_size);
+    const format::RowRange rows = format::tensor_rows(info->shape, rank, world_size);
     std::vector<int64_t> shape(info->shape.begin(), info->shape.end());
     if (!shape.empty()) shape[0] = rows.size();
     const at::Tensor& t = out[i];

@@ -2,9 +2,8 @@
 
 #include <c10/util/Exception.h>
 
-#include <nlohmann/json.hpp>
-
 #include "fsdp_ema/format/error.h"
+#include "fsdp_ema/format/json_writer.h"
 #include "fsdp_ema/format/posthoc.h"
 
 namespace fsdp_ema::ops {
@@ -46,19 +45,20 @@ std::string posthoc_plan(c10::string_view snapshot_root, double sigma_rel,
     const format::PosthocPlan plan =
         format::plan_posthoc(std::string(snapshot_root), sigma_rel, step);
     if (out.has_value()) format::check_posthoc_output(plan, std::string(*out));
-    nlohmann::json j;
-    j["snapshots"] = nlohmann::json::array();
+    format::JsonWriter j;
+    j.begin_object().key("snapshots").begin_array();
     for (const auto& s : plan.snapshots) {
-      j["snapshots"].push_back({{"dir", s.dir}, {"step", s.step}, {"gamma", s.gamma}});
+      j.begin_object().key("dir").value(s.dir).key("step").value(s.step).key("gamma").value(
+          s.gamma);
+      j.end_object();
     }
-    j["weights"] = plan.weights;
-    j["step"] = plan.step;
-    j["gamma"] = plan.gamma;
-    j["sigma_rel"] = plan.sigma_rel;
-    j["world_size"] = plan.world_size;
-    j["tensors"] = plan.tensors;
-    j["skipped"] = plan.skipped;
-    return j.dump();
+    j.end_array();
+    j.key("weights").array(std::span<const double>(plan.weights));
+    j.key("step").value(plan.step).key("gamma").value(plan.gamma);
+    j.key("sigma_rel").value(plan.sigma_rel).key("world_size").value(plan.world_size);
+    j.key("tensors").array(std::span<const std::string>(plan.tensors));
+    j.key("skipped").array(std::span<const std::string>(plan.skipped));
+    return j.end_object().str();
   });
 }
 

@@ -213,4 +213,65 @@ void update_tensor_meta(TensorList ema, TensorList model, const at::Tensor& deca
   validate_update(ema, model, std::nullopt, &decay, UpdateChecks::kNoStorage);
 }
 
+// --- update_multi_ ---------------------------------------------------------------------------
+namespace {
+
+// Runs a validated update_multi_ call on the CPU.
+void run_multi_cpu(at::TensorList ema, at::TensorList model, const std::vector<double>& decays) {
+  TORCH_CHECK(ema[0].device().is_cpu(), kMultiOp, "the CPU kernel got tensors on ",
+              ema[0].device());
+  PreparedUpdate p = prepare_update_multi(ema, model);
+  const int64_t n = static_cast<int64_t>(p.model.size());
+  std::vector<kernels::UpdatePair> pairs;
+  pairs.reserve(p.ema.size());
+  for (const auto j : c10::irange(p.ema.size())) {
+    const at::Tensor& m = p.model[j % n];
+    pairs.push_back({p.ema[j].data_ptr(), m.const_data_ptr(), m.numel(),
+                     to_format_dtype(p.ema[j].scalar_type(), "ema"),
+                     to_format_dtype(m.scalar_type(), "model")});
+  }
+  if (n > 0) {
+    kernels::update_multi_cpu(pairs.data(), n, static_cast<int64_t>(decays.size()), decays.data());
+  }
+  p.finish();
+}
+
+}  // namespace
+
+void update_multi_cpu(at::TensorList ema, at::TensorList model, c10::ArrayRef<double> decays) {
+  validate_update_multi(ema, model, decays, {}, UpdateChecks::kAll);
+  bump_versions(ema);
+  run_multi_cpu(ema, model, decays.vec());
+}
+
+void update_multi_tensor_cpu(at::TensorList ema, at::TensorList model, at::TensorList decays) {
+  validate_update_multi(ema, model, {}, decays, UpdateChecks::kAll);
+  std::vector<double> values;
+  values.reserve(decays.size());
+  for (const auto k : c10::irange(decays.size())) {
+    values.push_back(cpu_decay_value(decays[k], kMultiOp, "decays[" + std::to_string(k) + "]"));
+  }
+  bump_versions(ema);
+  run_multi_cpu(ema, model, values);
+}
+
+void update_multi_meta(at::TensorList ema, at::TensorList model, c10::ArrayRef<double> decays) {
+  validate_update_multi(ema, model, decays, {}, UpdateChecks::kNoStorage);
+}
+
+void update_multi_tensor_meta(at::TensorList ema, at::TensorList model, at::TensorList decays) {
+  validate_update_multi(ema, model, {}, decays, UpdateChecks::kNoStorage);
+}
+
+void update_no_kernel(at::TensorList ema, at::TensorList model, double decay) {
+  update_meta(ema, model, decay);
+  TORCH_CHECK(false, kOp, "no kernel for tensors on ", ema[0].device());
+}
+
+void update_multi_no_kernel(at::TensorList ema, at::TensorList model,
+                            c10::ArrayRef<double> decays) {
+  update_multi_meta(ema, model, decays);
+  TORCH_CHECK(false, kMultiOp, "no kernel for tensors on ", ema[0].device());
+}
+
 }  // namespace fsdp_ema::ops

@@ -1,5 +1,6 @@
-// Host side of fsdp_ema::update_ (alias ema_shard_update_): validation shared by every backend,
-// and the per-backend kernels the registration tables point at.
+// fsdp_ema::update_ (alias ema_shard_update_) and update_multi_ (update_ with K EMA lists of the
+// same model tensors: one read of the model): the validation every kernel shares (the Meta ones
+// too), and the CPU and Meta kernels; the CUDA ones are in update_cuda.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -49,6 +50,24 @@ void update_meta(TensorList ema, TensorList model, double decay);
 void update_tensor_meta(TensorList ema, TensorList model, const at::Tensor& decay);
 void update_cuda(TensorList ema, TensorList model, double decay);
 void update_tensor_cuda(TensorList ema, TensorList model, const at::Tensor& decay);
+
+// update_multi_: K EMA lists of the same model tensors, one read of the model.
+// Its kernels; "_tensor" variants take decays as 0-dim tensors.
+//   ema:    [K * N tensors] fp32/fp64/bf16/fp16, profile-major: ema[k * N + i] is EMA k of
+//           model[i], updated in place with decays[k]
+//   model:  [N tensors]     fp32/fp64/bf16/fp16, same shapes as their EMAs
+//   decays: [K]             floats in [0, 1], or 0-dim floating tensors (CPU or the device)
+void update_multi_cpu(at::TensorList ema, at::TensorList model, c10::ArrayRef<double> decays);
+void update_multi_tensor_cpu(at::TensorList ema, at::TensorList model, at::TensorList decays);
+void update_multi_meta(at::TensorList ema, at::TensorList model, c10::ArrayRef<double> decays);
+void update_multi_tensor_meta(at::TensorList ema, at::TensorList model, at::TensorList decays);
+void update_multi_cuda(at::TensorList ema, at::TensorList model, c10::ArrayRef<double> decays);
+void update_multi_tensor_cuda(at::TensorList ema, at::TensorList model, at::TensorList decays);
+// The float overloads with nothing to dispatch on (empty lists) or tensors on a device without a
+// kernel: validate, so that the error names the bad argument ("ema is empty"), then refuse. The
+// Tensor overloads always have a tensor to dispatch on.
+void update_no_kernel(at::TensorList ema, at::TensorList model, double decay);
+void update_multi_no_kernel(at::TensorList ema, at::TensorList model, c10::ArrayRef<double> decays);
 
 }  // namespace fsdp_ema::ops
 

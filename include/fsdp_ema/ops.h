@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace c10d {
@@ -104,6 +105,10 @@ ShardFileContents load_shard(const std::string& path, bool verify = true,
 
 // JSON: {"layout", "world_size", "tensors": {name: {"dtype", "shape"}}, "metadata"}.
 std::string checkpoint_info(const std::string& directory);
+
+// The dim-0 rows [begin, end) torch.chunk(tensor, world_size)[rank] holds of a tensor of `rows`
+// rows (empty past the last chunk): FSDP2's Shard(0), what gather_shards and the loads split by.
+std::pair<int64_t, int64_t> chunk_rows(int64_t rows, int64_t rank, int64_t world_size);
 
 // Dim-0 shards (torch.chunk rows, possibly empty) of N tensors -> the N full tensors on every
 // rank of a process group, with one all-gather (gloo on CPU, NCCL on CUDA).

@@ -112,6 +112,9 @@ TEST(CheckpointDir, ZeroDimAndEmptyTensors) {
   EXPECT_EQ(step, want);
   EXPECT_THAT(error_of([&] { ckpt.read_rows("step", 0, 0, nullptr, 0); }),
               HasSubstr("tensor \"step\": is 0-dim, it has no rows"));
+  int64_t chunk = 0;  // every rank holds a 0-dim tensor whole (rows.h's tensor_rows)
+  ckpt.read_chunk("step", 2, 3, &chunk, sizeof(chunk));
+  EXPECT_EQ(chunk, want);
   ckpt.read_full("empty", nullptr, 0);
   ckpt.read_chunk("empty", 1, 3, nullptr, 0);
   EXPECT_EQ(ckpt.tensor_nbytes("empty"), 0u);

@@ -66,7 +66,8 @@ class CheckpointDir {
   // Rows [row_begin, row_end) of dim 0 (the tensor must have at least one dimension).
   void read_rows(std::string_view name, int64_t row_begin, int64_t row_end, void* dst,
                  size_t dst_bytes, bool verify = true) const;
-  // The rows rank `rank` of `world` holds: read_rows(chunk_rows(rows, rank, world)).
+  // The rows rank `rank` of `world` holds: read_rows(tensor_rows(shape, rank, world)); a 0-dim
+  // tensor whole (every rank holds it).
   void read_chunk(std::string_view name, int64_t rank, int64_t world, void* dst, size_t dst_bytes,
                   bool verify = true) const;
   // Any box [offsets, offsets + shape) of the tensor, written row-major into dst.

@@ -1,4 +1,4 @@
-#include "ops/export.h"
+#include "ops/export_writer.h"
 
 #include <c10/util/irange.h>
 

@@ -122,6 +122,14 @@ std::string checkpoint_info(const std::string& directory) {
   return op.call(directory);
 }
 
+std::pair<int64_t, int64_t> chunk_rows(int64_t rows, int64_t rank, int64_t world_size) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fsdp_ema::chunk_rows", "")
+                             .typed<std::vector<int64_t>(int64_t, int64_t, int64_t)>();
+  const std::vector<int64_t> r = op.call(rows, rank, world_size);
+  return {r[0], r[1]};
+}
+
 std::vector<at::Tensor> gather_shards(TensorList shards, c10::ArrayRef<int64_t> rows,
                                       const std::string& group_name) {
   static const auto op =

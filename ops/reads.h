@@ -13,10 +13,6 @@
 
 namespace fsdp_ema::ops {
 
-// The dim-0 rows of `tensor` that rank `rank` of `world_size` holds (torch.chunk). A 0-dim tensor
-// has no rows to split: every rank gets all of it, as FSDP replicates it ({0, 1}).
-format::RowRange rank_rows(const format::IndexTensor& tensor, int64_t rank, int64_t world_size);
-
 // The dim-0 rows [rows.begin, rows.end) of `tensor` (all of it for a 0-dim tensor) as a CPU
 // tensor the caller owns (read and verified in one pass). With mmap (opt-in), when one stored
 // piece holds exactly those rows, the result is instead a zero-copy view of a private mapping of

@@ -1,4 +1,4 @@
-#include "ops/checkpoint_read.h"
+#include "ops/reads.h"
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
@@ -8,11 +8,6 @@
 #include "ops/format_bridge.h"
 
 namespace fsdp_ema::ops {
-
-format::RowRange rank_rows(const format::IndexTensor& tensor, int64_t rank, int64_t world_size) {
-  if (tensor.shape.empty()) return {0, 1};
-  return format::chunk_rows(tensor.shape[0], rank, world_size);
-}
 
 void verify_pieces(
     const format::CheckpointDir& dir,

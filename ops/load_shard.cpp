@@ -1,0 +1,92 @@
+#include "ops/load_shard.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/util/Exception.h>
+
+#include <memory>
+#include <utility>
+
+#include "fsdp_ema/format/shard_file.h"
+#include "ops/format_bridge.h"
+#include "ops/tracing.h"
+
+namespace fsdp_ema::ops {
+namespace {
+
+constexpr const char* kOp = "fsdp_ema::load_shard: ";
+
+}  // namespace
+
+ShardContents load_shard(c10::string_view path, bool verify, std::optional<at::Device> device,
+                         bool mmap) {
+  return translate_errors(kOp, [&] {
+    const at::Device target = device.value_or(at::Device(at::kCPU));
+    const bool zero_copy = mmap && target.is_cpu();
+    // Owned reads verify each tensor while reading it; zero-copy verifies the file up front.
+    auto file = std::make_shared<format::ShardFile>(
+        format::ShardFile::open(std::string(path), verify && zero_copy));
+    std::vector<std::string> names;
+    std::vector<at::Tensor> tensors;
+    std::vector<int64_t> offsets;
+    std::vector<int64_t> global_shapes;
+    for (const format::TensorInfo& info : file->tensors()) {
+      names.push_back(info.name);
+      offsets.insert(offsets.end(), info.offsets.begin(), info.offsets.end());
+      global_shapes.insert(global_shapes.end(), info.global_shape.begin(), info.global_shape.end());
+      const auto options = at::TensorOptions().dtype(to_scalar_type(info.dtype));
+      at::Tensor t;
+      if (zero_copy && info.nbytes > 0) {
+        const auto bytes = file->data(info);
+        const auto element = static_cast<uintptr_t>(format::dtype_size(info.dtype));
+        if (reinterpret_cast<uintptr_t>(bytes.data()) % element == 0) {
+          // A view of the private (copy-on-write) mapping; the tensor keeps the file mapped.
+          t = at::from_blob(
+              const_cast<std::byte*>(bytes.data()), info.shape, [file](void*) {}, options);
+        }
+      }
+      if (!t.defined()) {
+        t = at::empty(info.shape, options);
+        file->read_verified(info, t.data_ptr(), verify && !zero_copy);
+        if (!target.is_cpu()) t = t.to(target);
+      }
+      tensors.push_back(std::move(t));
+    }
+    return std::make_tuple(std::move(names), std::move(tensors), std::move(offsets),
+                           std::move(global_shapes));
+  });
+}
+
+ShardContents load_shard_entry(c10::string_view path, bool verify, std::optional<at::Device> device,
+                               bool mmap) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fsdp_ema::_load_shard", "")
+          .typed<ShardContents(const at::Tensor&, c10::string_view, bool, bool)>();
+  return op.call(target_on(device), path, verify, mmap);
+}
+
+ShardContents load_shard_to(const at::Tensor& target, c10::string_view path, bool verify,
+                            bool mmap) {
+  return load_shard(path, verify, target.device(), mmap);
+}
+
+ShardContents load_shard_meta(const at::Tensor& target, c10::string_view path, bool verify,
+                              bool mmap) {
+  return translate_errors(kOp, [&] {
+    // Header only: the checksums are not checked (that would read the data).
+    const format::ShardFile file = format::ShardFile::open(std::string(path), false);
+    ShardContents out;
+    auto& [names, tensors, offsets, global_shapes] = out;
+    for (const format::TensorInfo& info : file.tensors()) {
+      names.push_back(info.name);
+      offsets.insert(offsets.end(), info.offsets.begin(), info.offsets.end());
+      global_shapes.insert(global_shapes.end(), info.global_shape.begin(), info.global_shape.end());
+      tensors.push_back(at::empty(info.shape, meta_options(to_scalar_type(info.dtype))));
+    }
+    return out;
+  });
+}
+
+}  // namespace fsdp_ema::ops
