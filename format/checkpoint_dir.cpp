@@ -1,6 +1,5 @@
 #include "fsdp_ema/format/checkpoint_dir.h"
 
-#include <dirent.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -16,6 +15,7 @@
 #include "fsdp_ema/format/error.h"
 #include "fsdp_ema/format/file_util.h"
 #include "fsdp_ema/format/json_strict.h"
+#include "fsdp_ema/format/names.h"
 #include "fsdp_ema/format/parallel.h"
 #include "fsdp_ema/format/paths.h"
 
@@ -24,34 +24,10 @@ namespace {
 
 using detail::json_quote;
 
-bool is_digits(std::string_view s) {
-  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
-}
-
-// shard-<digits>-of-<digits>.safetensors
-bool is_our_shard_name(std::string_view n) {
-  constexpr std::string_view kPrefix = "shard-", kSuffix = ".safetensors", kOf = "-of-";
-  if (!n.starts_with(kPrefix) || !n.ends_with(kSuffix)) return false;
-  n.remove_prefix(kPrefix.size());
-  n.remove_suffix(kSuffix.size());
-  const auto of = n.find(kOf);
-  return of != std::string_view::npos && is_digits(n.substr(0, of)) &&
-         is_digits(n.substr(of + kOf.size()));
-}
-
-std::vector<std::string> list_dir(const std::string& dir) {
-  std::unique_ptr<DIR, int (*)(DIR*)> d(::opendir(dir.c_str()), &::closedir);
-  if (!d) throw FormatError(dir + ": cannot list directory: " + detail::errno_text(errno));
-  std::vector<std::string> names;
-  while (const dirent* e = ::readdir(d.get())) names.emplace_back(e->d_name);
-  std::sort(names.begin(), names.end());
-  return names;
-}
-
 std::vector<std::string> safetensors_files(const std::vector<std::string>& names) {
   std::vector<std::string> out;
   for (const std::string& n : names) {
-    if (n.ends_with(".safetensors") && !n.starts_with(".")) out.push_back(n);
+    if (is_safetensors_file_name(n)) out.push_back(n);
   }
   return out;
 }
@@ -60,47 +36,6 @@ Shape strides_of(std::span<const int64_t> shape) {
   Shape s(shape.size(), 1);
   for (size_t d = shape.size(); d-- > 1;) s[d - 1] = s[d] * shape[d];
   return s;
-}
-
-// Names DCP's HuggingFaceStorageWriter gives its files: "shard-<S>-model-<M>-of-<N>.safetensors"
-// (save_distributed: S = rank + 1) or "model-<M>-of-<N>.safetensors". Fields are 0 when absent.
-struct DcpFileName {
-  int64_t shard = 0;
-  int64_t model = 0;
-  int64_t of = 0;
-};
-
-std::optional<int64_t> parse_index_digits(std::string_view s) {
-  if (!is_digits(s) || s.size() > 9) return std::nullopt;
-  int64_t v = 0;
-  for (char c : s) v = v * 10 + (c - '0');
-  return v;
-}
-
-std::optional<DcpFileName> parse_dcp_file_name(std::string_view n) {
-  constexpr std::string_view kSuffix = ".safetensors";
-  if (!n.ends_with(kSuffix)) return std::nullopt;
-  n.remove_suffix(kSuffix.size());
-  DcpFileName out;
-  if (n.starts_with("shard-")) {
-    n.remove_prefix(6);
-    const auto dash = n.find('-');
-    if (dash == std::string_view::npos) return std::nullopt;
-    auto s = parse_index_digits(n.substr(0, dash));
-    if (!s) return std::nullopt;
-    out.shard = *s;
-    n.remove_prefix(dash + 1);
-  }
-  if (!n.starts_with("model-")) return std::nullopt;
-  n.remove_prefix(6);
-  const auto of = n.find("-of-");
-  if (of == std::string_view::npos) return std::nullopt;
-  auto m = parse_index_digits(n.substr(0, of));
-  auto total = parse_index_digits(n.substr(of + 4));
-  if (!m || !total || *m < 1 || *m > *total) return std::nullopt;
-  out.model = *m;
-  out.of = *total;
-  return out;
 }
 
 // A directory of DCP HuggingFace files records no world size and no global shapes (its reader
@@ -336,7 +271,7 @@ CheckpointDir CheckpointDir::open(const std::string& dir) {
   }
   auto impl = std::make_unique<Impl>();
   impl->path = dir;
-  const std::vector<std::string> names = list_dir(dir);
+  const std::vector<std::string> names = detail::list_dir(dir);
   if (std::binary_search(names.begin(), names.end(), kIndexFileName)) {
     impl->open_fsdp_ema(names);
   } else {
@@ -356,7 +291,7 @@ void CheckpointDir::Impl::open_fsdp_ema(const std::vector<std::string>& names) {
   // did not show is opened after; an error of one it does not name is dropped.
   std::vector<std::string> listed;
   for (const std::string& n : names) {
-    if (n.ends_with(".safetensors")) listed.push_back(n);
+    if (n.ends_with(kSafetensorsSuffix)) listed.push_back(n);
   }
   std::vector<std::optional<ShardFile>> early(listed.size());
   struct stat st {};
@@ -468,7 +403,7 @@ void CheckpointDir::Impl::open_dcp_huggingface(const std::vector<std::string>& n
   const std::string& dir = path;
   const std::vector<std::string> st = safetensors_files(names);
   for (const std::string& n : st) {
-    if (is_our_shard_name(n)) {
+    if (is_shard_file_name(n)) {
       throw FormatError(dir + ": incomplete checkpoint: fsdp_ema.index.json missing (found " + n +
                         "; the index is written last, after every rank's file)");
     }
@@ -567,7 +502,7 @@ const ShardFile& CheckpointDir::shard_file(std::string_view file) const {
 
 std::vector<std::string> CheckpointDir::stray_files() const {
   std::vector<std::string> out;
-  for (const std::string& n : safetensors_files(list_dir(impl_->path))) {
+  for (const std::string& n : safetensors_files(detail::list_dir(impl_->path))) {
     if (!std::binary_search(impl_->file_names.begin(), impl_->file_names.end(), n)) {
       out.push_back(n);
     }

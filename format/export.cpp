@@ -1,6 +1,5 @@
 #include "fsdp_ema/format/export.h"
 
-#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -44,14 +43,12 @@ void remove_staging_quietly(const std::string& stage) noexcept {
 
 // "<out>/.fsdp_ema-export.tmp-<pid>-<random>": the new export is written here in full, then
 // renamed into place, so a failure while writing leaves an earlier export untouched.
-constexpr std::string_view kStagingPrefix = ".fsdp_ema-export.tmp-";
+constexpr std::string_view kStagingName = "fsdp_ema-export";
 
 // Staging directories of exports whose process is gone (a crash or a kill mid-write).
 void remove_dead_staging(const std::string& out_dir) {
   for (const std::string& n : detail::list_dir(out_dir)) {
-    if (!n.starts_with(kStagingPrefix)) continue;
-    const long pid = std::strtol(n.c_str() + kStagingPrefix.size(), nullptr, 10);
-    if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+    if (detail::temporary_is_orphaned(n, temporary_name_prefix(kStagingName))) {
       remove_staging_quietly(detail::join_path(out_dir, n));
     }
   }
@@ -82,7 +79,7 @@ void switch_to_staged(const std::string& out_dir, const std::string& stage,
   }
   for (const std::string& old : existing) {
     // A model.safetensors left beside a new index would be read first (Hugging Face prefers it).
-    if (old == "model.safetensors" && !is_new(old)) remove(old);
+    if (old == kExportSingleFileName && !is_new(old)) remove(old);
     if (old != kHfIndexName && !is_new(old))
       detail::remove_quietly(detail::join_path(out_dir, old));
   }
@@ -182,7 +179,7 @@ class Stage {
  public:
   explicit Stage(const std::string& out_dir) : out_dir_(out_dir) {
     remove_dead_staging(out_dir);
-    path_ = detail::temp_path_for(detail::join_path(out_dir, "fsdp_ema-export"));
+    path_ = detail::temp_path_for(detail::join_path(out_dir, kStagingName));
     if (::mkdir(path_.c_str(), 0755) != 0) {
       throw FormatError(path_ +
                         ": cannot create the staging directory: " + detail::errno_text(errno));

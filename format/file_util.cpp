@@ -2,11 +2,13 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <memory>
@@ -14,6 +16,7 @@
 #include <utility>
 
 #include "fsdp_ema/format/error.h"
+#include "fsdp_ema/format/names.h"
 #include "fsdp_ema/format/paths.h"
 
 namespace fsdp_ema::format::detail {
@@ -191,8 +194,13 @@ std::string temp_path_for(const std::string& final_path) {
     c = kHex[r & 0xf];
     r >>= 4;
   }
-  return join_path(parent_dir(final_path), "." + base_name(final_path) + ".tmp-" +
+  return join_path(parent_dir(final_path), temporary_name_prefix(base_name(final_path)) +
                                                std::to_string(::getpid()) + "-" + suffix);
+}
+
+bool temporary_is_orphaned(std::string_view name, std::string_view prefix) {
+  const long pid = temporary_owner_pid(name, prefix);
+  return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
 }
 
 void rename_replace(const std::string& from, const std::string& to) {
@@ -311,6 +319,7 @@ std::vector<std::string> list_dir(const std::string& dir) {
     const std::string_view n = e->d_name;
     if (n != "." && n != "..") names.emplace_back(n);
   }
+  std::sort(names.begin(), names.end());
   return names;
 }
 

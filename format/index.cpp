@@ -16,6 +16,7 @@
 #include "fsdp_ema/format/file_util.h"
 #include "fsdp_ema/format/json_strict.h"
 #include "fsdp_ema/format/name_index.h"
+#include "fsdp_ema/format/names.h"
 #include "fsdp_ema/format/parallel.h"
 #include "fsdp_ema/format/paths.h"
 #include "fsdp_ema/format/recent_shards.h"
@@ -175,7 +176,7 @@ void check_piece_file_name(std::string_view name, const std::string& where) {
   if (name.find('\0') != std::string_view::npos) bad("contains a NUL character");
   if (name.front() == '.') bad("starts with '.' (\".\", \"..\" and hidden files are refused)");
   if (!detail::is_valid_utf8(name)) bad("is not valid UTF-8");
-  if (!name.ends_with(".safetensors")) bad("does not end in .safetensors");
+  if (!name.ends_with(kSafetensorsSuffix)) bad("does not end in .safetensors");
 }
 
 void check_coverage(const IndexTensor& t, const std::string& where) {

@@ -2,7 +2,6 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <signal.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -15,6 +14,7 @@
 
 #include "fsdp_ema/format/error.h"
 #include "fsdp_ema/format/file_util.h"
+#include "fsdp_ema/format/names.h"
 #include "fsdp_ema/format/paths.h"
 #include "fsdp_ema/format/shard_writer.h"
 
@@ -94,11 +94,9 @@ bool is_committed(const std::string& dir) {
 }
 
 void remove_stale_temporaries(const std::string& dir, std::string_view file) {
-  const std::string prefix = "." + std::string(file) + ".tmp-";
+  const std::string prefix = temporary_name_prefix(file);
   for (const std::string& name : detail::list_dir(dir)) {
-    if (!name.starts_with(prefix)) continue;
-    const long pid = std::strtol(name.c_str() + prefix.size(), nullptr, 10);
-    if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+    if (detail::temporary_is_orphaned(name, prefix)) {
       detail::remove_quietly(detail::join_path(dir, name));
     }
   }
@@ -140,7 +138,7 @@ void write_sidecar(const std::string& dir, std::string_view name, std::string_vi
     throw FormatError(dir + ": sidecar name '" + std::string(name) +
                       "' must be a plain, non-hidden file name");
   }
-  if (name == kIndexFileName || is_shard_file_name(name) || name.ends_with(".safetensors")) {
+  if (name == kIndexFileName || is_safetensors_file_name(name)) {
     throw FormatError(dir + ": sidecar name '" + std::string(name) +
                       "' is a name of the checkpoint layout itself (index or shard file)");
   }

@@ -15,6 +15,7 @@
 #include "fsdp_ema/format/export.h"
 #include "fsdp_ema/format/index.h"
 #include "fsdp_ema/format/layout.h"
+#include "fsdp_ema/format/names.h"
 #include "tools/posthoc_cmd.h"
 #include "tools/progress.h"
 #include "tools/terminal_text.h"
@@ -178,7 +179,7 @@ int cmd_export(const std::string& dir, const std::string& out, const std::string
     std::printf("exported %s (%s) to %s:", with_commas(r.total_size).c_str(),
                 human_bytes(r.total_size).c_str(), printable(out).c_str());
     for (const std::string& f : r.files) std::printf(" %s", f.c_str());
-    if (r.wrote_index) std::printf(" model.safetensors.index.json");
+    if (r.wrote_index) std::printf(" %s", std::string(fmt::kExportIndexFileName).c_str());
     std::printf("\n");
   }
   return 0;

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "fsdp_ema/format/checksum.h"
+#include "fsdp_ema/format/names.h"
 #include "fsdp_ema/format/shard_writer.h"
 #include "tests/format/fixture_model.h"
 #include "tests/format/test_util.h"
@@ -355,6 +356,19 @@ TEST_F(CheckpointDirBroken, MissingIndexIsAnIncompleteCheckpoint) {
   // Even when a shard file is damaged too, the missing index is what is reported.
   testing::write_text(dir_ + "/shard-00000-of-00002.safetensors", "garbage");
   EXPECT_THAT(open_error(), HasSubstr("incomplete checkpoint"));
+}
+
+TEST_F(CheckpointDirBroken, MissingIndexWithOnlyAlternateShardNamesIsIncomplete) {
+  // An overwrite writes shard-*.b.safetensors beside the committed files; if the index and the
+  // plain files are gone, what is left is still our layout, never a plain safetensors directory.
+  ::unlink(index_path().c_str());
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(::rename((dir_ + "/" + shard_file_name(r, 2)).c_str(),
+                       (dir_ + "/" + alternate_shard_file_name(r, 2)).c_str()),
+              0);
+  }
+  EXPECT_THAT(open_error(), AllOf(HasSubstr("incomplete checkpoint: fsdp_ema.index.json missing"),
+                                  HasSubstr(alternate_shard_file_name(0, 2))));
 }
 
 TEST_F(CheckpointDirBroken, IndexNamingFilesOutsideTheDirectoryIsRefused) {

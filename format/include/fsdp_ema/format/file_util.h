@@ -76,6 +76,9 @@ std::string join_path(const std::string& dir, std::string_view name);
 // "<dir>/.<name>.tmp-<pid>-<16 hex random>": a hidden sibling that never ends in ".safetensors",
 // so DCP's reader (which lists *.safetensors) never picks it up.
 std::string temp_path_for(const std::string& final_path);
+// True when `name` is a temporary starting with `prefix` (names.h's temporary_name_prefix) whose
+// writing process no longer exists: what a crash or a kill mid-write left behind.
+bool temporary_is_orphaned(std::string_view name, std::string_view prefix);
 
 // rename(2), throwing on error.
 void rename_replace(const std::string& from, const std::string& to);
@@ -106,7 +109,7 @@ bool is_directory(const std::string& path);
 // Removes a file if it exists, ignoring errors (cleanup paths).
 void remove_quietly(const std::string& path) noexcept;
 
-// The entries of a directory (not "." and ".."), in no particular order.
+// The entries of a directory (not "." and ".."), sorted.
 std::vector<std::string> list_dir(const std::string& dir);
 
 // A private copy-on-write mapping of a whole file (nothing for an empty file): readers hand out

@@ -3,10 +3,17 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
 namespace fsdp_ema::format {
+
+// Every data file of a checkpoint ends in this; a name starting with '.' is never one (hidden
+// files and our temporaries, which start with '.').
+inline constexpr std::string_view kSafetensorsSuffix = ".safetensors";
+// True for a file a reader opens as data: "<not starting with '.'>...safetensors".
+bool is_safetensors_file_name(std::string_view name);
 
 // The commit marker of a checkpoint directory (index.h describes its contents).
 inline constexpr std::string_view kIndexFileName = "fsdp_ema.index.json";
@@ -28,5 +35,22 @@ std::string export_file_name(size_t k, size_t n);
 // A file an export writes (what an overwrite replaces): the single file, the index, or
 // model-*.safetensors.
 bool is_export_file_name(std::string_view name);
+
+// Names DCP's HuggingFaceStorageWriter gives its files: "shard-<S>-model-<M>-of-<N>.safetensors"
+// (save_distributed: S = rank + 1) or "model-<M>-of-<N>.safetensors". Fields are 0 when absent.
+struct DcpFileName {
+  int64_t shard = 0;
+  int64_t model = 0;
+  int64_t of = 0;
+};
+// nullopt unless `name` is one of those (numbers of at most 9 digits, 1 <= M <= N).
+std::optional<DcpFileName> parse_dcp_file_name(std::string_view name);
+
+// The prefix of the temporaries written for `name`: ".<name>.tmp-", followed by
+// "<pid>-<random>" (file_util.h's temp_path_for; the export's staging directory uses
+// "fsdp_ema-export" as its name). A leading '.' keeps every temporary out of the data files.
+std::string temporary_name_prefix(std::string_view name);
+// The writer's pid recorded in a temporary's name that starts with `prefix`, or 0.
+long temporary_owner_pid(std::string_view temporary, std::string_view prefix);
 
 }  // namespace fsdp_ema::format
