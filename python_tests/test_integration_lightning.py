@@ -463,3 +463,41 @@ def test_cuda_fsdp1_strategy_fit_resumed_from_a_sharded_checkpoint_equals_the_un
     assert s_step == r_step == 6
     for name, t in straight.items():
         assert torch.equal(resumed[name], t), name
+
+
+def test_held_swap_enters_once_and_a_failed_swap_holds_nothing():
+    """The swap both adapters hold across an evaluation (integrations.HeldSwap): a second enter
+    does not swap again, exit restores, and a swap that raises on entry leaves nothing held (so
+    the next evaluation can swap and no later exit restores weights that were never swapped)."""
+    import contextlib
+
+    from fsdp_ema.integrations import HeldSwap
+
+    events = []
+
+    class Ema:
+        fail = False
+
+        @contextlib.contextmanager
+        def swap(self):
+            if self.fail:
+                raise RuntimeError("swap failed")
+            events.append("in")
+            yield
+            events.append("out")
+
+    ema, held = Ema(), HeldSwap()
+    held.enter(ema)
+    held.enter(ema)
+    assert held.active and events == ["in"]
+    held.exit()
+    held.exit()
+    assert not held.active and events == ["in", "out"]
+    ema.fail = True
+    with pytest.raises(RuntimeError, match="swap failed"):
+        held.enter(ema)
+    assert not held.active
+    ema.fail = False
+    held.enter(ema)
+    held.exit()
+    assert events == ["in", "out", "in", "out"]

@@ -13,6 +13,7 @@ are ShardedEMA's and fsdp_ema's.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
@@ -33,3 +34,28 @@ def missing_framework(module: str, framework: str, extra: str) -> ImportError:
     """The one error an integration raises when its framework is not installed."""
     return ImportError(f"{module} needs {framework}, which is not installed: pip install "
                        f"\"fsdp-ema[{extra}]\"")
+
+
+class HeldSwap:
+    """The EMA weights swapped into the model between two trainer events (an evaluation's start
+    and its end), which one ``with ema.swap():`` block cannot span. ``enter`` is a no-op while a
+    swap is held; a swap that fails to enter leaves nothing held."""
+
+    def __init__(self) -> None:
+        self._stack: contextlib.ExitStack | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._stack is not None
+
+    def enter(self, ema: Any) -> None:
+        if self._stack is None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(ema.swap())
+            self._stack = stack
+
+    def exit(self) -> None:
+        """Puts the training weights back (no-op when no swap is held)."""
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            stack.close()

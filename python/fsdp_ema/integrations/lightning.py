@@ -19,14 +19,13 @@ into ``fsdp_ema.ShardedEMA`` calls (docs/INTEGRATIONS.md):
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 from typing import Any
 
 import torch
 
-from . import check_options, missing_framework
+from . import HeldSwap, check_options, missing_framework
 
 try:
     import lightning.pytorch as pl
@@ -86,7 +85,7 @@ class ShardedEMA(Callback):
         self.ema: fsdp_ema.ShardedEMA | None = None
         self._update = None
         self._last_step = 0           # trainer.global_step at the last update
-        self._swap: contextlib.ExitStack | None = None
+        self._swap = HeldSwap()
         self._restore: tuple[str, Any] | None = None  # what a loaded checkpoint holds for the EMA
         self._sharded = False
 
@@ -168,7 +167,7 @@ class ShardedEMA(Callback):
         self._last_step = trainer.global_step
 
     def _catch_up(self, trainer: pl.Trainer) -> None:
-        if self.ema is not None and self._swap is None and trainer.global_step > self._last_step:
+        if self.ema is not None and not self._swap.active and trainer.global_step > self._last_step:
             self._update()
             self._last_step = trainer.global_step
 
@@ -177,19 +176,15 @@ class ShardedEMA(Callback):
         self._catch_up(trainer)
 
     def _swap_in(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loop: str) -> None:
-        if not self.swap_for[loop] or self._swap is not None:
+        if not self.swap_for[loop] or self._swap.active:
             return
         if self._restore is not None:  # validate/test/predict(ckpt_path=...)
             self._ensure(trainer, pl_module)
-        if self.ema is None:
-            return
-        self._swap = contextlib.ExitStack()
-        self._swap.enter_context(self.ema.swap())
+        if self.ema is not None:
+            self._swap.enter(self.ema)
 
     def _swap_out(self) -> None:
-        if self._swap is not None:
-            swap, self._swap = self._swap, None
-            swap.close()
+        self._swap.exit()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._swap_in(trainer, pl_module, "validation")

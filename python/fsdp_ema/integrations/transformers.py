@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import check_options, missing_framework
+from . import HeldSwap, check_options, missing_framework
 
 try:
     from transformers import TrainerCallback
@@ -112,7 +112,7 @@ class ShardedEMACallback(TrainerCallback):
         self.compile = compile
         self.ema: fsdp_ema.ShardedEMA | None = None
         self._update = None
-        self._swap: contextlib.ExitStack | None = None
+        self._swap = HeldSwap()
         self._handle = None  # the async save in flight
         self._warned_multi_eval = False
 
@@ -246,17 +246,14 @@ class ShardedEMACallback(TrainerCallback):
             self._swap_in()
 
     def _swap_in(self) -> None:
-        if self._swap is None and self.ema is not None:
-            self._swap = contextlib.ExitStack()
-            self._swap.enter_context(self.ema.swap())
+        if self.ema is not None:
+            self._swap.enter(self.ema)
 
     def _swap_out(self) -> None:
-        if self._swap is not None:
-            swap, self._swap = self._swap, None
-            swap.close()
+        self._swap.exit()
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        if self._swap is None:
+        if not self._swap.active:
             return
         # The evaluation is over; the trainer may save next, which must see the training weights.
         self._swap_out()
