@@ -239,9 +239,9 @@ MUTANTS = {
         [ctest("^format_fuzz_replay$")]),
     # --- tracing and the C++ paths (#15) --------------------------------------------------------
     "meta-load-ignores-rank-rows": (
-        "ops/checkpoint_meta.cpp",
-        "if (!shape.empty()) shape[0] = rank_rows(info, rank, world_size).size();",
-        "if (false) shape[0] = rank_rows(info, rank, world_size).size();",
+        "ops/load_tensors.cpp",
+        "if (!shape.empty()) shape[0] = rows.size();",
+        "if (false) shape[0] = rows.size();",
         [pytest("python_tests/test_library_only.py", "-k", "tracing or opcheck")]),
     "train-sharded-gradients-not-averaged": (
         "examples/train_sharded.cpp",
