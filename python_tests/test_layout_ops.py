@@ -28,6 +28,23 @@ def test_names_come_from_format():
         ops.shard_file_name(2, 2)
 
 
+def test_overlapping_reports_tied_tensors_exactly():
+    """The memory rule of the in-place ops (ops/memory.h), as a query: the collective load sends
+    tied destinations (one tensor under two names) to a copy instead of load_into_."""
+    base = torch.zeros(64)
+    other = torch.zeros(8)
+    tied = [base, base.view(8, 8), other, base[0::2], base[1::2]]
+    assert ops.overlapping(tied) == [0, 1, 3, 4]
+    assert ops.overlapping([base[0::2], base[1::2], other]) == []  # interleaved, disjoint
+    assert ops.overlapping([base[:32], base[31:40], base[40:]]) == [0, 1]
+    assert ops.overlapping([torch.zeros(0), base, torch.zeros(0)]) == []
+    assert ops.overlapping([]) == []
+    # Linear-ish at scale: 100,000 distinct tensors and one tied pair among them.
+    many = [torch.zeros(1) for _ in range(100_000)]
+    many.append(many[12_345])
+    assert ops.overlapping(many) == [12_345, 100_000]
+
+
 def test_prepare_creates_and_reports_committed(tmp_path):
     d = tmp_path / "a" / "b"
     assert ops.prepare_checkpoint(str(d)) is False and d.is_dir()

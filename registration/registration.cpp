@@ -12,6 +12,7 @@
 #include "ops/load_into.h"
 #include "ops/load_shard.h"
 #include "ops/load_tensors.h"
+#include "ops/memory.h"
 #include "ops/posthoc.h"
 #include "ops/queries.h"
 #include "ops/save_shard.h"
@@ -114,6 +115,8 @@ TORCH_LIBRARY(fsdp_ema, m) {
   m.def("dtypes() -> str");
   // The instruction set of the CPU update kernel in use: "avx512", "avx2" or "default".
   m.def("cpu_capability() -> str");
+  // Indices of the tensors that share memory with another of them (tied weights; ops/memory.h).
+  m.def("overlapping(Tensor[] tensors) -> int[]");
 
   // Post-hoc EMA (EDM2), computed by format/posthoc.h (what `fsdp-ema posthoc` uses too).
   // gamma of a power-function EMA profile from its relative standard deviation.
@@ -166,6 +169,7 @@ TORCH_LIBRARY_IMPL(fsdp_ema, CompositeExplicitAutograd, m) {
   m.impl("chunk_rows", &ops::chunk_rows);
   m.impl("dtypes", &ops::dtypes);
   m.impl("cpu_capability", &ops::cpu_capability);
+  m.impl("overlapping", &ops::overlapping);  // real tensors of any device
   m.impl("power_ema_gamma", &ops::power_ema_gamma);
   m.impl("power_ema_sigma_rel", &ops::power_ema_sigma_rel);
   m.impl("posthoc_weights", &ops::posthoc_weights);
