@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <string>
+#include <vector>
 
 #include "fsdp_ema/format/file_util.h"
 
@@ -44,10 +45,13 @@ TEST(Names, DcpHuggingFaceFileNames) {
   ASSERT_TRUE(sharded);
   EXPECT_EQ(sharded->shard, 4);
   EXPECT_EQ(sharded->model, 1);
-  for (const char* n :
-       {"model-00000-of-00005.safetensors", "model-00006-of-00005.safetensors",
-        "model-1-of-1234567890.safetensors", "shard-x-model-1-of-1.safetensors",
-        "model-1-of-1.bin", "model.safetensors", shard_file_name(0, 2).c_str()}) {
+  // std::string, not const char*: a pointer into shard_file_name's temporary would dangle.
+  const std::vector<std::string> refused = {
+      "model-00000-of-00005.safetensors", "model-00006-of-00005.safetensors",
+      "model-1-of-1234567890.safetensors", "shard-x-model-1-of-1.safetensors",
+      "model-1-of-1.bin",                 "model.safetensors",
+      shard_file_name(0, 2)};
+  for (const std::string& n : refused) {
     EXPECT_FALSE(parse_dcp_file_name(n)) << n;
   }
 }
