@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Lint, as CI runs it (scripts/test.sh): ruff over the tracked Python files (its rules are in
 # pyproject.toml) and clang-format (.clang-format: Google style, 100 columns) over the tracked
-# C++/CUDA files. Exit 0 only when both are clean.
+# C++/CUDA files, and scripts/rules_once.py (no second copy of a rule that lives in one place).
+# Exit 0 only when all are clean.
 #   bash scripts/lint.sh          check only, print what is wrong
 #   bash scripts/lint.sh --fix    rewrite in place (ruff check --fix, clang-format -i), then check
 #                                 again and list what needs a hand (long lines, unused imports)
@@ -43,5 +44,7 @@ if [ ${#unformatted[@]} -gt 0 ]; then
        "them): ${unformatted[*]}" >&2
   status=1
 fi
+echo "== one place per rule (scripts/rules_once.py)"
+"$FSDP_EMA_PYTHON" scripts/rules_once.py || status=1
 [ $status -eq 0 ] && echo "lint: clean"
 exit $status

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 import torch.distributed as dist
 
+from . import _dtypes
 from . import checkpoint as _ckpt
 from ._dist import check_dtype_kind, raise_if_any_rank_failed
 from ._layouts import ReadRequest
@@ -164,30 +165,14 @@ def _in_place(t: LoadTarget, stored: torch.dtype) -> bool:
 
 
 def _overlapping(targets: Sequence[LoadTarget]) -> set[str]:
-    """Names of the destinations whose memory overlaps an earlier one's (tied weights in a state
-    dict: two names, one tensor), which ``load_into_`` refuses as destinations of one call: they
-    are filled by a copy instead. Sorted extents, n log n."""
-    extents = []
-    for t in targets:
-        d = t.dest
-        if d.numel() == 0:
-            continue
-        span = d.numel() if d.is_contiguous() else 1 + sum(
-            (n - 1) * s for n, s in zip(d.shape, d.stride()))
-        lo = d.data_ptr()
-        where = d.device
-        extents.append(((where.type, where.index or 0), lo, lo + span * d.element_size(),
-                        t.name))
-    extents.sort(key=lambda e: (e[0], e[1]))
-    out: set[str] = set()
-    device, end = None, 0
-    for dev, lo, hi, name in extents:
-        if dev == device and lo < end:
-            out.add(name)
-            end = max(end, hi)
-        else:
-            device, end = dev, hi
-    return out
+    """Names of the destinations that share memory with another (tied weights in a state dict:
+    two names, one tensor), which ``load_into_`` refuses as destinations of one call: they are
+    filled by a copy instead. The rule is ops/memory.h's (the ``overlapping`` op): exact for
+    interleaved views, sorted extents."""
+    if not targets:
+        return set()
+    tied = torch.ops.fsdp_ema.overlapping([t.dest for t in targets])
+    return {targets[i].name for i in tied}
 
 
 def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
@@ -226,7 +211,7 @@ def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
             if list(entry["shape"]) != list(t.shape):
                 raise ValueError(f"{t.name!r} is {list(entry['shape'])} in the checkpoint but "
                                  f"{list(t.shape)} here")
-            stored = getattr(torch, entry["torch_dtype"])
+            stored = _dtypes.from_name(entry["torch_dtype"], f"{t.name!r}")
             check_dtype_kind(t.name, stored, t.dtype)
             if t.read is not None:
                 (in_place if _in_place(t, stored) else fresh).append(t)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _dtypes
 from . import checkpoint as _ckpt
 from ._collective import agreed, rank_world, save_collective
 from ._layouts import chunk_rows
@@ -88,7 +89,7 @@ def posthoc(snapshot_root: str | os.PathLike, *, sigma_rel: float, out: str | os
 
     plan, info = run(plan_and_layout)
     names = plan["tensors"]
-    dtypes = {n: getattr(torch, info[n]["torch_dtype"]) for n in names}
+    dtypes = {n: _dtypes.from_name(info[n]["torch_dtype"], repr(n)) for n in names}
     shapes = {n: list(info[n]["shape"]) for n in names}
 
     def local_bytes(n):

@@ -25,6 +25,7 @@ from torch import nn
 
 from ._collective import save_collective
 from ._dist import comm_device, raise_if_any_rank_failed
+from ._dtypes import ema_dtypes
 from ._full_state import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_FILE_BYTES, Part, full_buckets
 from ._full_state import export as _export
 
@@ -66,8 +67,6 @@ class Warmup:
         return min(max(1.0 - (1.0 + s / self.gamma) ** -self.power, self.min_decay), decay)
 
 
-
-_EMA_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 class _DeviceGroup:
@@ -161,8 +160,8 @@ class ShardedEMA:
                              f"{update_every}")
         if int(start_step) != start_step or start_step < 0:
             raise ValueError(f"ShardedEMA: start_step must be an integer >= 0, got {start_step}")
-        if dtype is not None and dtype not in _EMA_DTYPES:
-            raise ValueError(f"ShardedEMA: dtype must be one of {list(_EMA_DTYPES)} or None, got "
+        if dtype is not None and dtype not in ema_dtypes():
+            raise ValueError(f"ShardedEMA: dtype must be one of {list(ema_dtypes())} or None, got "
                              f"{dtype}")
         if schedule is not None and (warmup is not None or start_step != 0 or not all(
                 callable(getattr(schedule, a, None)) for a in ("device_decay", "decay_at"))):
@@ -545,8 +544,8 @@ class ShardedEMA:
         """
         path = os.fspath(path)
         what = f"ShardedEMA.export({path!r})"
-        if dtype is not None and dtype not in _EMA_DTYPES:
-            raise ValueError(f"{what}: dtype must be one of {list(_EMA_DTYPES)} or None, got "
+        if dtype is not None and dtype not in ema_dtypes():
+            raise ValueError(f"{what}: dtype must be one of {list(ema_dtypes())} or None, got "
                              f"{dtype}")
         if int(max_file_bytes) != max_file_bytes or max_file_bytes <= 0:
             raise ValueError(f"{what}: max_file_bytes must be a positive integer, got "

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _dtypes
 from . import checkpoint as _ckpt
 from ._collective import LoadTarget, agreed, load_collective, save_collective
 from ._collective import rank_world as _rank_world
@@ -75,7 +76,7 @@ def _encode(v: Any, where: str = "extra") -> Any:
     if isinstance(v, torch.Tensor):
         t = v.detach().cpu().contiguous()
         data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        return {"__tensor__": {"dtype": str(t.dtype).removeprefix("torch."),
+        return {"__tensor__": {"dtype": _dtypes.name_of(t.dtype),
                                "shape": list(t.shape),
                                "data": base64.b64encode(data).decode("ascii")}}
     if isinstance(v, (bytes, bytearray)):
@@ -138,9 +139,7 @@ def _decode(v: Any, where: str = "extra") -> Any:
         # __tensor__
         if not (isinstance(body, dict) and set(body) == {"dtype", "shape", "data"}):
             raise ValueError(f"{where}: __tensor__ needs exactly dtype, shape and data")
-        dtype = getattr(torch, str(body["dtype"]), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{where}: unknown tensor dtype {body['dtype']!r}")
+        dtype = _dtypes.from_name(body["dtype"], where)
         shape = body["shape"]
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
             raise ValueError(f"{where}: tensor shape {shape!r} is not a list of sizes")

@@ -1,0 +1,65 @@
+"""Fails when a rule that lives in one place (docs/ARCHITECTURE.md, "Where each rule lives")
+gains a second copy in the library's code: a file-name literal outside format's names, a switch
+over torch's ScalarType or a safetensors dtype name outside the generated dtype maps, or a tuple
+of torch dtypes in the Python front (which reads the table through the `dtypes` op).
+
+Comments are not code: C++ `//` comments and Python `#` comments are skipped (docstrings are
+prose too, and the Python check matches only code shapes). Run by scripts/lint.sh.
+"""
+import re
+import subprocess
+import sys
+
+CXX = ("format/", "ops/", "kernels/", "registration/", "include/", "tools/")
+RULES = [
+    # (what, file filter, pattern, files allowed to hold it)
+    ("a file-name literal (names live in format/names)",
+     lambda f: f.startswith(CXX) and f.endswith((".cpp", ".h", ".cu", ".cuh")),
+     re.compile(r'"[A-Za-z0-9_.*<>-]*\.safetensors"|"shard-'),
+     {"format/names.cpp", "format/include/fsdp_ema/format/names.h"}),
+    ("a switch over ScalarType (the maps are generated from format's dtype table)",
+     lambda f: f.startswith(CXX),
+     re.compile(r"case\s+(at|c10|torch)::(k[A-Z]|ScalarType::)"),
+     {"ops/format_bridge.cpp"}),
+    ("a safetensors dtype name (format/include/fsdp_ema/format/dtype_table.h holds them)",
+     lambda f: f.startswith(CXX) or f.startswith("python/fsdp_ema/"),
+     re.compile(r'"(F64|F32|F16|BF16|F8_E4M3|F8_E5M2|I64|I32|I16|I8|U8|BOOL)"'),
+     {"format/include/fsdp_ema/format/dtype_table.h"}),
+    ("a tuple or list of torch dtypes (read the table: fsdp_ema._dtypes)",
+     lambda f: f.startswith("python/fsdp_ema/") and f.endswith(".py"),
+     re.compile(r"torch\.(float32|float64|bfloat16|float16|half|double|float)\s*,\s*torch\."),
+     set()),
+    ("a dtype looked up by name (fsdp_ema._dtypes.from_name is the one place)",
+     lambda f: f.startswith("python/fsdp_ema/") and f.endswith(".py"),
+     re.compile(r"getattr\(torch,"),
+     {"python/fsdp_ema/_dtypes.py"}),
+]
+
+
+def code_lines(path):
+    comment = "#" if path.endswith(".py") else "//"
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            yield n, line.split(comment, 1)[0] if comment in line else line
+
+
+def main():
+    files = subprocess.run(["git", "ls-files"], check=True, capture_output=True,
+                           text=True).stdout.split()
+    found = 0
+    for what, wanted, pattern, allowed in RULES:
+        for path in files:
+            if not wanted(path) or path in allowed:
+                continue
+            for n, code in code_lines(path):
+                if pattern.search(code):
+                    print(f"{path}:{n}: {what}: {code.strip()}", file=sys.stderr)
+                    found += 1
+    if found:
+        print(f"rules_once: {found} second cop{'y' if found == 1 else 'ies'} of a rule "
+              "(docs/ARCHITECTURE.md says where each rule lives)", file=sys.stderr)
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
