@@ -77,8 +77,7 @@ at::Tensor CheckpointReader::load(const std::string& name, at::Device device, bo
 
 at::Tensor CheckpointReader::load_chunk(const std::string& name, int64_t rank, int64_t world_size,
                                         at::Device device, bool verify) const {
-  TORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, kWhere,
-              "rank must be in [0, world_size), got rank ", rank, " of ", world_size);
+  ops::check_rank(kWhere, rank, world_size);
   return translate([&] {
     const format::IndexTensor& info = impl_->dir.tensor(name);
     const at::Tensor t =

@@ -95,6 +95,20 @@ TEST(CheckpointReader, RefusesAnIncompleteCheckpoint) {
   fs::remove_all(dir);
 }
 
+TEST(CheckpointReader, LoadChunkNamesABadRankWithTheOpsWords) {
+  const fs::path dir = scratch_dir("bad_rank");
+  write_sharded(dir, reference(), 2);
+  const fsdp_ema::CheckpointReader reader(dir.string());
+  const std::string name = reference().begin()->first;
+  EXPECT_THAT([&] { (void)reader.load_chunk(name, 2, 2); },
+              ::testing::ThrowsMessage<c10::Error>(HasSubstr(
+                  "CheckpointReader: rank must be in [0, world_size), got rank 2 with world_size 2")));
+  EXPECT_THAT([&] { (void)reader.load_chunk(name, 0, 0); },
+              ::testing::ThrowsMessage<c10::Error>(
+                  HasSubstr("CheckpointReader: world_size must be >= 1, got 0")));
+  fs::remove_all(dir);
+}
+
 class ModuleLoad : public ::testing::Test {
  protected:
   void SetUp() override {
