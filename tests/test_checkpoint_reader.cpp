@@ -100,9 +100,10 @@ TEST(CheckpointReader, LoadChunkNamesABadRankWithTheOpsWords) {
   write_sharded(dir, reference(), 2);
   const fsdp_ema::CheckpointReader reader(dir.string());
   const std::string name = reference().begin()->first;
-  EXPECT_THAT([&] { (void)reader.load_chunk(name, 2, 2); },
-              ::testing::ThrowsMessage<c10::Error>(HasSubstr(
-                  "CheckpointReader: rank must be in [0, world_size), got rank 2 with world_size 2")));
+  EXPECT_THAT(
+      [&] { (void)reader.load_chunk(name, 2, 2); },
+      ::testing::ThrowsMessage<c10::Error>(HasSubstr(
+          "CheckpointReader: rank must be in [0, world_size), got rank 2 with world_size 2")));
   EXPECT_THAT([&] { (void)reader.load_chunk(name, 0, 0); },
               ::testing::ThrowsMessage<c10::Error>(
                   HasSubstr("CheckpointReader: world_size must be >= 1, got 0")));
