@@ -28,20 +28,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from . import _dtypes
 from . import checkpoint as _ckpt
-from ._dist import check_dtype_kind, raise_if_any_rank_failed
+from ._dist import check_dtype_kind, raise_if_any_rank_failed, rank_world
 from ._layouts import LoadTarget
 
 T = TypeVar("T")
-
-
-def rank_world(group) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def check_fresh(directory: str, overwrite: bool) -> None:
