@@ -21,6 +21,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from ._full_state import Part, part_cost
+
 
 @functools.lru_cache(maxsize=1 << 16)
 def chunk_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -148,6 +150,11 @@ class Layout:
         """Writes ``value`` (``read().take`` of what the checkpoint gave) into ``local``."""
         self.local.copy_(value)
 
+    def full_part(self) -> Part:
+        """How ``full_state_dict``, ``export`` and the PEFT exports produce the full tensor
+        (``_full_state.Part``): as it is here, by default."""
+        return Part(self.name, self.shape, self.dtype, "full", self.local)
+
 
 class _Whole(Layout):
     """A tensor every rank holds whole: the first ``writers`` ranks share its ``torch.chunk``
@@ -227,6 +234,34 @@ class _OnMesh(Layout):
         _, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
         return ReadRequest((0, 1), ([min(o, s) for o, s in zip(offsets, shape)],
                                     list(self.local.shape)))
+
+    def full_part(self):
+        """Whole where it is (0-dim, replicated); gathered as ``torch.chunk`` rows over the
+        sharded mesh dimension where ``read`` reads rows; else ``full_tensor()`` of the DTensor,
+        made only when its turn comes (for a host tensor, a device copy)."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        name, shape, local = self.name, self.shape, self.local
+        if shape.numel() == 0:
+            return Part(name, shape, self.dtype, "full", local.new_empty(shape))
+        if len(shape) == 0 or all(isinstance(p, Replicate) for p in self.placements):
+            return Part(name, shape, self.dtype, "full", local)
+        read = self.read()
+        if read is not None and read.box is None:
+            dim = next(i for i, p in enumerate(self.placements) if isinstance(p, Shard))
+            return Part(name, shape, self.dtype, "rows", local, self.mesh.get_group(dim),
+                        part_cost(shape, self.dtype, read.request[1]))
+        return Part(name, shape, self.dtype, "dtensor", self.dtensor)
+
+    def dtensor(self):
+        """The local shard as a DTensor on the mesh's device (a device copy of a host tensor),
+        for collectives over the mesh; shape and stride explicit (``from_local`` would infer a
+        wrong global shape from an uneven or empty local shard)."""
+        from torch.distributed.tensor import DTensor
+
+        stride = torch.empty(self.shape, device="meta").stride()
+        return DTensor.from_local(self.local, self.mesh, self.placements, run_check=False,
+                                  shape=self.shape, stride=stride)
 
 
 class _Rows(Layout):

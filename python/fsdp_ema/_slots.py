@@ -224,7 +224,7 @@ class _Replicated(_Slot):
             whole(self.fqn, ema).assign(values[self.fqn])
 
     def full_parts(self, ema):
-        return [Part(self.fqn, ema.shape, ema.dtype, "full", ema)]
+        return [whole(self.fqn, ema).full_part()]
 
 
 class _Sharded(_Slot):
@@ -270,15 +270,7 @@ class _Sharded(_Slot):
             # move it to the mesh's device; the state dict stays a view of the EMA instead.
             return {self.fqn: dtensor_view(ema, self.mesh, self.placements, self.global_shape,
                                            self.global_stride)}
-        return {self.fqn: self._on_mesh(ema)}
-
-    def _on_mesh(self, ema):
-        """The EMA as a DTensor on the mesh's device (a device copy of a host EMA), for
-        collectives over the mesh."""
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(ema, self.mesh, self.placements, run_check=False,
-                                  shape=self.global_shape, stride=self.global_stride)
+        return {self.fqn: self._layout(ema).dtensor()}
 
     def _layout(self, t: torch.Tensor) -> Layout:
         return on_mesh(self.fqn, t, self.mesh, self.placements, self.global_shape)
@@ -301,10 +293,10 @@ class _Sharded(_Slot):
         return box(value, self.offsets, self.local_shape)
 
     def file_request(self):
-        return self.chunk if self.chunk is not None else (0, 1)
+        return self.read.request
 
     def from_file(self, fqn, loaded):
-        return loaded if self.chunk is not None else box(loaded, self.offsets, self.local_shape)
+        return self.read.take(loaded)
 
     def load_targets(self, t):
         # In place for torch.chunk rows (FSDP2 Shard(0)); a box of the whole tensor otherwise.
@@ -315,20 +307,7 @@ class _Sharded(_Slot):
             self._layout(ema).assign(values[self.fqn])
 
     def full_parts(self, ema):
-        from torch.distributed.tensor import Replicate, Shard
-
-        shape = self.global_shape
-        if shape.numel() == 0:
-            return [Part(self.fqn, shape, ema.dtype, "full", ema.new_empty(shape))]
-        if len(shape) == 0 or all(isinstance(p, Replicate) for p in self.placements):
-            return [Part(self.fqn, shape, ema.dtype, "full", ema)]
-        if self.chunk is not None:
-            dim = next(i for i, p in enumerate(self.placements) if isinstance(p, Shard))
-            group = self.mesh.get_group(dim)
-            return [Part(self.fqn, shape, ema.dtype, "rows", ema, group,
-                         part_cost(shape, ema.dtype, self.chunk[1]))]
-        # Made when gathered (for a host EMA, a device copy): one at a time, not all at once.
-        return [Part(self.fqn, shape, ema.dtype, "dtensor", lambda: self._on_mesh(ema))]
+        return [self._layout(ema).full_part()]
 
 
 class _Flat(_Slot):
