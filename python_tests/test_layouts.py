@@ -114,6 +114,19 @@ def run_round_trip(rank, world, directory):
     return mine, assigned, targeted
 
 
+def run_full_parts(rank, world):
+    """The full tensors the gather makes of every DTensor and whole layout's ``full_part``."""
+    from fsdp_ema._full_state import full_buckets
+
+    parts = [layout.full_part() for name, layout in local_tensors(rank, world).items()
+             if not name.startswith(("st_", "flat_"))]
+    kinds = {p.fqn: p.kind for p in parts}
+    full = {}
+    for bucket in full_buckets(parts, 1 << 20):
+        full.update({fqn: t.clone() for fqn, t, _ in bucket})
+    return kinds, full
+
+
 @pytest.fixture(scope="module")
 def pool():
     manager = PoolManager()
@@ -171,6 +184,18 @@ def test_read_and_assign_give_back_each_ranks_local_tensor(pool, tmp_path):
                 assert torch.equal(assigned[name], local), (rank, name)
         # Every rank holding elements of a tensor reads them (empty shards need no read).
         assert {n for n, t in mine.items() if t.numel() > 0} <= set(assigned), rank
+
+
+def test_full_part_of_every_mesh_layout_gathers_the_full_tensor(pool):
+    expected = expected_full()
+    for kinds, full in pool.run(run_full_parts):
+        assert set(full) == set(kinds)
+        for name, t in full.items():
+            assert torch.equal(t, expected[name]), name
+        # Rows where the read is rows (one gather_shards call), full_tensor() for other boxes.
+        assert kinds["fsdp_uneven"] == kinds["hsdp"] == "rows"
+        assert kinds["cols"] == kinds["tp_2d"] == "dtensor"
+        assert kinds["replicated"] == kinds["scalar"] == kinds["plain"] == "full"
 
 
 def test_chunk_rows_is_torch_chunk():

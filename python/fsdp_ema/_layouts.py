@@ -288,6 +288,12 @@ class _Rows(Layout):
             return {}
         return {self.name: (local, self.offsets, list(shape))}
 
+    def full_part(self):
+        # Rows alone do not say where the rest lives: an FSDP1 unit's members are gathered
+        # through the unit's exchange (``_slots._Flat.full_parts``).
+        raise NotImplementedError(f"{self.name!r}: the full tensor of a row layout is gathered "
+                                  f"by its owner (an FSDP1 unit), not by the layout")
+
     def read(self):
         """Its ``torch.chunk`` rows where it is laid out that way, else the whole tensor and the
         box."""
