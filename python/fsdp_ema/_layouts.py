@@ -182,9 +182,9 @@ class _OnMesh(Layout):
     tensor parallelism)."""
 
     def __init__(self, name: str, local: torch.Tensor, mesh, placements: Sequence[Any],
-                 shape: torch.Size):
+                 shape: torch.Size, stride: Sequence[int] | None = None):
         super().__init__(name, shape, local.dtype, local)
-        self.mesh, self.placements = mesh, tuple(placements)
+        self.mesh, self.placements, self.stride = mesh, tuple(placements), stride
         self.coordinate = mesh.get_coordinate()  # None: not in the mesh
 
     def piece(self, rank):
@@ -259,7 +259,8 @@ class _OnMesh(Layout):
         wrong global shape from an uneven or empty local shard)."""
         from torch.distributed.tensor import DTensor
 
-        stride = torch.empty(self.shape, device="meta").stride()
+        stride = (self.stride if self.stride is not None
+                  else torch.empty(self.shape, device="meta").stride())
         return DTensor.from_local(self.local, self.mesh, self.placements, run_check=False,
                                   shape=self.shape, stride=stride)
 
@@ -325,9 +326,10 @@ def whole(name: str, t: torch.Tensor, *, writers: int = 1) -> Layout:
 
 
 def on_mesh(name: str, local: torch.Tensor, mesh, placements: Sequence[Any],
-            shape: torch.Size) -> Layout:
-    """A DTensor's local shard (the DTensor itself, or another tensor laid out as it is)."""
-    return _OnMesh(name, local, mesh, placements, shape)
+            shape: torch.Size, stride: Sequence[int] | None = None) -> Layout:
+    """A DTensor's local shard (the DTensor itself, or another tensor laid out as it is);
+    ``stride``: the global stride, if known (else computed when a DTensor is made)."""
+    return _OnMesh(name, local, mesh, placements, shape, stride)
 
 
 def rows(name: str, local: torch.Tensor, shape: torch.Size, rank: int, world: int, *,

@@ -273,7 +273,8 @@ class _Sharded(_Slot):
         return {self.fqn: self._layout(ema).dtensor()}
 
     def _layout(self, t: torch.Tensor) -> Layout:
-        return on_mesh(self.fqn, t, self.mesh, self.placements, self.global_shape)
+        return on_mesh(self.fqn, t, self.mesh, self.placements, self.global_shape,
+                       self.global_stride)
 
     def layouts(self, t, rank, world_size):
         return [(self._layout(t), rank)]  # the mesh coordinate says who writes
