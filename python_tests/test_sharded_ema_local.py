@@ -531,3 +531,15 @@ def test_meta_parameters_are_rejected():
         model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="meta device"):
         ShardedEMA(model)
+
+
+def test_shapes_name_every_kept_tensor_in_state_dict_order_read_only():
+    model = make()
+    ema = ShardedEMA(model, decay=0.9, params=lambda fqn, p: fqn != "inp.bias")
+    full = model.state_dict()
+    kept = {n: t.shape for n, t in full.items() if n != "inp.bias"}
+    assert list(ema.shapes) == [n for n in ema.state_dict() if n != ShardedEMA.STEP_KEY]
+    assert dict(ema.shapes) == kept
+    with pytest.raises(TypeError):
+        ema.shapes["inp.bias"] = torch.Size([7])
+    assert ema.process_group is None

@@ -249,11 +249,13 @@ MUTANTS = {
         ".view(local[i].sizes()).clone();",
         [ctest("^train_sharded_2ranks$")]),
     # --- Python ---------------------------------------------------------------------------------
-    "chunk-rows-python-remainder-one": (
+    # The row rule has no Python copy (chunk-rows-cpp-remainder-one covers it); a Layout whose
+    # second replica writes too puts two pieces over one box.
+    "layout-every-replica-writes": (
         "python/fsdp_ema/_layouts.py",
-        "size = -(-rows // world_size)",
-        "size = rows // world_size + (rows % world_size > 1)",
-        [pytest("python_tests/test_sharded_ema.py", "-k", "read_at_1 and plain")]),
+        "if any(c for c, p in zip(coordinate, self.placements) if not is_shard(p)):",
+        "if False:",
+        [pytest("python_tests/test_layouts.py", "-k", "exactly_once")]),
     "warmup-ignores-start-step": (
         "python/fsdp_ema/sharded_ema.py",
         "s = (k - self.start_step).clamp_min(0).to(torch.float64)",

@@ -25,23 +25,16 @@ import functools
 import os
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from . import _dtypes
 from . import checkpoint as _ckpt
-from ._dist import check_dtype_kind, raise_if_any_rank_failed
-from ._layouts import ReadRequest
+from ._dist import check_dtype_kind, raise_if_any_rank_failed, rank_world
+from ._layouts import LoadTarget
 
 T = TypeVar("T")
-
-
-def rank_world(group) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def check_fresh(directory: str, overwrite: bool) -> None:
@@ -140,21 +133,6 @@ def save_collective(directory: str | os.PathLike, pieces: Callable[[], Mapping[s
 
 
 # --- the collective load --------------------------------------------------------------------------
-
-class LoadTarget(NamedTuple):
-    """One tensor of a collective load. ``name`` and ``shape`` (global) as the checkpoint must hold
-    them; ``dtype``: of the tensor the values go to (the stored dtype must be of its kind);
-    ``read``: what this rank reads (``_layouts.ReadRequest``), or None where it holds none of it
-    (then only name, shape and dtype are checked); ``dest``: the tensor filled in place, or None
-    to have the checked values returned to the caller (FSDP1 flat parameters, whose layout is
-    not one the checkpoint can be read into)."""
-
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
-    read: ReadRequest | None
-    dest: torch.Tensor | None = None
-
 
 def _in_place(t: LoadTarget, stored: torch.dtype) -> bool:
     """Whether ``load_into_`` can fill ``t.dest`` straight from the file: the stored dtype (no

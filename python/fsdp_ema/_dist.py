@@ -55,3 +55,19 @@ def raise_if_any_rank_failed(error: BaseException | None, group: dist.ProcessGro
     if error is not None:
         raise RuntimeError(f"{what} failed on rank(s) {failed}; here: {error}") from error
     raise RuntimeError(f"{what} failed on rank(s) {failed} (their errors say why)")
+
+
+def rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank, world size) in ``group``; (0, 1) without one (a single process)."""
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def broadcast_int(value: int, group: dist.ProcessGroup | None, device: torch.device) -> int:
+    """Collective: ``value`` of rank 0 of ``group``, on every rank."""
+    if group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=comm_device(group, device))
+    dist.broadcast(t, group=group, group_src=0)
+    return int(t.item())

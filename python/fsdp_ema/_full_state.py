@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from ._dist import comm_device
+from ._dist import broadcast_int, comm_device, raise_if_any_rank_failed, rank_world
 
 #: Default ``bucket_bytes`` of ``full_state_dict`` and ``export``.
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -114,36 +114,42 @@ def full_buckets(parts: Sequence[Part],
         yield [(q.fqn, t, True) for q, t in zip(pending, gather_bucket(pending))]
 
 
-
-
 def export(parts: Sequence[Part], path: str, *, dtype: torch.dtype | None, max_file_bytes: int,
-           bucket_bytes: int, overwrite: bool, writer: bool,
-           agree: Callable[[BaseException | None], None],
-           broadcast: Callable[[int], int]) -> int:
-    """Collective: every rank gathers the buckets of ``parts``; the rank with ``writer`` streams
-    each bucket's tensors into a ``torch.classes.fsdp_ema.ExportWriter`` (planned up front, files
-    staged in ``path``, put in place at the end). ``agree`` raises on every rank if any passes an
-    error; ``broadcast`` hands the writer's byte count to every rank. Returns it."""
+           bucket_bytes: int, overwrite: bool, group, device: torch.device, what: str,
+           names: Mapping[str, str] | None = None,
+           transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> int:
+    """Collective, the one streaming export (``ShardedEMA.export``, ``export_merged``): every
+    rank gathers the buckets of ``parts``; rank 0 of ``group`` streams each bucket's tensors into
+    a ``torch.classes.fsdp_ema.ExportWriter`` (planned up front, files staged in ``path``, put in
+    place at the end), each under ``names[fqn]`` (the part's name without ``names``) and as
+    ``transform(fqn, full tensor)`` gives it (on rank 0 only; the tensor itself without it).
+    A failure on any rank raises on every rank. Returns the bytes written, on every rank."""
+    writer = rank_world(group)[0] == 0
     out, error = None, None
+
+    def name(fqn: str) -> str:
+        return fqn if names is None else names[fqn]
+
     if writer:
         try:
             like = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in parts]
-            out = torch.classes.fsdp_ema.ExportWriter(path, [p.fqn for p in parts], like, dtype,
-                                                      int(max_file_bytes), overwrite, True)
+            out = torch.classes.fsdp_ema.ExportWriter(path, [name(p.fqn) for p in parts], like,
+                                                      dtype, int(max_file_bytes), overwrite, True)
         except Exception as e:  # noqa: BLE001 (re-raised on every rank below)
             error = e
-    agree(error)
-    total = 0
+    raise_if_any_rank_failed(error, group, what, device)
     for bucket in full_buckets(parts, bucket_bytes):
         # After a write error the writer keeps gathering (the other ranks are in the
         # collectives) and reports the error at the end.
         if out is not None and error is None:
             try:
                 for fqn, t, _ in bucket:
-                    out.write(fqn, t)  # cast (if asked) by the writer, as fsdp-ema export does
+                    # Cast (if asked) by the writer, as fsdp-ema export does.
+                    out.write(name(fqn), t if transform is None else transform(fqn, t))
             except Exception as e:  # noqa: BLE001
                 error = e
         del bucket
+    total = 0
     if out is not None:
         try:
             if error is None:
@@ -152,5 +158,5 @@ def export(parts: Sequence[Part], path: str, *, dtype: torch.dtype | None, max_f
             error = e
         if error is not None:
             out.abort()
-    agree(error)
-    return broadcast(total)
+    raise_if_any_rank_failed(error, group, what, device)
+    return broadcast_int(total, group, device)

@@ -2,7 +2,9 @@
 the merged full weights (base + scale * B @ A per adapted layer) as a consolidated Hugging Face
 safetensors export that loads into the unadapted model.
 
-Collective, like ``ShardedEMA.export``: every rank gathers (``_full_state``), rank 0 writes.
+Collective, like ``ShardedEMA.export``: every rank gathers (``_full_state``), rank 0 writes. Only
+ShardedEMA's public API is used (``model``, ``shapes``, ``process_group``, ``full_state_dict``);
+the merged weights stream through ``_full_state.export``, the route ``ShardedEMA.export`` takes.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import torch
 from torch import nn
 
 from ._apply import reshard_fsdp2
-from ._full_state import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_FILE_BYTES, full_buckets
+from ._dist import raise_if_any_rank_failed, rank_world
+from ._full_state import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_FILE_BYTES
+from ._full_state import export as _export
 from ._slots import _discover, _join, _modules
 
 ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's file names (peft.utils.constants)
@@ -66,11 +70,16 @@ def _lora_names(layer: _Lora, adapter: str) -> tuple[str, str]:
 
 def _ema_adapters(ema, layers: dict[str, _Lora], adapter: str, what: str) -> None:
     missing = [n for layer in layers.values() for n in _lora_names(layer, adapter)
-               if n not in ema._shapes]
+               if n not in ema.shapes]
     if missing:
         raise ValueError(f"{what}: the EMA does not keep {missing[0]!r} (and "
                          f"{len(missing) - 1} more LoRA weights); make it with params='trainable' "
                          f"or params='all'")
+
+
+def _agree(ema, error: BaseException | None, what: str) -> None:
+    """Collective over the EMA's group: raises on every rank if any rank passes an error."""
+    raise_if_any_rank_failed(error, ema.process_group, what, torch.device("cpu"))
 
 
 def export_peft_adapter(ema, path: str | os.PathLike, *, adapter_name: str = "default",
@@ -92,10 +101,10 @@ def export_peft_adapter(ema, path: str | os.PathLike, *, adapter_name: str = "de
         _ema_adapters(ema, layers, adapter_name, what)
     except Exception as e:  # noqa: BLE001 (raised on every rank by the agreement)
         error = e
-    ema._agree(error, what)
+    _agree(ema, error, what)
     full = ema.full_state_dict(rank0_only=True)
     error = None
-    if ema._rank_world()[0] == 0:
+    if rank_world(ema.process_group)[0] == 0:
         try:
             from safetensors.torch import save_file
 
@@ -111,7 +120,7 @@ def export_peft_adapter(ema, path: str | os.PathLike, *, adapter_name: str = "de
             save_file(tensors, os.path.join(path, ADAPTER_FILE), metadata={"format": "pt"})
         except Exception as e:  # noqa: BLE001
             error = e
-    ema._agree(error, what)
+    _agree(ema, error, what)
 
 
 @torch.no_grad()
@@ -152,48 +161,26 @@ def export_merged(ema, path: str | os.PathLike, *, adapter_name: str = "default"
                 names[part.fqn] = out
     except Exception as e:  # noqa: BLE001
         error = e
-    ema._agree(error, what)
+    _agree(ema, error, what)
     adapters = ema.full_state_dict(rank0_only=True)  # the EMA's tensors (the adapters, ...)
-    writer, error = None, None
-    if ema._rank_world()[0] == 0:
-        try:
-            like = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in parts]
-            writer = torch.classes.fsdp_ema.ExportWriter(
-                path, [names[p.fqn] for p in parts], like, None, int(max_file_bytes), overwrite,
-                True)
-        except Exception as e:  # noqa: BLE001
-            error = e
-    ema._agree(error, what)
     weights = {_join(prefix, "base_layer.weight"): layer for prefix, layer in layers.items()}
-    for bucket in full_buckets(parts, bucket_bytes):
-        if writer is not None and error is None:
-            try:
-                for fqn, t, _ in bucket:
-                    dtype = t.dtype
-                    if fqn in adapters:  # the EMA keeps this base tensor too (params="all")
-                        t = adapters[fqn].to(dtype)
-                    layer = weights.get(fqn)
-                    if layer is not None:
-                        a, b = (adapters[n] for n in _lora_names(layer, adapter_name))
-                        delta = b @ a
-                        delta = (delta.T if layer.fan_in_fan_out else delta) * layer.scaling
-                        # peft: base_layer.weight.data += delta (computed in the promoted dtype).
-                        t = (t.to(delta.device) + delta).to(dtype)
-                    writer.write(names[fqn], t)
-            except Exception as e:  # noqa: BLE001
-                error = e
-        del bucket
-    total = 0
-    if writer is not None:
-        try:
-            if error is None:
-                total = writer.finish()
-        except Exception as e:  # noqa: BLE001
-            error = e
-        if error is not None:
-            writer.abort()
-    ema._agree(error, what)
-    return ema._broadcast(total)
+
+    def merged(fqn: str, t: torch.Tensor) -> torch.Tensor:  # on rank 0, as each tensor arrives
+        dtype = t.dtype
+        if fqn in adapters:  # the EMA keeps this base tensor too (params="all")
+            t = adapters[fqn].to(dtype)
+        layer = weights.get(fqn)
+        if layer is not None:
+            a, b = (adapters[n] for n in _lora_names(layer, adapter_name))
+            delta = b @ a
+            delta = (delta.T if layer.fan_in_fan_out else delta) * layer.scaling
+            # peft: base_layer.weight.data += delta (computed in the promoted dtype).
+            t = (t.to(delta.device) + delta).to(dtype)
+        return t
+
+    return _export(parts, path, dtype=None, max_file_bytes=int(max_file_bytes),
+                   bucket_bytes=bucket_bytes, overwrite=overwrite, group=ema.process_group,
+                   device=torch.device("cpu"), what=what, names=names, transform=merged)
 
 
 def _layer_prefixes(fqn: str, layers: dict[str, _Lora]) -> list[str]:

@@ -3,9 +3,10 @@
 ``discover`` walks a (wrapped) model once and returns one slot per tensor the EMA keeps on this
 rank: ``_Replicated`` (a parameter or buffer every rank holds whole: plain, DDP, buffers),
 ``_Sharded`` (the local shard of a DTensor: FSDP2) or ``_Flat`` (the local slice of an FSDP1
-FlatParameter, which holds several named tensors). Each slot knows its names, how to write and
-read its tensors (through ``_layouts``), its state-dict values and how its full tensors are
-produced (``_full_state.Part``).
+FlatParameter, which holds several named tensors). Each slot knows its names, the
+``_layouts.Layout`` of each of its tensors over the EMA's or the model's storage (what a save
+writes, what a load reads), its state-dict values and how its full tensors are produced
+(``_full_state.Part``).
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ from torch import nn
 from ._collective import LoadTarget, load_collective
 from ._full_state import Part, part_cost
 from ._layouts import (
+    Layout,
     ReadRequest,
     box,
     check_placements,
     chunk_rows,
-    dtensor_pieces,
-    dtensor_read,
     is_dtensor,
-    replicated_pieces,
-    rows_piece,
+    on_mesh,
+    rows,
+    whole,
 )
 
 # Attributes through which wrappers hold the wrapped module; they are not part of clean names.
@@ -136,8 +137,19 @@ class _Slot:
     def state_items(self, ema: torch.Tensor) -> dict[str, Any]:
         raise NotImplementedError
 
-    def pieces(self, t: torch.Tensor, rank: int, world_size: int) -> dict[str, Any]:
+    def layouts(self, t: torch.Tensor, rank: int,
+                world_size: int) -> list[tuple[Layout, int]]:
+        """The layout of each tensor of this slot over ``t`` (its EMA or model tensor) and the
+        rank its ``piece`` takes, for rank ``rank`` of the EMA's ``world_size`` (collective for
+        FSDP1 units: one all_to_all)."""
         raise NotImplementedError
+
+    def pieces(self, t: torch.Tensor, rank: int, world_size: int) -> dict[str, Any]:
+        """What this rank writes of this slot's tensors over ``t``."""
+        out: dict[str, Any] = {}
+        for layout, piece_rank in self.layouts(t, rank, world_size):
+            out.update(layout.piece(piece_rank))
+        return out
 
     def local_value(self, fqn: str, value) -> torch.Tensor:
         """The part of a state dict ``value`` this rank keeps (same form as ``file_request``)."""
@@ -184,9 +196,9 @@ class _Replicated(_Slot):
     def state_items(self, ema):
         return {self.fqn: ema}
 
-    def pieces(self, t, rank, world_size):
+    def layouts(self, t, rank, world_size):
         # Replicated on every rank: each rank writes its torch.chunk rows, so writing is shared.
-        return replicated_pieces(self.fqn, t, rank, writers=world_size)
+        return [(whole(self.fqn, t, writers=world_size), rank)]
 
     def local_value(self, fqn, value):
         from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -205,14 +217,14 @@ class _Replicated(_Slot):
         return 0, 1
 
     def load_targets(self, t):
-        return [LoadTarget(self.fqn, self.local_shape, t.dtype, ReadRequest((0, 1)), t)]
+        return [whole(self.fqn, t).target()]
 
     def assign(self, ema, values):
         if self.fqn in values:
-            ema.copy_(values[self.fqn])
+            whole(self.fqn, ema).assign(values[self.fqn])
 
     def full_parts(self, ema):
-        return [Part(self.fqn, ema.shape, ema.dtype, "full", ema)]
+        return [whole(self.fqn, ema).full_part()]
 
 
 class _Sharded(_Slot):
@@ -239,7 +251,7 @@ class _Sharded(_Slot):
                 f"placements {self.placements} imply {list(shape)}")
         # torch.chunk rows of (k, n) where the layout allows, else the whole tensor and the box
         # (offsets clamped for an empty shard, as the checkpoint index stores them).
-        self.read = dtensor_read(self.mesh, self.placements, self.global_shape, local.shape)
+        self.read = self._layout(local).read()
         self.chunk = self.read.request if self.read.box is None and len(self.global_shape) else None
         self.offsets = [min(o, s) for o, s in zip(offsets, self.global_shape)]
         # FSDP2 leaves a module's parameters unsharded after a forward without backward (the
@@ -258,18 +270,14 @@ class _Sharded(_Slot):
             # move it to the mesh's device; the state dict stays a view of the EMA instead.
             return {self.fqn: dtensor_view(ema, self.mesh, self.placements, self.global_shape,
                                            self.global_stride)}
-        return {self.fqn: self._on_mesh(ema)}
+        return {self.fqn: self._layout(ema).dtensor()}
 
-    def _on_mesh(self, ema):
-        """The EMA as a DTensor on the mesh's device (a device copy of a host EMA), for
-        collectives over the mesh."""
-        from torch.distributed.tensor import DTensor
+    def _layout(self, t: torch.Tensor) -> Layout:
+        return on_mesh(self.fqn, t, self.mesh, self.placements, self.global_shape,
+                       self.global_stride)
 
-        return DTensor.from_local(ema, self.mesh, self.placements, run_check=False,
-                                  shape=self.global_shape, stride=self.global_stride)
-
-    def pieces(self, t, rank, world_size):
-        return dtensor_pieces(self.fqn, t, self.mesh, self.placements, self.global_shape)
+    def layouts(self, t, rank, world_size):
+        return [(self._layout(t), rank)]  # the mesh coordinate says who writes
 
     def local_value(self, fqn, value):
         from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -286,34 +294,21 @@ class _Sharded(_Slot):
         return box(value, self.offsets, self.local_shape)
 
     def file_request(self):
-        return self.chunk if self.chunk is not None else (0, 1)
+        return self.read.request
 
     def from_file(self, fqn, loaded):
-        return loaded if self.chunk is not None else box(loaded, self.offsets, self.local_shape)
+        return self.read.take(loaded)
 
     def load_targets(self, t):
         # In place for torch.chunk rows (FSDP2 Shard(0)); a box of the whole tensor otherwise.
-        return [LoadTarget(self.fqn, self.global_shape, t.dtype, self.read, t)]
+        return [self._layout(t).target()]
 
     def assign(self, ema, values):
         if self.fqn in values:
-            ema.copy_(values[self.fqn])
+            self._layout(ema).assign(values[self.fqn])
 
     def full_parts(self, ema):
-        from torch.distributed.tensor import Replicate, Shard
-
-        shape = self.global_shape
-        if shape.numel() == 0:
-            return [Part(self.fqn, shape, ema.dtype, "full", ema.new_empty(shape))]
-        if len(shape) == 0 or all(isinstance(p, Replicate) for p in self.placements):
-            return [Part(self.fqn, shape, ema.dtype, "full", ema)]
-        if self.chunk is not None:
-            dim = next(i for i, p in enumerate(self.placements) if isinstance(p, Shard))
-            group = self.mesh.get_group(dim)
-            return [Part(self.fqn, shape, ema.dtype, "rows", ema, group,
-                         part_cost(shape, ema.dtype, self.chunk[1]))]
-        # Made when gathered (for a host EMA, a device copy): one at a time, not all at once.
-        return [Part(self.fqn, shape, ema.dtype, "dtensor", lambda: self._on_mesh(ema))]
+        return [self._layout(ema).full_part()]
 
 
 class _Flat(_Slot):
@@ -355,19 +350,14 @@ class _Flat(_Slot):
                                                  layout.world_size, layout.group)
         return out
 
-    def pieces(self, t, rank, world_size):
-        layout, out = self.layout, {}
+    def layouts(self, t, rank, world_size):
+        layout = self.layout
         chunks = layout.to_chunks(t)  # collective within the unit's group: every replica
-        if self.replica:
-            return out
-        for member, chunk in zip(layout.members, chunks):
-            if len(member.shape) == 0 or member.shape.numel() == 0:
-                if layout.rank == 0:
-                    out[member.fqn] = chunk if len(member.shape) == 0 else t.new_empty(member.shape)
-            else:
-                begin, _ = chunk_rows(member.shape[0], layout.rank, layout.world_size)
-                out.update(rows_piece(member.fqn, chunk, begin, member.shape))
-        return out
+        # Rank 0 of the unit's group writes 0-dim and empty members; only the first replica
+        # writes at all.
+        return [(rows(member.fqn, chunk, member.shape, layout.rank, layout.world_size,
+                      writes=not self.replica), layout.rank)
+                for member, chunk in zip(layout.members, chunks)]
 
     def local_value(self, fqn, value):
         shape = next(m.shape for m in self.layout.members if m.fqn == fqn)
@@ -419,11 +409,8 @@ class _FlatReplicated(_Flat):
     def state_items(self, ema):
         return dict(self.members(ema))
 
-    def pieces(self, t, rank, world_size):
-        out: dict[str, Any] = {}
-        for fqn, view in self.members(t):
-            out.update(replicated_pieces(fqn, view, rank, writers=world_size))
-        return out
+    def layouts(self, t, rank, world_size):
+        return [(whole(fqn, view, writers=world_size), rank) for fqn, view in self.members(t)]
 
     def local_value(self, fqn, value):
         return _Replicated.local_value(self, fqn, value)
@@ -432,13 +419,12 @@ class _FlatReplicated(_Flat):
         return 0, 1
 
     def load_targets(self, t):
-        return [LoadTarget(fqn, view.shape, t.dtype, ReadRequest((0, 1)), view)
-                for fqn, view in self.members(t)]
+        return [whole(fqn, view).target() for fqn, view in self.members(t)]
 
     def assign(self, ema, values):
         for fqn, view in self.members(ema):
             if fqn in values:
-                view.copy_(values[fqn])
+                whole(fqn, view).assign(values[fqn])
 
 
 def load_slots(directory: str, slots: list[_Slot], tensors: list[torch.Tensor], *,

@@ -17,6 +17,7 @@ import dataclasses
 import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._collective import save_collective
-from ._dist import comm_device, raise_if_any_rank_failed
+from ._dist import rank_world
 from ._dtypes import ema_dtypes
 from ._full_state import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_FILE_BYTES, Part, full_buckets
 from ._full_state import export as _export
@@ -323,6 +324,18 @@ class ShardedEMA:
         """Bytes of EMA state held on this rank."""
         return sum(t.numel() * t.element_size() for t in self._ema)
 
+    @property
+    def shapes(self) -> Mapping[str, torch.Size]:
+        """``{clean FQN: global shape}`` of every tensor the EMA keeps, in ``state_dict()``
+        order (the names ``save``, ``full_state_dict`` and ``export`` use); read-only."""
+        return MappingProxyType(self._shapes)
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The process group the EMA's collectives run over (None in a single process); rank 0
+        of it is the rank that writes exports."""
+        return self._group
+
     # --- updating ---------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -552,27 +565,13 @@ class ShardedEMA:
                              f"{max_file_bytes}")
         parts = self._full_plan(bucket_bytes, "export")
         return _export(parts, path, dtype=dtype, max_file_bytes=int(max_file_bytes),
-                       bucket_bytes=bucket_bytes, overwrite=overwrite,
-                       writer=self._rank_world()[0] == 0,
-                       agree=lambda error: self._agree(error, what), broadcast=self._broadcast)
+                       bucket_bytes=bucket_bytes, overwrite=overwrite, group=self._group,
+                       device=self._device, what=what)
 
     # --- checkpoint directories -------------------------------------------------------------------
 
     def _rank_world(self) -> tuple[int, int]:
-        if self._group is None:
-            return 0, 1
-        return dist.get_rank(self._group), dist.get_world_size(self._group)
-
-    def _agree(self, error: BaseException | None, what: str) -> None:
-        raise_if_any_rank_failed(error, self._group, what, self._device)
-
-    def _broadcast(self, value: int) -> int:
-        """``value`` of rank 0 of the EMA's group, on every rank."""
-        if self._group is None:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=comm_device(self._group, self._device))
-        dist.broadcast(t, group=self._group, group_src=0)
-        return int(t.item())
+        return rank_world(self._group)
 
     def _check_selection(self, what: str) -> None:
         if self._watch is not None:

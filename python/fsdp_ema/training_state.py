@@ -24,7 +24,7 @@ import random
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,14 +33,7 @@ from . import _dtypes
 from . import checkpoint as _ckpt
 from ._collective import LoadTarget, agreed, load_collective, save_collective
 from ._collective import rank_world as _rank_world
-from ._layouts import (
-    ReadRequest,
-    dtensor_read,
-    is_dtensor,
-    is_sharded_tensor,
-    pieces_of,
-    sharded_tensor_read,
-)
+from ._layouts import layout_of
 
 __all__ = ["save_training_state", "load_training_state", "latest_checkpoint",
            "read_training_state_json", "META_TENSOR", "INDEX_NAME", "SIDECAR_NAME"]
@@ -242,35 +235,6 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
         np.random.set_state(state["numpy"])
 
 
-# --- tensors: what this rank writes, and where it reads from --------------------------------------
-
-def _target(name: str, value) -> LoadTarget:
-    """One tensor of a template state dict to fill in place from the checkpoint: its local tensor
-    (none where this rank holds none of it) and its read request (``_layouts.ReadRequest``)."""
-    if is_dtensor(value):
-        shape, mesh = torch.Size(value.shape), value.device_mesh
-        if mesh.get_coordinate() is None:
-            return LoadTarget(name, shape, value.dtype, None)
-        local = value._local_tensor
-        return LoadTarget(name, shape, value.dtype,
-                          dtensor_read(mesh, tuple(value.placements), shape, local.shape), local)
-    if is_sharded_tensor(value):
-        shape = torch.Size(value.size())
-        shards = value.local_shards()
-        if len(shards) > 1:
-            raise ValueError(f"{name!r}: a ShardedTensor with several local shards")
-        if not shards or shards[0].tensor.numel() == 0:
-            return LoadTarget(name, shape, value.dtype, None)
-        local, pg = shards[0].tensor, value._process_group
-        return LoadTarget(name, shape, local.dtype,
-                          sharded_tensor_read(shape, list(shards[0].metadata.shard_offsets),
-                                              local.shape, dist.get_rank(pg),
-                                              dist.get_world_size(pg)), local)
-    if isinstance(value, torch.Tensor):
-        return LoadTarget(name, torch.Size(value.shape), value.dtype, ReadRequest((0, 1)), value)
-    raise TypeError(f"{name!r}: not a tensor ({type(value).__name__})")
-
-
 # --- collecting state -----------------------------------------------------------------------------
 
 def _default_group():
@@ -338,80 +302,107 @@ def save_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
         raise ValueError(f"{what}: saving an optimizer needs its model (for the FQNs)")
     group = _default_group()
     rank, world = _rank_world(group)
-
     # Collective parts first (FSDP1 state dicts all-gather / all_to_all): every rank gets here.
-    model_sd = _model_state(model) if model is not None else {}
-    optim_sd = _optim_state(model, optimizer) if optimizer is not None else None
-    ema_sd = ema.state_dict() if ema is not None else {}
-
-    def pieces() -> dict[str, Any]:  # local: runs with the directory check, before any write
-        shards: dict[str, Any] = {}
-        doc: dict[str, Any] = {"format": FORMAT_NAME, "version": FORMAT_VERSION,
-                               "world_size": world}
-        for fqn, v in model_sd.items():
-            shards.update(pieces_of(MODEL_PREFIX + fqn, v, rank))
-        doc["model"] = {"tensors": sorted(model_sd)} if model is not None else None
-        if optim_sd is not None:
-            state: dict[str, Any] = {}
-            for fqn, entries in optim_sd["state"].items():
-                state[fqn] = {}
-                for key, v in entries.items():
-                    if isinstance(v, torch.Tensor):
-                        name = _optim_key(fqn, key)
-                        shards.update(pieces_of(name, v, rank))
-                        state[fqn][key] = {"tensor": name}
-                    else:
-                        state[fqn][key] = {"value": _encode(v, f"optimizer state {fqn}.{key}")}
-            groups = [{k: _encode(v, f"param_groups[{i}][{k!r}]") for k, v in g.items()}
-                      for i, g in enumerate(optim_sd["param_groups"])]
-            doc["optimizer"] = {"type": type(optimizer).__name__, "state": state,
-                                "param_groups": groups}
-        else:
-            doc["optimizer"] = None
-        if ema is not None:
-            step_key = type(ema).STEP_KEY
-            names = [k for k in ema_sd if k != step_key]
-            for fqn in names:
-                shards.update(pieces_of(EMA_PREFIX + fqn, ema_sd[fqn], rank))
-            # The host's count when known: int() of a device step would wait for all the
-            # work queued on the stream (an async save would block on the training).
-            doc["ema"] = {"step": ema._step_count() if step_key in ema_sd else None,
-                          "decay": ema.decay, "tensors": sorted(names)}
-        else:
-            doc["ema"] = None
-        doc["rng"] = {"ranks": world} if rng else None
-        if rng:
-            shards[f"{RNG_PREFIX}{rank}"] = _json_tensor(_rng_state())
-        doc["extra"] = _encode(dict(extra or {}))
-        if rank == 0:
-            shards[META_TENSOR] = _json_tensor(doc)
-            sidecar.append(json.dumps(doc, indent=1, sort_keys=True))
-        return shards
-
-    sidecar: list[str] = []
-
-    def prepare() -> None:  # in the write step, once this rank's shard file is written
-        if sidecar:
-            torch.ops.fsdp_ema.write_sidecar(directory, SIDECAR_NAME, sidecar[0], True)
-
-    def after_commit() -> None:
-        if rank == 0 and keep_last is not None:
-            # The save is committed: a rotation that fails is a warning, never this save's error.
-            try:
-                _rotate(directory, int(keep_last))
-            except Exception as e:  # noqa: BLE001
-                warnings.warn(f"{what}: committed, but removing older checkpoints failed: {e}",
-                              RuntimeWarning, stacklevel=5)
-
+    states = _States(model=_model_state(model) if model is not None else None,
+                     optimizer=_optim_state(model, optimizer) if optimizer is not None else None,
+                     ema=ema.state_dict() if ema is not None else None)
+    save = _Save(directory, what, rank, world, states, optimizer=optimizer, ema=ema, rng=rng,
+                 extra=extra, keep_last=keep_last)
     saver = None
     if async_:
         from ._async import default_saver
 
         saver = default_saver("save_training_state")
-    return save_collective(directory, pieces, group=group, device=torch.device("cpu"),
+    return save_collective(directory, save.pieces, group=group, device=torch.device("cpu"),
                            what=what, overwrite=overwrite, collective_pieces=False,
-                           prepare=prepare, after_commit=after_commit, async_saver=saver,
-                           if_busy=if_busy)
+                           prepare=save.prepare, after_commit=save.after_commit,
+                           async_saver=saver, if_busy=if_busy)
+
+
+class _States(NamedTuple):
+    """The state dicts of a save or load (None for what is not saved or loaded)."""
+
+    model: dict[str, Any] | None
+    optimizer: dict[str, Any] | None
+    ema: dict[str, Any] | None
+
+
+def _optimizer_pieces(optim_sd: Mapping[str, Any], optimizer, rank: int,
+                      shards: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's part of the document; its state tensors' pieces go into ``shards``."""
+    state: dict[str, Any] = {}
+    for fqn, entries in optim_sd["state"].items():
+        state[fqn] = {}
+        for key, v in entries.items():
+            if isinstance(v, torch.Tensor):
+                name = _optim_key(fqn, key)
+                shards.update(layout_of(name, v).piece(rank))
+                state[fqn][key] = {"tensor": name}
+            else:
+                state[fqn][key] = {"value": _encode(v, f"optimizer state {fqn}.{key}")}
+    groups = [{k: _encode(v, f"param_groups[{i}][{k!r}]") for k, v in g.items()}
+              for i, g in enumerate(optim_sd["param_groups"])]
+    return {"type": type(optimizer).__name__, "state": state, "param_groups": groups}
+
+
+def _ema_pieces(ema, ema_sd: Mapping[str, Any], rank: int,
+                shards: dict[str, Any]) -> dict[str, Any]:
+    """The EMA's part of the document; its tensors' pieces go into ``shards``."""
+    step_key = type(ema).STEP_KEY
+    names = [k for k in ema_sd if k != step_key]
+    for fqn in names:
+        shards.update(layout_of(EMA_PREFIX + fqn, ema_sd[fqn]).piece(rank))
+    # The host's count when known: int() of a device step would wait for all the work queued on
+    # the stream (an async save would block on the training).
+    return {"step": ema._step_count() if step_key in ema_sd else None, "decay": ema.decay,
+            "tensors": sorted(names)}
+
+
+class _Save:
+    """The steps of one ``save_training_state`` that ``save_collective`` runs: ``pieces`` (with
+    the directory check, before any write: what this rank writes, and on rank 0 the document),
+    ``prepare`` (once this rank's file is written: the sidecar) and ``after_commit`` (the
+    rotation)."""
+
+    def __init__(self, directory: str, what: str, rank: int, world: int, states: _States, *,
+                 optimizer, ema, rng: bool, extra: Mapping[str, Any] | None,
+                 keep_last: int | None):
+        self.directory, self.what, self.rank, self.world = directory, what, rank, world
+        self.states, self.optimizer, self.ema = states, optimizer, ema
+        self.rng, self.extra, self.keep_last = rng, extra, keep_last
+        self.sidecar: str | None = None
+
+    def pieces(self) -> dict[str, Any]:
+        rank, states, shards = self.rank, self.states, {}
+        doc: dict[str, Any] = {"format": FORMAT_NAME, "version": FORMAT_VERSION,
+                               "world_size": self.world}
+        for fqn, v in (states.model or {}).items():
+            shards.update(layout_of(MODEL_PREFIX + fqn, v).piece(rank))
+        doc["model"] = {"tensors": sorted(states.model)} if states.model is not None else None
+        doc["optimizer"] = (None if states.optimizer is None else
+                            _optimizer_pieces(states.optimizer, self.optimizer, rank, shards))
+        doc["ema"] = None if self.ema is None else _ema_pieces(self.ema, states.ema, rank, shards)
+        doc["rng"] = {"ranks": self.world} if self.rng else None
+        if self.rng:
+            shards[f"{RNG_PREFIX}{rank}"] = _json_tensor(_rng_state())
+        doc["extra"] = _encode(dict(self.extra or {}))
+        if rank == 0:
+            shards[META_TENSOR] = _json_tensor(doc)
+            self.sidecar = json.dumps(doc, indent=1, sort_keys=True)
+        return shards
+
+    def prepare(self) -> None:
+        if self.sidecar is not None:
+            torch.ops.fsdp_ema.write_sidecar(self.directory, SIDECAR_NAME, self.sidecar, True)
+
+    def after_commit(self) -> None:
+        if self.rank == 0 and self.keep_last is not None:
+            # The save is committed: a rotation that fails is a warning, never this save's error.
+            try:
+                _rotate(self.directory, int(self.keep_last))
+            except Exception as e:  # noqa: BLE001
+                warnings.warn(f"{self.what}: committed, but removing older checkpoints failed: "
+                              f"{e}", RuntimeWarning, stacklevel=5)
 
 
 # --- rotation and lookup (the directory work is format/'s: committed_checkpoints,
@@ -488,122 +479,152 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     included) on every rank before anything is written: a failure on any rank raises on every
     rank and leaves every object (and the RNGs) as it was.
     """
-    from torch.distributed.checkpoint.state_dict import (
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
     directory = os.fspath(directory)
     what = f"load_training_state({directory!r})"
     if optimizer is not None and model is None:
         raise ValueError(f"{what}: loading an optimizer needs its model (for the FQNs)")
     group = _default_group()
     rank, _ = _rank_world(group)
-
+    given = {"model": model, "optimizer": optimizer, "ema": ema}
     # Nothing is written until every rank has read and checked everything it will restore (the
     # JSON document, extra, its RNG states, every tensor's data and dtype) and all ranks agree:
     # a failure anywhere raises on every rank and leaves model, optimizer, EMA and RNGs as they
     # were.
-    def read_doc():
-        # One open for the whole load: every read below sees the same files.
-        ckpt = _ckpt.open_checkpoint(directory)
-        info = ckpt.info()
-        doc = _read_doc(ckpt, info, verify)
-        available = info["tensors"]
-        rng_state = None
-        for part, given in (("model", model), ("optimizer", optimizer), ("ema", ema)):
-            if given is not None and doc.get(part) is None:
-                raise ValueError(f"the checkpoint holds no {part} state")
-        extra = _decode(doc.get("extra"), f"{directory}: extra")
-        if not isinstance(extra, dict):
-            raise ValueError(f"extra is a {type(extra).__name__}, not a dict")
-        if ema is not None and doc["ema"]["step"] is not None and (
-                type(doc["ema"]["step"]) is not int or doc["ema"]["step"] < 0):
-            raise ValueError(f"the EMA step {doc['ema']['step']!r} is not a count")
-        if rng and doc.get("rng") and rank < doc["rng"]["ranks"]:
-            name = f"{RNG_PREFIX}{rank}"
-            if name not in available:
-                raise KeyError(f"{name!r} (rank {rank}'s RNG states) is not in the checkpoint")
-            rng_state = _checked_rng_state(
-                _tensor_json(ckpt.load([name], verify=verify)[name]),
-                f"{directory}: {name}")
-        return ckpt, info, doc, extra, rng_state
-
-    ckpt, info, doc, extra, rng_state = agreed(read_doc, group=group,
-                                               device=torch.device("cpu"), what=what)
-
+    ckpt, info, doc, extra, rng_state = agreed(
+        lambda: _read_checked(directory, given, rank, rng, verify), group=group,
+        device=torch.device("cpu"), what=what)
     # Templates (collective for FSDP1; the optimizer's state is initialized if it is empty).
     optim_sd = _optim_state(model, optimizer) if optimizer is not None else None
-    model_sd = _model_state(model) if model is not None else None
-    ema_sd = ema.state_dict() if ema is not None else None
-
+    states = _States(model=_model_state(model) if model is not None else None,
+                     optimizer=optim_sd, ema=ema.state_dict() if ema is not None else None)
     # Every rank checks every tensor (names, shapes, dtypes, every destination and checksum)
     # before any rank writes; then each reads into the state dicts' tensors in place, which for
-    # FSDP2 and plain models are the parameters', the optimizer's and the EMA's own
-    # (_collective.load_collective).
-    def plan(_info) -> list[LoadTarget]:
-        nonlocal model_sd
+    # FSDP2 and plain models are the parameters', the optimizer's and the EMA's own.
+    plan = _LoadPlan(doc, states, ema, strict)
+    load_collective(ckpt, plan.targets, info=info, group=group, device=torch.device("cpu"),
+                    what=what, verify=verify)
+    _restore(plan.states, model, optimizer, ema, rng_state, strict)
+    return extra
+
+
+def _read_checked(directory: str, given: Mapping[str, Any], rank: int, rng: bool,
+                  verify: bool) -> tuple[_ckpt.OpenCheckpoint, dict, dict, dict, Any]:
+    """Step 1 of a load (agreed): the document, ``extra`` and this rank's RNG states, read and
+    checked from one open of the checkpoint (every later read sees the same files)."""
+    ckpt = _ckpt.open_checkpoint(directory)
+    info = ckpt.info()
+    doc = _read_doc(ckpt, info, verify)
+    for part, value in given.items():
+        if value is not None and doc.get(part) is None:
+            raise ValueError(f"the checkpoint holds no {part} state")
+    extra = _decode(doc.get("extra"), f"{directory}: extra")
+    if not isinstance(extra, dict):
+        raise ValueError(f"extra is a {type(extra).__name__}, not a dict")
+    if given["ema"] is not None and doc["ema"]["step"] is not None and (
+            type(doc["ema"]["step"]) is not int or doc["ema"]["step"] < 0):
+        raise ValueError(f"the EMA step {doc['ema']['step']!r} is not a count")
+    rng_state = None
+    if rng and doc.get("rng") and rank < doc["rng"]["ranks"]:
+        name = f"{RNG_PREFIX}{rank}"
+        if name not in info["tensors"]:
+            raise KeyError(f"{name!r} (rank {rank}'s RNG states) is not in the checkpoint")
+        rng_state = _checked_rng_state(_tensor_json(ckpt.load([name], verify=verify)[name]),
+                                       f"{directory}: {name}")
+    return ckpt, info, doc, extra, rng_state
+
+
+class _LoadPlan:
+    """Step 2 of a load (in the collective load's check): the names checked against the
+    document and the tensors to read (``targets``); the state dicts' non-tensor values (the
+    optimizer's, the EMA's step) are set from the document, and the model's keeps only the saved
+    names (``states``)."""
+
+    def __init__(self, doc: Mapping[str, Any], states: _States, ema, strict: bool):
+        self.doc, self.states, self.ema, self.strict = doc, states, ema, strict
+
+    def targets(self, _info) -> list[LoadTarget]:
         targets: list[LoadTarget] = []
-        if model_sd is not None:
-            saved = set(doc["model"]["tensors"])
-            _check_names("model", set(model_sd), saved, strict)
-            model_sd = {k: v for k, v in model_sd.items() if k in saved}
-            targets += [_target(MODEL_PREFIX + k, v) for k, v in model_sd.items()]
-        if optim_sd is not None:
-            saved_state = doc["optimizer"]["state"]
-            _check_names("optimizer state", set(optim_sd["state"]), set(saved_state), strict)
-            for fqn, entries in optim_sd["state"].items():
-                if fqn not in saved_state:
-                    continue
-                for key, v in list(entries.items()):
-                    entry = saved_state[fqn].get(key)
-                    where = f"optimizer state {fqn}.{key}"
-                    if entry is None:
-                        raise KeyError(f"{where} is not in the checkpoint")
-                    if "tensor" in entry:
-                        if not isinstance(v, torch.Tensor):
-                            raise TypeError(f"{where} is a tensor in the checkpoint but a "
-                                            f"{type(v).__name__} here")
-                        targets.append(_target(entry["tensor"], v))
-                    else:
-                        value = _decode(entry["value"], where)
-                        if isinstance(v, torch.Tensor) or type(value) is not type(v):
-                            raise TypeError(f"{where} is a {type(value).__name__} in the "
-                                            f"checkpoint but a {type(v).__name__} here")
-                        entries[key] = value
-            saved_groups = [_decode(g, f"param_groups[{i}]")
-                            for i, g in enumerate(doc["optimizer"]["param_groups"])]
-            if len(saved_groups) != len(optim_sd["param_groups"]):
-                raise ValueError(f"the checkpoint has {len(saved_groups)} param groups, the "
-                                 f"optimizer {len(optim_sd['param_groups'])}")
-            for mine, theirs in zip(optim_sd["param_groups"], saved_groups):
-                if sorted(mine["params"]) != sorted(theirs["params"]):
-                    raise ValueError("the optimizer's param groups hold other parameters than "
-                                     "the checkpoint's")
-                mine.update({k: v for k, v in theirs.items() if k != "params"})
-        if ema_sd is not None:
-            step_key = type(ema).STEP_KEY
-            saved = set(doc["ema"]["tensors"])
-            mine = {k for k in ema_sd if k != step_key}
-            _check_names("EMA", mine, saved, strict)
-            targets += [_target(EMA_PREFIX + k, ema_sd[k]) for k in mine if k in saved]
-            if doc["ema"]["step"] is not None:
-                ema_sd[step_key] = torch.tensor(doc["ema"]["step"], dtype=torch.int64)
+        if self.states.model is not None:
+            targets += self._model_targets()
+        if self.states.optimizer is not None:
+            targets += self._optimizer_targets()
+            self._param_groups()
+        if self.states.ema is not None:
+            targets += self._ema_targets()
         return targets
 
-    load_collective(ckpt, plan, info=info, group=group, device=torch.device("cpu"), what=what,
-                    verify=verify)
-    if model_sd is not None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
+    def _model_targets(self) -> list[LoadTarget]:
+        saved = set(self.doc["model"]["tensors"])
+        _check_names("model", set(self.states.model), saved, self.strict)
+        model_sd = {k: v for k, v in self.states.model.items() if k in saved}
+        self.states = self.states._replace(model=model_sd)
+        return [layout_of(MODEL_PREFIX + k, v).target() for k, v in model_sd.items()]
 
-        set_model_state_dict(model, model_sd, options=StateDictOptions(strict=strict))
-    if optim_sd is not None:
-        set_optimizer_state_dict(model, optimizer, optim_sd, options=_state_options())
-    if ema_sd is not None:
-        ema.load_state_dict(ema_sd, strict=strict)
+    def _optimizer_targets(self) -> list[LoadTarget]:
+        optim_sd, saved_state = self.states.optimizer, self.doc["optimizer"]["state"]
+        _check_names("optimizer state", set(optim_sd["state"]), set(saved_state), self.strict)
+        targets = []
+        for fqn, entries in optim_sd["state"].items():
+            if fqn not in saved_state:
+                continue
+            for key, v in list(entries.items()):
+                entry = saved_state[fqn].get(key)
+                where = f"optimizer state {fqn}.{key}"
+                if entry is None:
+                    raise KeyError(f"{where} is not in the checkpoint")
+                if "tensor" in entry:
+                    if not isinstance(v, torch.Tensor):
+                        raise TypeError(f"{where} is a tensor in the checkpoint but a "
+                                        f"{type(v).__name__} here")
+                    targets.append(layout_of(entry["tensor"], v).target())
+                    continue
+                value = _decode(entry["value"], where)
+                if isinstance(v, torch.Tensor) or type(value) is not type(v):
+                    raise TypeError(f"{where} is a {type(value).__name__} in the checkpoint "
+                                    f"but a {type(v).__name__} here")
+                entries[key] = value
+        return targets
+
+    def _param_groups(self) -> None:
+        optim_sd = self.states.optimizer
+        saved_groups = [_decode(g, f"param_groups[{i}]")
+                        for i, g in enumerate(self.doc["optimizer"]["param_groups"])]
+        if len(saved_groups) != len(optim_sd["param_groups"]):
+            raise ValueError(f"the checkpoint has {len(saved_groups)} param groups, the "
+                             f"optimizer {len(optim_sd['param_groups'])}")
+        for mine, theirs in zip(optim_sd["param_groups"], saved_groups):
+            if sorted(mine["params"]) != sorted(theirs["params"]):
+                raise ValueError("the optimizer's param groups hold other parameters than the "
+                                 "checkpoint's")
+            mine.update({k: v for k, v in theirs.items() if k != "params"})
+
+    def _ema_targets(self) -> list[LoadTarget]:
+        ema_sd, step_key = self.states.ema, type(self.ema).STEP_KEY
+        saved = set(self.doc["ema"]["tensors"])
+        mine = {k for k in ema_sd if k != step_key}
+        _check_names("EMA", mine, saved, self.strict)
+        if self.doc["ema"]["step"] is not None:
+            ema_sd[step_key] = torch.tensor(self.doc["ema"]["step"], dtype=torch.int64)
+        return [layout_of(EMA_PREFIX + k, ema_sd[k]).target() for k in mine if k in saved]
+
+
+def _restore(states: _States, model, optimizer, ema, rng_state, strict: bool) -> None:
+    """Step 3 of a load, once every tensor is read: the state dicts into their objects, then
+    the RNG states."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    if states.model is not None:
+        set_model_state_dict(model, states.model, options=StateDictOptions(strict=strict))
+    if states.optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, states.optimizer, options=_state_options())
+    if states.ema is not None:
+        ema.load_state_dict(states.ema, strict=strict)
     if rng_state is not None:
         _set_rng_state(rng_state)
-    return extra
 
 
 def _check_names(what: str, mine: set[str], saved: set[str], strict: bool) -> None:
