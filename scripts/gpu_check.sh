@@ -259,8 +259,15 @@ if [ $DRY -eq 1 ]; then
     "$PY" -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: \
       --python-version 3.12 --platform manylinux_2_28_x86_64 -d "$TORCH_ROOT/wheel" \
       "torch==$TORCH_WHEEL_VERSION" || die "pip download torch==$TORCH_WHEEL_VERSION"
-    unzip -q -o "$TORCH_ROOT"/wheel/torch-"$TORCH_WHEEL_VERSION"-*.whl 'torch/include/*' \
-      'torch/lib/*' 'torch/share/*' 'torch/version.py' -d "$TORCH_ROOT" || die "unzip the wheel"
+    # Python's zipfile, not unzip: scripts/setup.sh does not install unzip.
+    "$PY" - "$TORCH_ROOT" "$TORCH_ROOT"/wheel/torch-"$TORCH_WHEEL_VERSION"-*.whl <<'UNZIP' \
+      || die "extract the wheel"
+import sys, zipfile
+root, wheel = sys.argv[1], sys.argv[2]
+wanted = ("torch/include/", "torch/lib/", "torch/share/", "torch/version.py")
+with zipfile.ZipFile(wheel) as whl:
+    whl.extractall(root, [n for n in whl.namelist() if n.startswith(wanted)])
+UNZIP
   fi
   torch_version="$(sed -n "s/^__version__ = '\(.*\)'/\1/p" "$TORCH_ROOT/torch/version.py")"
   # libtorch_cuda needs the CUDA libraries of the wheels torch depends on (cuSPARSELt, cuFile,
