@@ -46,11 +46,13 @@ TEST(Names, DcpHuggingFaceFileNames) {
   EXPECT_EQ(sharded->shard, 4);
   EXPECT_EQ(sharded->model, 1);
   // std::string, not const char*: a pointer into shard_file_name's temporary would dangle.
-  const std::vector<std::string> refused = {
-      "model-00000-of-00005.safetensors", "model-00006-of-00005.safetensors",
-      "model-1-of-1234567890.safetensors", "shard-x-model-1-of-1.safetensors",
-      "model-1-of-1.bin",                 "model.safetensors",
-      shard_file_name(0, 2)};
+  const std::vector<std::string> refused = {"model-00000-of-00005.safetensors",
+                                            "model-00006-of-00005.safetensors",
+                                            "model-1-of-1234567890.safetensors",
+                                            "shard-x-model-1-of-1.safetensors",
+                                            "model-1-of-1.bin",
+                                            "model.safetensors",
+                                            shard_file_name(0, 2)};
   for (const std::string& n : refused) {
     EXPECT_FALSE(parse_dcp_file_name(n)) << n;
   }
@@ -64,7 +66,8 @@ TEST(Names, TemporariesCarryTheirWritersPid) {
   // A crafted name of endless digits is not a pid (and is read in one pass, never overflows).
   EXPECT_EQ(temporary_owner_pid(prefix + std::string(100000, '9'), prefix), 0);
   // temp_path_for names its temporaries with this prefix and this process's pid.
-  const std::string tmp = detail::base_name(detail::temp_path_for("/d/shard-00000-of-00001.safetensors"));
+  const std::string tmp =
+      detail::base_name(detail::temp_path_for("/d/shard-00000-of-00001.safetensors"));
   EXPECT_EQ(temporary_owner_pid(tmp, prefix), static_cast<long>(::getpid()));
   EXPECT_FALSE(detail::temporary_is_orphaned(tmp, prefix));  // this process is alive
   EXPECT_FALSE(is_safetensors_file_name(tmp));
