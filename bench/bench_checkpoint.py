@@ -284,8 +284,8 @@ def print_rows(title: str, runs: dict, size: int, ours: str, anchors: list[str])
 def report(place: str, r: dict) -> list:
     size = r["bytes"]
     rounds = len(r["load"][OURS_LOAD]["s"])
-    print(f"\n{place}: {size / 2**30:.2f} GiB; min / median / max of {rounds} rounds; ratios are of "
-          "medians; faults and CPU seconds are medians per call")
+    print(f"\n{place}: {size / 2**30:.2f} GiB; min / median / max of {rounds} rounds; ratios are "
+          "of medians; faults and CPU seconds are medians per call")
     s = print_rows("save", r["save"], size, OURS_SAVE,
                    [ST_SAVE, "dcp.save (fsyncs)", "raw write + fsync"])
     ld = print_rows("load (+ a read of every byte)", r["load"], size, OURS_LOAD,
