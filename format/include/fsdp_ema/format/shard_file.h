@@ -89,6 +89,10 @@ class ShardFile {
   // tensor). Returns whether a checksum was checked.
   bool read_verified(const TensorInfo& tensor, void* dst, bool verify) const;
 
+  // Throws FormatError "<file>: tensor '<name>': checksum mismatch" unless `digest` (of the
+  // tensor's bytes as read) is its stored checksum; nothing to check when it stores none.
+  void check_digest(const TensorInfo& tensor, uint64_t digest) const;
+
   // The verdict on one tensor's bytes, the same a read gives: its stored checksum (true when it
   // matches, false when the file stores none) and the data checks every read applies (BOOL
   // bytes are 0 or 1, checksum or not); throws FormatError("<file>: tensor '<name>': ...").
