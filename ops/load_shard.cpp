@@ -15,6 +15,7 @@
 #include "fsdp_ema/format/piece_reads.h"
 #include "fsdp_ema/format/shard_file.h"
 #include "ops/format_bridge.h"
+#include "ops/reads.h"
 #include "ops/tracing.h"
 
 namespace fsdp_ema::ops {
@@ -54,8 +55,7 @@ ShardContents load_shard(c10::string_view path, bool verify, std::optional<at::D
         }
       }
       if (!t.defined()) {
-        t = at::detail::empty_cpu(info.shape, to_scalar_type(info.dtype), /*pin_memory=*/false,
-                                  std::nullopt);
+        t = empty_for_read(info.shape, to_scalar_type(info.dtype));
         reads.push_back({file.get(), &info, 0, info.nbytes, t.data_ptr(),
                          verify && !zero_copy && info.checksum.has_value()});
         read_of.push_back(tensors.size());

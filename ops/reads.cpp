@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/util/accumulate.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 
@@ -56,6 +57,18 @@ at::Tensor mapped_view(const std::shared_ptr<const format::CheckpointDir>& dir,
 
 }  // namespace
 
+at::Tensor empty_for_read(c10::IntArrayRef shape, at::ScalarType dtype) {
+  // Straight to the CPU allocator: at::empty is a dispatcher call, paid 100,000+ times here.
+  at::Tensor t = at::detail::empty_cpu(shape, dtype, /*pin_memory=*/false, std::nullopt);
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t lo = (begin + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t hi = (begin + t.nbytes()) & ~(kHuge - 1);
+  // A hint only: where the kernel has no THP (or says no), the pages stay 4 KiB.
+  if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+  return t;
+}
+
 std::vector<at::Tensor> read_rows(const std::shared_ptr<const format::CheckpointDir>& dir,
                                   const RowsPlan& plan, bool verify, bool mmap) {
   std::vector<at::Tensor> out(plan.size());
@@ -67,9 +80,7 @@ std::vector<at::Tensor> read_rows(const std::shared_ptr<const format::Checkpoint
     if (out[i].defined()) continue;
     std::vector<int64_t> shape(tensor->shape.begin(), tensor->shape.end());
     if (!shape.empty()) shape[0] = rows.size();
-    // Straight to the CPU allocator: at::empty is a dispatcher call, paid 100,000+ times here.
-    out[i] = at::detail::empty_cpu(shape, to_scalar_type(tensor->dtype), /*pin_memory=*/false,
-                                   std::nullopt);
+    out[i] = empty_for_read(shape, to_scalar_type(tensor->dtype));
     owned.push_back(plan[i]);
     dst.push_back(out[i]);
   }
