@@ -3,10 +3,12 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/from_blob.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/util/accumulate.h>
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "fsdp_ema/format/parallel.h"
 #include "ops/format_bridge.h"
@@ -57,16 +59,38 @@ at::Tensor mapped_view(const std::shared_ptr<const format::CheckpointDir>& dir,
 
 }  // namespace
 
+namespace {
+
+constexpr size_t kHugePage = size_t{2} << 20;
+
+void free_huge(void* p) { std::free(p); }
+
+// Read destinations of 2 MiB or more start on a 2 MiB boundary and ask for transparent huge
+// pages, as torch's own CPU allocator does under THP_MEM_ALLOC_ENABLE=1; smaller ones come from
+// torch's CPU allocator. Without the alignment only the aligned middle of a tensor gets huge
+// pages and its edges still fault 4 KiB at a time (48,000 faults per GiB in 300 tensors).
+class ReadAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t n) override {
+    if (n < kHugePage) return c10::GetCPUAllocator()->allocate(n);
+    void* p = nullptr;
+    TORCH_CHECK_WITH(OutOfMemoryError, ::posix_memalign(&p, kHugePage, n) == 0,
+                     "fsdp_ema: cannot allocate ", n, " bytes for a load");
+    // A hint only: where the kernel has no THP (or says no), the pages stay 4 KiB.
+    ::madvise(p, n / kHugePage * kHugePage, MADV_HUGEPAGE);
+    return {p, p, &free_huge, at::Device(at::kCPU)};
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+}  // namespace
+
 at::Tensor empty_for_read(c10::IntArrayRef shape, at::ScalarType dtype) {
-  // Straight to the CPU allocator: at::empty is a dispatcher call, paid 100,000+ times here.
-  at::Tensor t = at::detail::empty_cpu(shape, dtype, /*pin_memory=*/false, std::nullopt);
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const uintptr_t lo = (begin + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t hi = (begin + t.nbytes()) & ~(kHuge - 1);
-  // A hint only: where the kernel has no THP (or says no), the pages stay 4 KiB.
-  if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
-  return t;
+  static ReadAllocator allocator;  // lives as long as the tensors whose storages name it
+  return at::detail::empty_generic(shape, &allocator, c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                   dtype, std::nullopt);
 }
 
 std::vector<at::Tensor> read_rows(const std::shared_ptr<const format::CheckpointDir>& dir,

@@ -15,10 +15,10 @@
 
 namespace fsdp_ema::ops {
 
-// A fresh CPU tensor a load reads into. Large ones ask for transparent huge pages (madvise, on
-// the 2 MiB-aligned part of the allocation): a fresh 4 KiB page costs a fault (2-3 us on this
-// project's VMs, 262,144 of them per GiB), a huge page one fault per 2 MiB (bench/RESULTS.md,
-// issue 29). Memory from torch's CPU allocator, as torch.load's; only the paging hint differs.
+// A fresh CPU tensor a load reads into. Large ones are 2 MiB-aligned and ask for transparent
+// huge pages (madvise): a fresh 4 KiB page costs a fault (2-3 us on this project's VMs, 262,144
+// of them per GiB), a huge page one fault per 2 MiB (bench/RESULTS.md, issue 29). Small ones
+// come from torch's CPU allocator.
 at::Tensor empty_for_read(c10::IntArrayRef shape, at::ScalarType dtype);
 
 // Per tensor: its index entry and the dim-0 rows to read (all of it for a 0-dim tensor).
