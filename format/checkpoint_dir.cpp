@@ -170,13 +170,13 @@ struct CheckpointDir::Impl {
   // applies (ShardFile::read: BOOL bytes are 0 or 1), so that verify refuses exactly what a load
   // refuses, on every layout (DCP and plain Hugging Face files have no checksums, but a BOOL byte
   // of 2 is as wrong there). True when a checksum was verified.
-  bool ensure_verified(size_t ti, size_t pi) const {
+  bool ensure_verified(size_t ti, size_t pi, bool mapped = false) const {
     const IndexPiece& p = index.tensors[ti].pieces[pi];
     const PieceRef& r = pieces[ti][pi];
     if (!p.checksum && !ShardFile::has_data_checks(*r.info)) return false;
     if (is_verified(ti, pi)) return p.checksum.has_value();
     std::call_once(verified[flag_base[ti] + pi], [&] {
-      const uint64_t sum = files[r.file].compute_checksum(*r.info);  // reads: the data checks
+      const uint64_t sum = files[r.file].compute_checksum(*r.info, mapped);  // + data checks
       if (p.checksum) check_checksum(ti, pi, sum);
     });
     mark_verified(ti, pi);
@@ -771,13 +771,13 @@ void CheckpointDir::read_flat(std::string_view name, uint64_t elem_begin, uint64
   split(0, elem_begin, elem_end);
 }
 
-bool CheckpointDir::verify_piece(std::string_view name, size_t piece) const {
+bool CheckpointDir::verify_piece(std::string_view name, size_t piece, bool mapped) const {
   const size_t ti = impl_->tensor_index(name);
   if (piece >= impl_->index.tensors[ti].pieces.size()) {
     throw FormatError(impl_->path + ": tensor " + json_quote(name) + " has no piece " +
                       std::to_string(piece));
   }
-  return impl_->ensure_verified(ti, piece);
+  return impl_->ensure_verified(ti, piece, mapped);
 }
 
 void CheckpointDir::check_unchanged() const {

@@ -104,7 +104,7 @@ std::map<std::string, at::Tensor> CheckpointReader::load_all(at::Device device, 
   const bool mmap = impl_->mmap;
   // Zero-copy views are not read, so hash their pieces first, in parallel; owned loads hash
   // each piece while reading it, all in one batch.
-  if (verify && mmap) translate([&] { ops::verify_pieces(impl_->dir, plan); });
+  if (verify && mmap) translate([&] { ops::verify_pieces(impl_->dir, plan, /*mapped=*/true); });
   const auto tensors = translate([&] { return ops::read_rows(impl_->owner, plan, verify, mmap); });
   // tensors() is sorted by name: each insert goes at the end, in constant time.
   for (size_t i = 0; i < plan.size(); ++i)

@@ -49,7 +49,7 @@ std::vector<at::Tensor> load_tensors_from(const std::shared_ptr<const format::Ch
   const bool zero_copy = mmap && !to_device;
   // Zero-copy views skip the read, so their pieces are hashed up front (in parallel); owned
   // reads hash each piece while reading it.
-  if (verify && zero_copy) verify_pieces(*dir, plan);
+  if (verify && zero_copy) verify_pieces(*dir, plan, /*mapped=*/true);
   std::vector<at::Tensor> out = read_rows(dir, plan, verify, zero_copy);
   if (to_device) {
     for (at::Tensor& t : out) t = t.to(*device);

@@ -15,7 +15,7 @@
 
 namespace fsdp_ema::ops {
 
-void verify_pieces(const format::CheckpointDir& dir, const RowsPlan& plan) {
+void verify_pieces(const format::CheckpointDir& dir, const RowsPlan& plan, bool mapped) {
   std::vector<std::pair<const format::IndexTensor*, size_t>> pieces;
   for (const auto& [tensor, rows] : plan) {
     for (size_t k = 0; k < tensor->pieces.size(); ++k) {
@@ -28,7 +28,8 @@ void verify_pieces(const format::CheckpointDir& dir, const RowsPlan& plan) {
   // Pieces handed out one at a time (not in fixed shares): a thread slowed by other work on the
   // machine does not hold the others up.
   format::detail::rethrow_first(format::detail::run_jobs(
-      pieces.size(), [&](size_t i) { dir.verify_piece(pieces[i].first->name, pieces[i].second); },
+      pieces.size(),
+      [&](size_t i) { dir.verify_piece(pieces[i].first->name, pieces[i].second, mapped); },
       static_cast<size_t>(std::max(1, at::get_num_threads()))));
 }
 
@@ -49,7 +50,7 @@ at::Tensor mapped_view(const std::shared_ptr<const format::CheckpointDir>& dir,
     const format::ShardFile& file = dir->shard_file(piece.file);
     const auto bytes = file.data(file.tensor(tensor.name));
     if (reinterpret_cast<uintptr_t>(bytes.data()) % format::dtype_size(tensor.dtype) != 0) break;
-    if (verify) dir->verify_piece(tensor.name, k);
+    if (verify) dir->verify_piece(tensor.name, k, /*mapped=*/true);
     const auto options = at::TensorOptions().dtype(to_scalar_type(tensor.dtype));
     return at::from_blob(
         const_cast<std::byte*>(bytes.data()), shape, [dir](void*) {}, options);

@@ -38,6 +38,8 @@ void read_rows_into(const format::CheckpointDir& dir, const RowsPlan& plan,
 
 // Checks, in parallel, every stored piece that intersects the requested rows of each tensor
 // (each piece at most once per CheckpointDir), so that later reads need not hash sequentially.
-void verify_pieces(const format::CheckpointDir& dir, const RowsPlan& plan);
+// `mapped` (zero-copy loads only): hashed through the file's mapping, which the views read
+// anyway, instead of copied out first.
+void verify_pieces(const format::CheckpointDir& dir, const RowsPlan& plan, bool mapped = false);
 
 }  // namespace fsdp_ema::ops

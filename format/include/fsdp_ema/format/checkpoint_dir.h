@@ -95,7 +95,9 @@ class CheckpointDir {
 
   // Checks piece `piece` of tensor `name` against its checksum (once; later calls return at
   // once). True when verified, false when it has no checksum (DCP); throws on a mismatch.
-  bool verify_piece(std::string_view name, size_t piece) const;
+  // `mapped`: hash the bytes where the shard file's mapping holds them (ShardFile::
+  // compute_checksum), for zero-copy loads, whose views read that mapping anyway.
+  bool verify_piece(std::string_view name, size_t piece, bool mapped = false) const;
   // verify_piece for every piece; returns the number of pieces with a checksum.
   size_t verify_all() const;
   // ShardFile::check_unchanged for every file: what a load checks before it writes pieces it

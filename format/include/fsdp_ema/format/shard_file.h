@@ -107,8 +107,10 @@ class ShardFile {
   // rewrite, even with the same size and its mtime set back).
   void check_unchanged() const;
 
-  // XXH3-64 of the tensor's bytes as they are in the file now (streamed through pread).
-  uint64_t compute_checksum(const TensorInfo& tensor) const;
+  // XXH3-64 of the tensor's bytes as they are in the file now (streamed through pread), with the
+  // data checks of a read. `mapped`: hashed where data() maps them, without a copy, for callers
+  // that opted in to the mapping (truncating the file meanwhile raises SIGBUS).
+  uint64_t compute_checksum(const TensorInfo& tensor, bool mapped = false) const;
 
  private:
   struct Impl;
