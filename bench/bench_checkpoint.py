@@ -264,6 +264,7 @@ def run_place(place: str, work: Path, state: dict, repeat: int, diagnose: bool) 
                                  before=(lambda: drop_cache(work)) if cold else None)
     for p in list(work.iterdir()):
         remove(p)()
+    work.rmdir()
     return results
 
 
