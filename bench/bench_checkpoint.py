@@ -1,19 +1,28 @@
-"""Save and load of ~1 GB in ~300 tensors: fsdp_ema vs torch.save, dcp.save, safetensors, and the
-raw rate of the same bytes, in one run, on a tmpfs directory and on the project's disk.
+"""Save and load of ~1 GiB in ~300 fp32 tensors: fsdp_ema vs torch.save/load, dcp.save/load,
+safetensors and a raw write/read of the same bytes, under a user's conditions.
 
-Save rows: fsdp_ema (save_shard + commit, fsync), torch.save, dcp.save (fsyncs its files),
-safetensors save_file, and "raw": the same bytes written as one file with one fsync.
-Load rows (warm page cache, every byte read and, where a method checks, verified):
-fsdp_ema C++ reader (load_tensors: owned memory, checksums verified in the same pass; and with
-mmap=True, the zero-copy opt-in, touched), fsdp_ema load_into (into existing tensors, every
-piece hashed before the first write), fsdp_ema load_shard (owned, verified), torch.load,
-dcp.load (into existing tensors, as it always loads), safetensors load_file, and "raw": one
-sequential read of the shard file into fresh memory.
+The conditions (issue 29: an earlier version of this benchmark reported a tenth of what a user
+measured):
+- every method's files lie in ONE directory (ours: the shard file and the index beside m.pt,
+  m.safetensors, DCP's .metadata and .distcp, raw.bin), so a load lists and skips the others';
+- one process; every method runs once per round, rounds interleaved; one warm-up round first
+  (imports, first mappings), not counted;
+- fresh memory per load: the previous result is dropped and gc'd before the next load starts;
+- a load is done when every byte of its result was read (a mapped load reads nothing until
+  then): each load is followed, inside the timing, by one pass reading every byte;
+- "tmpfs" (/dev/shm) reads from memory; "disk" (--disk-dir, /var/tmp by default) saves with
+  fsync and loads cold: before each load every file of the directory is fsync'd and dropped
+  from the page cache with posix_fadvise(POSIX_FADV_DONTNEED), file by file (not
+  /proc/sys/vm/drop_caches, which would also drop the caches of whoever else uses the machine);
+  fincore checks once that the drop worked.
 
-Each method runs once per round, --repeat rounds, interleaved (this VM is noisy: fresh tmpfs
-pages alone move a save 3x between runs); min and median are printed, targets use the median.
+Per method: min / median / max seconds, GB/s of the median, the median's ratio to ours and to
+the anchors, and per call (median) the minor and major page faults and the CPU seconds of all
+the process's threads (getrusage). --diagnose adds the rows that decompose our owned load (no
+verify, one thread, reads into memory faulted in already).
 
     python bench/bench_checkpoint.py [--gigabytes 1] [--places tmpfs,disk] [--repeat 5]
+                                     [--diagnose] [--json out.json]
 """
 
 from __future__ import annotations
@@ -21,10 +30,10 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import shutil
+import resource
 import statistics
+import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -35,13 +44,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_update import shard_sizes  # noqa: E402
-from rawio import raw_read, raw_write  # noqa: E402
+from rawio import fsync_dir, raw_read, raw_write  # noqa: E402
 from report import finish  # noqa: E402
 
 import fsdp_ema  # noqa: E402, F401  (loads the operator library)
 from fsdp_ema import checkpoint as ckpt  # noqa: E402
 
 warnings.filterwarnings("ignore")
+
+OURS_SAVE = "fsdp_ema save (fsync)"
+OURS_LOAD = "fsdp_ema load (owned, verified)"
+OURS_MMAP = "fsdp_ema load mmap=True (verified)"
+OURS_INTO = "fsdp_ema load_into (verified)"
+ST_SAVE, ST_SAVE_NOSYNC = "safetensors save_file + fsync", "safetensors save_file"
+ST_LOAD = "safetensors load_file"
 
 
 def make_state(gigabytes: float, count: int) -> dict:
@@ -54,130 +70,253 @@ def nbytes(state: dict) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def touch(tensors) -> None:
-    """Reads every byte of lazily mapped tensors (a load is done when its bytes were read)."""
+def read_every_byte(result) -> None:
+    """One pass reading every byte of a load's result (a dict of tensors, or one tensor)."""
+    tensors = result.values() if isinstance(result, dict) else [result]
     for t in tensors:
+        t = t[0] if isinstance(t, tuple) else t  # load_shard: (tensor, offsets, global shape)
         if t.numel():
-            t.view(torch.uint8).max()
+            t.view(-1).view(torch.uint8).max()
 
 
-def interleaved(methods: dict, repeat: int) -> dict:
-    """{name: (fn, setup or None)} -> {name: [seconds per round]}, one call of each per round."""
-    times = {name: [] for name in methods}
-    for _ in range(repeat):
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def drop_cache(directory: Path) -> None:
+    """fsync, then POSIX_FADV_DONTNEED, every file of the directory (a cold read follows)."""
+    for p in directory.iterdir():
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def cached_bytes(directory: Path) -> str:
+    files = [str(p) for p in directory.iterdir() if p.is_file()]
+    try:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "-o", "RES", *files],
+                             capture_output=True, text=True, check=True).stdout
+        return f"{sum(int(x) for x in out.split()) / 2**20:.1f} MiB"
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        return "unknown (no fincore)"
+
+
+def usage() -> tuple[float, int, int]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime, r.ru_minflt, r.ru_majflt
+
+
+def machine_line() -> str:
+    load = Path("/proc/loadavg").read_text().split()[:3]
+    # top's second sample: CPU shares over the last 0.5 s (its first is since boot).
+    out = subprocess.run(["top", "-b", "-n", "2", "-d", "0.5", "-w", "200"],
+                         capture_output=True, text=True).stdout
+    rows = out.split("PID USER")[-1].splitlines()[1:]
+    busy = ", ".join(f"{r.split()[11]} {r.split()[8]}%" for r in rows[:5] if len(r.split()) > 11)
+    return f"load average {' '.join(load)}; busiest processes: {busy}"
+
+
+def run_rounds(methods: dict, repeat: int, before=None, read: bool = True) -> dict:
+    """{name: (fn, setup or None)} -> {name: {"s": [...], "minflt": [...], ...}}.
+
+    Each round calls every method once; `before` (untimed, e.g. the cache drop) and the method's
+    setup run first. A method's result is read whole inside its timing, then dropped and gc'd.
+    One warm-up round is not recorded."""
+    runs = {name: {"s": [], "cpu": [], "minflt": [], "majflt": []} for name in methods}
+    for r in range(repeat + 1):
         for name, (fn, setup) in methods.items():
             if setup:
                 setup()
+            if before:
+                before()
             gc.collect()
+            cpu0, min0, maj0 = usage()
             t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return times
+            result = fn()
+            if read:
+                read_every_byte(result)
+            seconds = time.perf_counter() - t0
+            cpu1, min1, maj1 = usage()
+            del result
+            gc.collect()
+            if r == 0:
+                continue
+            row = runs[name]
+            row["s"].append(seconds)
+            row["cpu"].append(cpu1 - cpu0)
+            row["minflt"].append(min1 - min0)
+            row["majflt"].append(maj1 - maj0)
+    return runs
 
 
-def run_place(place: str, base: Path, state: dict, repeat: int) -> dict:
+def remove(*paths: Path):
+    def setup():
+        for p in paths:
+            if p.is_dir():
+                for q in p.iterdir():
+                    q.unlink()
+                p.rmdir()
+            elif p.exists():
+                p.unlink()
+    return setup
+
+
+def run_place(place: str, work: Path, state: dict, repeat: int, diagnose: bool) -> dict:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file, save_file
 
-    work = Path(tempfile.mkdtemp(prefix="fsdp_ema_bench_", dir=base))
+    work.mkdir(parents=True, exist_ok=True)
+    for p in work.iterdir():  # a previous run's files
+        remove(p)()
     size = nbytes(state)
     flat = torch.cat([t.reshape(-1) for t in state.values()])
     names = list(state)
-    paths = {k: work / k for k in ("ours", "torch", "dcp", "st", "raw")}
+    shard = work / ckpt.shard_file_name(0, 1)
+    index = work / "fsdp_ema.index.json"
+    pt, st, raw = work / "m.pt", work / "m.safetensors", work / "raw.bin"
+    dcp_files = (work / ".metadata", work / "__0_0.distcp")
 
-    def fresh(p: Path):
-        return lambda: (shutil.rmtree(p, ignore_errors=True), p.mkdir())
+    def synced(save, path):
+        def fn():
+            save()
+            fsync_file(path)
+            fsync_dir(work)
+        return fn
 
     save = {
-        "fsdp_ema save (fsync)": (lambda: ckpt.save(paths["ours"], state), fresh(paths["ours"])),
-        "torch.save": (lambda: torch.save(state, paths["torch"] / "m.pt"), fresh(paths["torch"])),
-        "dcp.save (fsync)": (lambda: dcp.save(state, checkpoint_id=str(paths["dcp"])),
-                             fresh(paths["dcp"])),
-        "safetensors save_file": (lambda: save_file(state, str(paths["st"] / "m.safetensors")),
-                                  fresh(paths["st"])),
-        "raw write (fsync)": (lambda: raw_write(paths["raw"] / "raw.bin", flat),
-                              fresh(paths["raw"])),
+        OURS_SAVE: (lambda: ckpt.save(work, state, fsync=True), remove(shard, index)),
+        "fsdp_ema save (no fsync)": (lambda: ckpt.save(work, state, fsync=False),
+                                     remove(shard, index)),
+        "torch.save + fsync": (synced(lambda: torch.save(state, pt), pt), remove(pt)),
+        "dcp.save (fsyncs)": (lambda: dcp.save(state, checkpoint_id=str(work)),
+                              remove(*dcp_files)),
+        ST_SAVE: (synced(lambda: save_file(state, str(st)), st), remove(st)),
+        ST_SAVE_NOSYNC: (lambda: save_file(state, str(st)), remove(st)),
+        "raw write + fsync": (lambda: raw_write(raw, flat), remove(raw)),
     }
-    results = {"save": interleaved(save, repeat), "load": {}, "bytes": size}
+    results = {"bytes": size, "save": run_rounds(save, repeat, read=False)}
+    # The last round of each left its files: every method's file is in `work` for the loads.
+    cold = place != "tmpfs"
+    if cold:
+        drop_cache(work)
+        print(f"  {place}: after the drop, {cached_bytes(work)} of the directory's files are in "
+              "the page cache")
 
-    shard = paths["ours"] / ckpt.shard_file_name(0, 1)
-    shard_size = os.path.getsize(shard)
-    dcp_target = {k: torch.empty_like(v) for k, v in state.items()}
-    # load_into reads into tensors that exist already, as dcp.load does: each gets its own set.
-    into_target = {k: torch.empty_like(v) for k, v in state.items()}
+    # Tensors that exist already (as a model's parameters do), faulted in once, outside timing.
+    dcp_target = {k: torch.empty_like(v).zero_() for k, v in state.items()}
+    into_target = {k: torch.empty_like(v).zero_() for k, v in state.items()}
 
-    def ours_reader():
-        out = ckpt.load(paths["ours"], names, verify=True)  # owned, hashed while read
-        assert len(out) == len(names)
+    def ours_into():
+        ckpt.load_into(work, into_target, verify=True)
+        return into_target
 
-    def ours_mmap():
-        out = ckpt.load(paths["ours"], names, verify=True, mmap=True)  # zero-copy opt-in
-        touch(out.values())
-
-    def ours_load_into():
-        ckpt.load_into(paths["ours"], into_target, verify=True)  # hashed before any write
-
-    def ours_load_shard():
-        out = ckpt.load_shard(shard, verify=True)
-        assert len(out) == len(names)
+    def dcp_load():
+        dcp.load(dcp_target, checkpoint_id=str(work))
+        return dcp_target
 
     load = {
-        "fsdp_ema C++ reader (owned, verified)": ours_reader,
-        "fsdp_ema reader mmap=True (verified, + touch)": ours_mmap,
-        "fsdp_ema load_into (existing tensors, verified)": ours_load_into,
-        "fsdp_ema load_shard (owned, verified)": ours_load_shard,
-        "torch.load": lambda: torch.load(paths["torch"] / "m.pt"),
-        "dcp.load": lambda: dcp.load(dcp_target, checkpoint_id=str(paths["dcp"])),
-        # load_file maps the file lazily: touch every byte so the load is really done.
-        "safetensors load_file (+ touch)": lambda: touch(
-            load_file(str(paths["st"] / "m.safetensors")).values()),
-        "raw read": lambda: raw_read(shard, shard_size),
+        OURS_LOAD: lambda: ckpt.load(work, names, verify=True),
+        OURS_MMAP: lambda: ckpt.load(work, names, verify=True, mmap=True),
+        OURS_INTO: ours_into,
+        "fsdp_ema load_shard (owned, verified)": lambda: ckpt.load_shard(shard, verify=True),
+        "torch.load": lambda: torch.load(pt),
+        "dcp.load (existing tensors)": dcp_load,
+        ST_LOAD: lambda: load_file(str(st)),
+        "raw read (fresh memory)": lambda: raw_read(raw, size),
     }
-    for fn in load.values():  # warm the page cache for every method alike
-        fn()
-    results["load"] = interleaved({k: (fn, None) for k, fn in load.items()}, repeat)
-    shutil.rmtree(work, ignore_errors=True)
+    if diagnose:
+        reused = torch.empty(size, dtype=torch.uint8).zero_()
+        one_thread = torch.get_num_threads()
+
+        def single(fn):
+            def run():
+                torch.set_num_threads(1)
+                try:
+                    return fn()
+                finally:
+                    torch.set_num_threads(one_thread)
+            return run
+
+        def raw_into_reused():
+            with open(raw, "rb", buffering=0) as f:
+                f.readinto(memoryview(reused.numpy()))
+            return reused
+
+        load.update({
+            "diag: fsdp_ema load (owned, no verify)": lambda: ckpt.load(work, names, verify=False),
+            "diag: fsdp_ema load (owned, verified, 1 thread)":
+                single(lambda: ckpt.load(work, names, verify=True)),
+            "diag: fsdp_ema load (owned, no verify, 1 thread)":
+                single(lambda: ckpt.load(work, names, verify=False)),
+            "diag: raw read into faulted-in memory": raw_into_reused,
+            "diag: fsdp_ema load_into (no verify)":
+                lambda: (ckpt.load_into(work, into_target, verify=False), into_target)[1],
+        })
+    results["load"] = run_rounds({k: (fn, None) for k, fn in load.items()}, repeat,
+                                 before=(lambda: drop_cache(work)) if cold else None)
+    for p in list(work.iterdir()):
+        remove(p)()
+    work.rmdir()
     return results
+
+
+def print_rows(title: str, runs: dict, size: int, ours: str, anchors: list[str]) -> dict:
+    med = {name: statistics.median(r["s"]) for name, r in runs.items()}
+    head = "".join(f" {'/' + a.split()[0][:10]:>11s}" for a in anchors)
+    print(f"  {title:46s} {'min s':>7s} {'median':>7s} {'max s':>7s} {'GB/s':>6s} "
+          f"{'/ours':>6s}{head} {'minflt':>8s} {'majflt':>7s} {'cpu s':>6s}")
+    for name, r in runs.items():
+        ratios = "".join(f" {med[name] / med[a]:10.2f}x" for a in anchors)
+        print(f"  {name:46s} {min(r['s']):7.3f} {med[name]:7.3f} {max(r['s']):7.3f} "
+              f"{size / med[name] / 1e9:6.2f} {med[name] / med[ours]:5.2f}x{ratios} "
+              f"{statistics.median(r['minflt']):8.0f} {statistics.median(r['majflt']):7.0f} "
+              f"{statistics.median(r['cpu']):6.2f}")
+    return med
 
 
 def report(place: str, r: dict) -> list:
     size = r["bytes"]
-    print(f"\n{place}: {size / 2**30:.2f} GiB")
-    checks = []
-    for kind, raw_name, ours_name in (
-        ("save", "raw write (fsync)", "fsdp_ema save (fsync)"),
-        ("load", "raw read", "fsdp_ema C++ reader (owned, verified)"),
-    ):
-        runs = r[kind]
-        rows = {name: statistics.median(xs) for name, xs in runs.items()}
-        print(f"  {kind:5s} {'method':46s} {'min s':>8s} {'median s':>9s} {'GB/s':>7s} "
-              f"{'vs ours':>8s}")
-        for name, s in rows.items():
-            print(f"        {name:46s} {min(runs[name]):8.3f} {s:9.3f} {size / s / 1e9:7.2f} "
-                  f"{s / rows[ours_name]:7.2f}x")
-        ours = rows[ours_name]
-        if kind == "save":
-            checks.append((f"{place}: save vs raw write", rows[raw_name] / ours >= 0.8,
-                           f"{rows[raw_name] / ours:.0%} of the raw rate (target >= 80%)"))
-            if place == "tmpfs":
-                ratio = rows["dcp.save (fsync)"] / ours
-                checks.append((f"{place}: save vs dcp.save", ratio >= 2.0,
-                               f"{ratio:.2f}x (target >= 2x)"))
-        else:
-            ratio = ours / rows[raw_name]
-            checks.append((f"{place}: verified owned load vs raw read", ratio <= 1.2,
-                           f"{ratio:.2f}x the raw time (target <= 1.2x)"))
-            for other, target in (("torch.load", 1.0), ("safetensors load_file (+ touch)", 1.0),
-                                  ("dcp.load", 2.0)):
-                ratio = rows[other] / ours
-                checks.append((f"{place}: load vs {other}", ratio >= target,
-                               f"{ratio:.2f}x (target >= {target}x)"))
-            # dcp.load fills tensors the caller allocated (and, repeated, already touched): the
-            # like-for-like row is ours into existing tensors too.
-            ratio = rows["dcp.load"] / rows["fsdp_ema load_into (existing tensors, verified)"]
-            checks.append((f"{place}: load_into vs dcp.load (both into existing tensors)",
-                           ratio >= 2.0, f"{ratio:.2f}x (target >= 2.0x)"))
-    return checks
+    rounds = len(r["load"][OURS_LOAD]["s"])
+    print(f"\n{place}: {size / 2**30:.2f} GiB; min / median / max of {rounds} rounds; ratios are "
+          "of medians; faults and CPU seconds are medians per call")
+    s = print_rows("save", r["save"], size, OURS_SAVE,
+                   [ST_SAVE, "dcp.save (fsyncs)", "raw write + fsync"])
+    ld = print_rows("load (+ a read of every byte)", r["load"], size, OURS_LOAD,
+                    ["torch.load", ST_LOAD, "dcp.load (existing tensors)",
+                     "raw read (fresh memory)"])
+    ours_min = min(r["load"][OURS_LOAD]["s"])
+
+    def check(name, ok, detail):
+        return (f"{place}: {name}", bool(ok), detail)
+
+    return [
+        check("verified owned load <= torch.load (median)", ld[OURS_LOAD] <= ld["torch.load"],
+              f"{ld[OURS_LOAD]:.3f} s vs {ld['torch.load']:.3f} s "
+              f"({ld[OURS_LOAD] / ld['torch.load']:.2f}x)"),
+        check("verified owned load median within 1.2x of its min",
+              ld[OURS_LOAD] <= 1.2 * ours_min,
+              f"median {ld[OURS_LOAD]:.3f} s, min {ours_min:.3f} s "
+              f"({ld[OURS_LOAD] / ours_min:.2f}x)"),
+        check("verified mmap=True load <= 1.5x safetensors load_file + read",
+              ld[OURS_MMAP] <= 1.5 * ld[ST_LOAD], f"{ld[OURS_MMAP] / ld[ST_LOAD]:.2f}x"),
+        check("load_into >= 2x dcp.load", ld["dcp.load (existing tensors)"] >= 2 * ld[OURS_INTO],
+              f"{ld['dcp.load (existing tensors)'] / ld[OURS_INTO]:.2f}x"),
+        check("save (fsync) within 1.1x of safetensors save_file + fsync",
+              s[OURS_SAVE] <= 1.1 * s[ST_SAVE], f"{s[OURS_SAVE] / s[ST_SAVE]:.2f}x"),
+        check("save (no fsync) within 1.1x of safetensors save_file",
+              s["fsdp_ema save (no fsync)"] <= 1.1 * s[ST_SAVE_NOSYNC],
+              f"{s['fsdp_ema save (no fsync)'] / s[ST_SAVE_NOSYNC]:.2f}x"),
+        check("save >= 1.5x dcp.save (both fsync)", s["dcp.save (fsyncs)"] >= 1.5 * s[OURS_SAVE],
+              f"{s['dcp.save (fsyncs)'] / s[OURS_SAVE]:.2f}x"),
+    ]
 
 
 def main():
@@ -186,17 +325,22 @@ def main():
     parser.add_argument("--tensors", type=int, default=300)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--places", default="tmpfs,disk")
-    parser.add_argument("--disk-dir", type=Path, default=ROOT / "build" / "bench-disk")
+    parser.add_argument("--disk-dir", type=Path, default=Path("/var/tmp"))
+    parser.add_argument("--diagnose", action="store_true",
+                        help="add the rows that decompose our owned load")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     state = make_state(args.gigabytes, args.tensors)
-    print(f"torch {torch.__version__}, {len(state)} tensors, threads {torch.get_num_threads()}")
+    print(f"torch {torch.__version__}, {len(state)} tensors, threads {torch.get_num_threads()}, "
+          f"pid {os.getpid()}")
+    print(f"start: {machine_line()}")
     bases = {"tmpfs": Path("/dev/shm"), "disk": args.disk_dir}
     results, checks = {}, []
     for place in args.places.split(","):
-        bases[place].mkdir(parents=True, exist_ok=True)
-        results[place] = run_place(place, bases[place], state, args.repeat)
+        work = bases[place] / f"fsdp_ema_bench_{os.getpid()}"
+        results[place] = run_place(place, work, state, args.repeat, args.diagnose)
         checks += report(place, results[place])
+        print(f"after {place}: {machine_line()}")
     finish(results, checks, args.json)
 
 

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -18,6 +19,7 @@
 #include "fsdp_ema/format/names.h"
 #include "fsdp_ema/format/parallel.h"
 #include "fsdp_ema/format/paths.h"
+#include "fsdp_ema/format/piece_reads.h"
 
 namespace fsdp_ema::format {
 namespace {
@@ -101,6 +103,8 @@ struct CheckpointDir::Impl {
   std::vector<std::vector<PieceRef>> pieces;
   std::vector<size_t> flag_base;  // first once_flag of each tensor
   std::unique_ptr<std::once_flag[]> verified;
+  // Set once piece's verdict is in (a flag may be set by a read that hashed it on the way).
+  std::unique_ptr<std::atomic<bool>[]> verified_done;
   std::map<std::string, size_t> file_slot;  // file name -> index in files (while opening)
 
   // open(), one layout each: fill index, files and pieces, or throw.
@@ -133,6 +137,16 @@ struct CheckpointDir::Impl {
       n += index.tensors[i].pieces.size();
     }
     verified = std::make_unique<std::once_flag[]>(n);
+    verified_done = std::make_unique<std::atomic<bool>[]>(n);
+  }
+
+  bool is_verified(size_t ti, size_t pi) const {
+    return verified_done[flag_base[ti] + pi].load(std::memory_order_acquire);
+  }
+  // Records that piece (ti, pi) passed: its once_flag is spent, so no later call hashes it again.
+  void mark_verified(size_t ti, size_t pi) const {
+    std::call_once(verified[flag_base[ti] + pi], [] {});
+    verified_done[flag_base[ti] + pi].store(true, std::memory_order_release);
   }
 
   std::string piece_ctx(size_t ti, size_t pi) const {
@@ -156,14 +170,16 @@ struct CheckpointDir::Impl {
   // applies (ShardFile::read: BOOL bytes are 0 or 1), so that verify refuses exactly what a load
   // refuses, on every layout (DCP and plain Hugging Face files have no checksums, but a BOOL byte
   // of 2 is as wrong there). True when a checksum was verified.
-  bool ensure_verified(size_t ti, size_t pi) const {
+  bool ensure_verified(size_t ti, size_t pi, bool mapped = false) const {
     const IndexPiece& p = index.tensors[ti].pieces[pi];
     const PieceRef& r = pieces[ti][pi];
     if (!p.checksum && !ShardFile::has_data_checks(*r.info)) return false;
+    if (is_verified(ti, pi)) return p.checksum.has_value();
     std::call_once(verified[flag_base[ti] + pi], [&] {
-      const uint64_t sum = files[r.file].compute_checksum(*r.info);  // reads: the data checks
+      const uint64_t sum = files[r.file].compute_checksum(*r.info, mapped);  // + data checks
       if (p.checksum) check_checksum(ti, pi, sum);
     });
+    mark_verified(ti, pi);
     return p.checksum.has_value();
   }
 
@@ -204,6 +220,7 @@ struct CheckpointDir::Impl {
         copied = true;
         check_checksum(ti, pi, h.digest());
       });
+      mark_verified(ti, pi);
       if (copied) return;
     } else if (verify) {
       ensure_verified(ti, pi);
@@ -251,12 +268,15 @@ struct CheckpointDir::Impl {
         copied = true;
         check_checksum(ti, pi, h.digest());
       });
+      mark_verified(ti, pi);
     }
     if (!copied) f.read(*r.info, 0, r.info->nbytes, dst);
   }
 
   void read_slice_at(size_t ti, std::span<const int64_t> offsets, std::span<const int64_t> shape,
                      void* dst, size_t dst_bytes, bool verify) const;
+  void read_rows_batch(std::span<const CheckpointDir::RowsRead> requests, bool verify,
+                       size_t threads) const;
 };
 
 CheckpointDir::CheckpointDir(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -557,12 +577,112 @@ void CheckpointDir::Impl::read_slice_at(size_t ti, std::span<const int64_t> offs
   }
 }
 
+void CheckpointDir::read_rows_batch(std::span<const RowsRead> reads, bool verify,
+                                    size_t threads) const {
+  impl_->read_rows_batch(reads, verify, threads);
+}
+
+void CheckpointDir::Impl::read_rows_batch(std::span<const CheckpointDir::RowsRead> requests,
+                                          bool verify, size_t threads) const {
+  constexpr size_t kNone = ~size_t{0};
+  std::vector<PieceRead> reads;
+  std::vector<std::pair<size_t, size_t>> hashed;  // per read: its piece (ti, pi) when hashed
+  std::vector<std::pair<size_t, size_t>> first;   // pieces read in part: verified before reading
+  std::vector<std::pair<size_t, size_t>> sliced;  // (request, ti): pieces split beyond dim 0
+  reads.reserve(requests.size());
+  hashed.reserve(requests.size());
+  for (size_t q = 0; q < requests.size(); ++q) {
+    const CheckpointDir::RowsRead& req = requests[q];
+    const size_t ti = tensor_index(req.name);
+    const IndexTensor& t = index.tensors[ti];
+    auto ctx = [&] { return path + ": tensor " + json_quote(t.name); };  // on error only
+    Shape shape = t.shape;
+    int64_t begin = 0;
+    if (!t.shape.empty()) {
+      if (req.rows.begin < 0 || req.rows.begin > req.rows.end || req.rows.end > t.shape[0]) {
+        throw FormatError(ctx() + ": rows [" + std::to_string(req.rows.begin) + ", " +
+                          std::to_string(req.rows.end) + ") are not inside its " +
+                          std::to_string(t.shape[0]) + " rows");
+      }
+      begin = req.rows.begin;
+      shape[0] = req.rows.size();
+    }
+    const uint64_t need = *nbytes(shape, t.dtype);
+    if (req.dst_bytes != need) {
+      throw FormatError(ctx() + ": destination has " + std::to_string(req.dst_bytes) +
+                        " bytes but the slice of shape " + shape_to_string(shape) + " of " +
+                        std::string(dtype_name(t.dtype)) + " needs " + std::to_string(need));
+    }
+    if (need == 0) continue;
+    if (req.dst == nullptr) throw FormatError(ctx() + ": destination is null");
+    // Pieces whole in every dimension but the first hold rows: one contiguous run each side.
+    const bool rows_only = std::ranges::all_of(t.pieces, [&](const IndexPiece& p) {
+      return std::ranges::equal(std::span(p.shape).subspan(p.shape.empty() ? 0 : 1),
+                                std::span(t.shape).subspan(t.shape.empty() ? 0 : 1));
+    });
+    if (!rows_only) {
+      sliced.emplace_back(q, ti);
+      continue;
+    }
+    const uint64_t row_bytes = t.shape.empty() ? need : need / static_cast<uint64_t>(shape[0]);
+    for (size_t pi = 0; pi < t.pieces.size(); ++pi) {
+      const IndexPiece& p = t.pieces[pi];
+      const PieceRef& ref = pieces[ti][pi];
+      int64_t lo = 0, hi = 1, p0 = 0;
+      if (!t.shape.empty()) {
+        p0 = p.offsets[0];
+        lo = std::max(begin, p0);
+        hi = std::min(req.rows.end, p0 + p.shape[0]);
+        if (lo >= hi) continue;
+      }
+      PieceRead r;
+      r.file = &files[ref.file];
+      r.tensor = ref.info;
+      r.offset = static_cast<uint64_t>(lo - p0) * row_bytes;
+      r.length = static_cast<uint64_t>(hi - lo) * row_bytes;
+      r.dst = static_cast<std::byte*>(req.dst) + static_cast<uint64_t>(lo - begin) * row_bytes;
+      const bool whole = r.offset == 0 && r.length == ref.info->nbytes;
+      if (verify && !is_verified(ti, pi)) {
+        if (whole && p.checksum) {
+          r.hash = true;
+        } else if (!whole && (p.checksum || ShardFile::has_data_checks(*ref.info))) {
+          first.emplace_back(ti, pi);
+        }
+      }
+      hashed.emplace_back(r.hash ? ti : kNone, pi);
+      reads.push_back(r);
+    }
+  }
+  std::sort(first.begin(), first.end());
+  first.erase(std::unique(first.begin(), first.end()), first.end());
+  detail::rethrow_first(detail::run_jobs(
+      first.size(), [&](size_t i) { ensure_verified(first[i].first, first[i].second); }, threads));
+  read_pieces(reads, threads, [&](size_t i, uint64_t digest) {
+    const auto [ti, pi] = hashed[i];
+    check_checksum(ti, pi, digest);
+    mark_verified(ti, pi);
+  });
+  detail::rethrow_first(detail::run_jobs(
+      sliced.size(),
+      [&](size_t i) {
+        const auto [q, ti] = sliced[i];
+        const CheckpointDir::RowsRead& req = requests[q];
+        const IndexTensor& t = index.tensors[ti];
+        Shape offsets(t.shape.size(), 0), shape = t.shape;
+        if (!t.shape.empty()) {
+          offsets[0] = req.rows.begin;
+          shape[0] = req.rows.size();
+        }
+        read_slice_at(ti, offsets, shape, req.dst, req.dst_bytes, verify);
+      },
+      threads));
+}
+
 void CheckpointDir::read_full(std::string_view name, void* dst, size_t dst_bytes,
                               bool verify) const {
-  const size_t ti = impl_->tensor_index(name);
-  const IndexTensor& t = impl_->index.tensors[ti];
-  const Shape zeros(t.shape.size(), 0);
-  impl_->read_slice_at(ti, zeros, t.shape, dst, dst_bytes, verify);
+  const IndexTensor& t = tensor(name);
+  const RowsRead read{name, RowRange{0, t.shape.empty() ? 0 : t.shape[0]}, dst, dst_bytes};
+  impl_->read_rows_batch(std::span(&read, 1), verify, 1);
 }
 
 void CheckpointDir::read_rows(std::string_view name, int64_t row_begin, int64_t row_end, void* dst,
@@ -570,16 +690,8 @@ void CheckpointDir::read_rows(std::string_view name, int64_t row_begin, int64_t 
   const IndexTensor& t = tensor(name);
   auto ctx = [&] { return impl_->path + ": tensor " + json_quote(t.name); };  // on error only
   if (t.shape.empty()) throw FormatError(ctx() + ": is 0-dim, it has no rows");
-  if (row_begin < 0 || row_begin > row_end || row_end > t.shape[0]) {
-    throw FormatError(ctx() + ": rows [" + std::to_string(row_begin) + ", " +
-                      std::to_string(row_end) + ") are not inside its " +
-                      std::to_string(t.shape[0]) + " rows");
-  }
-  Shape offsets(t.shape.size(), 0), shape = t.shape;
-  offsets[0] = row_begin;
-  shape[0] = row_end - row_begin;
-  impl_->read_slice_at(static_cast<size_t>(&t - impl_->index.tensors.data()), offsets, shape, dst,
-                       dst_bytes, verify);
+  const RowsRead read{name, RowRange{row_begin, row_end}, dst, dst_bytes};
+  impl_->read_rows_batch(std::span(&read, 1), verify, 1);
 }
 
 void CheckpointDir::read_chunk(std::string_view name, int64_t rank, int64_t world, void* dst,
@@ -659,13 +771,13 @@ void CheckpointDir::read_flat(std::string_view name, uint64_t elem_begin, uint64
   split(0, elem_begin, elem_end);
 }
 
-bool CheckpointDir::verify_piece(std::string_view name, size_t piece) const {
+bool CheckpointDir::verify_piece(std::string_view name, size_t piece, bool mapped) const {
   const size_t ti = impl_->tensor_index(name);
   if (piece >= impl_->index.tensors[ti].pieces.size()) {
     throw FormatError(impl_->path + ": tensor " + json_quote(name) + " has no piece " +
                       std::to_string(piece));
   }
-  return impl_->ensure_verified(ti, piece);
+  return impl_->ensure_verified(ti, piece, mapped);
 }
 
 void CheckpointDir::check_unchanged() const {

@@ -472,7 +472,16 @@ bool ShardFile::read_verified(const TensorInfo& t, void* dst, bool verify) const
   return true;
 }
 
-uint64_t ShardFile::compute_checksum(const TensorInfo& t) const {
+void ShardFile::check_digest(const TensorInfo& t, uint64_t digest) const {
+  if (t.checksum) check_stored_checksum(impl_->path, t, digest);
+}
+
+uint64_t ShardFile::compute_checksum(const TensorInfo& t, bool mapped) const {
+  if (mapped) {
+    const auto bytes = data(t);
+    check_bool_bytes(impl_->path, t, bytes.data(), bytes.size());
+    return checksum_of(bytes);
+  }
   Checksummer h;
   std::vector<std::byte> block(std::min(kHashBlockBytes, t.nbytes));
   for (uint64_t pos = 0; pos < t.nbytes; pos += block.size()) {

@@ -81,27 +81,33 @@ at::Tensor CheckpointReader::load_chunk(const std::string& name, int64_t rank, i
   return translate([&] {
     const format::IndexTensor& info = impl_->dir.tensor(name);
     const at::Tensor t =
-        ops::read_rows(impl_->owner, info, format::tensor_rows(info.shape, rank, world_size),
-                       verify, impl_->mmap && device.is_cpu());
+        ops::read_rows(impl_->owner, {{&info, format::tensor_rows(info.shape, rank, world_size)}},
+                       verify, impl_->mmap && device.is_cpu())[0];
     return device.is_cpu() ? t : t.to(device);
   });
 }
 
 std::map<std::string, at::Tensor> CheckpointReader::load_all(at::Device device, bool verify) const {
-  if (verify && impl_->mmap && device.is_cpu()) {
-    // Zero-copy views are not read, so hash their pieces first, in parallel; owned loads hash
-    // each piece while reading it.
-    std::vector<std::pair<const format::IndexTensor*, format::RowRange>> plan;
-    for (const auto& t : impl_->dir.tensors()) {
-      plan.emplace_back(&t, format::tensor_rows(t.shape, 0, 1));
-    }
-    translate([&] { ops::verify_pieces(impl_->dir, plan); });
-  }
   std::map<std::string, at::Tensor> out;
-  // tensors() is sorted by name: each insert goes at the end, in constant time.
-  for (const auto& t : impl_->dir.tensors()) {
-    out.emplace_hint(out.end(), t.name, load(t.name, device, verify));
+  if (!device.is_cpu()) {
+    // One tensor at a time: the host copy of the whole checkpoint is never held at once.
+    for (const auto& t : impl_->dir.tensors()) {
+      out.emplace_hint(out.end(), t.name, load(t.name, device, verify));
+    }
+    return out;
   }
+  ops::RowsPlan plan;
+  for (const auto& t : impl_->dir.tensors()) {
+    plan.emplace_back(&t, format::tensor_rows(t.shape, 0, 1));
+  }
+  const bool mmap = impl_->mmap;
+  // Zero-copy views are not read, so hash their pieces first, in parallel; owned loads hash
+  // each piece while reading it, all in one batch.
+  if (verify && mmap) translate([&] { ops::verify_pieces(impl_->dir, plan, /*mapped=*/true); });
+  const auto tensors = translate([&] { return ops::read_rows(impl_->owner, plan, verify, mmap); });
+  // tensors() is sorted by name: each insert goes at the end, in constant time.
+  for (size_t i = 0; i < plan.size(); ++i)
+    out.emplace_hint(out.end(), plan[i].first->name, tensors[i]);
   return out;
 }
 

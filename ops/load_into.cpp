@@ -26,7 +26,7 @@ namespace {
 
 constexpr const char* kOp = "fsdp_ema::load_into_: ";
 
-using Plan = std::vector<std::pair<const format::IndexTensor*, format::RowRange>>;
+using Plan = RowsPlan;
 
 // Opens the checkpoint and checks every destination against what is stored (and, for real
 // tensors, that no two share memory); reads no tensor data.
@@ -113,27 +113,31 @@ void read_into(const format::CheckpointDir& dir, const Plan& plan, at::TensorLis
     if (verify) verify_pieces(dir, plan);
     between_unchanged_checks(dir, [&] {
       bump_versions(out);  // as torch's in-place ops: backward through an overwritten tensor raises
-      at::parallel_for(0, static_cast<int64_t>(plan.size()), 1, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          const at::Tensor& t = out[i];
-          if (t.numel() == 0) continue;
-          const format::IndexTensor& info = *plan[i].first;
+      // Contiguous CPU destinations are read into directly; the others through a host buffer
+      // of their own (pinned for CUDA), copied over after the read. The reads go in batches
+      // that hold at most kStagingBytes of such buffers at a time.
+      constexpr uint64_t kStagingBytes = uint64_t{256} << 20;
+      for (size_t begin = 0; begin < plan.size();) {
+        Plan batch;
+        std::vector<at::Tensor> host;
+        uint64_t staged = 0;
+        size_t end = begin;
+        for (; end < plan.size() && staged < kStagingBytes; ++end) {
+          const at::Tensor& t = out[end];
           const bool direct = t.device().is_cpu() && t.is_contiguous();
-          // Non-contiguous or device destinations go through a host buffer of their own.
-          at::Tensor host = t;
-          if (!direct) {
-            host = at::detail::empty_cpu(t.sizes(), t.scalar_type(),
-                                         /*pin_memory=*/t.device().is_cuda(), std::nullopt);
-          }
-          const auto rows = plan[i].second;
-          if (info.shape.empty() || (rows.begin == 0 && rows.end == info.shape[0])) {
-            dir.read_full(info.name, host.data_ptr(), host.nbytes(), verify);
-          } else {
-            dir.read_rows(info.name, rows.begin, rows.end, host.data_ptr(), host.nbytes(), verify);
-          }
-          if (!direct) out[i].copy_(host);
+          if (!direct) staged += t.nbytes();
+          batch.push_back(plan[end]);
+          host.push_back(direct ? t
+                                : at::Tensor(at::detail::empty_cpu(
+                                      t.sizes(), t.scalar_type(),
+                                      /*pin_memory=*/t.device().is_cuda(), std::nullopt)));
         }
-      });
+        read_rows_into(dir, batch, host, verify);
+        for (size_t i = begin; i < end; ++i) {
+          if (!host[i - begin].is_same(out[i])) out[i].copy_(host[i - begin]);
+        }
+        begin = end;
+      }
       return 0;
     });
   });

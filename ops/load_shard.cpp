@@ -1,15 +1,21 @@
 #include "ops/load_shard.h"
 
+#include <ATen/EmptyTensor.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <memory>
+#include <span>
 #include <utility>
 
+#include "fsdp_ema/format/piece_reads.h"
 #include "fsdp_ema/format/shard_file.h"
 #include "ops/format_bridge.h"
+#include "ops/reads.h"
 #include "ops/tracing.h"
 
 namespace fsdp_ema::ops {
@@ -31,6 +37,8 @@ ShardContents load_shard(c10::string_view path, bool verify, std::optional<at::D
     std::vector<at::Tensor> tensors;
     std::vector<int64_t> offsets;
     std::vector<int64_t> global_shapes;
+    std::vector<format::PieceRead> reads;  // the owned tensors, read in one batch
+    std::vector<size_t> read_of;           // per read: its index in tensors
     for (const format::TensorInfo& info : file->tensors()) {
       names.push_back(info.name);
       offsets.insert(offsets.end(), info.offsets.begin(), info.offsets.end());
@@ -47,11 +55,25 @@ ShardContents load_shard(c10::string_view path, bool verify, std::optional<at::D
         }
       }
       if (!t.defined()) {
-        t = at::empty(info.shape, options);
-        file->read_verified(info, t.data_ptr(), verify && !zero_copy);
-        if (!target.is_cpu()) t = t.to(target);
+        t = empty_for_read(info.shape, to_scalar_type(info.dtype));
+        reads.push_back({file.get(), &info, 0, info.nbytes, t.data_ptr(),
+                         verify && !zero_copy && info.checksum.has_value()});
+        read_of.push_back(tensors.size());
       }
       tensors.push_back(std::move(t));
+    }
+    // The read path of every load (format/piece_reads.h): chunked, on torch's thread count,
+    // each tensor hashed in order as it is read. For a device, one tensor at a time, so that the
+    // host never holds the whole file.
+    const auto threads = static_cast<size_t>(std::max(1, at::get_num_threads()));
+    const size_t batch = target.is_cpu() ? std::max<size_t>(reads.size(), 1) : 1;
+    for (size_t k = 0; k < reads.size(); k += batch) {
+      const size_t n = std::min(batch, reads.size() - k);
+      format::read_pieces(std::span(reads).subspan(k, n), threads, [&](size_t i, uint64_t digest) {
+        file->check_digest(*reads[k + i].tensor, digest);
+      });
+      if (target.is_cpu()) continue;
+      tensors[read_of[k]] = tensors[read_of[k]].to(target);
     }
     return std::make_tuple(std::move(names), std::move(tensors), std::move(offsets),
                            std::move(global_shapes));

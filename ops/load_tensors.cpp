@@ -18,7 +18,7 @@ namespace {
 
 constexpr const char* kOp = "fsdp_ema::load_tensors: ";
 
-using Plan = std::vector<std::pair<const format::IndexTensor*, format::RowRange>>;
+using Plan = RowsPlan;
 
 // The one validation of a load, which the Meta kernel runs too: every name looked up and every
 // slice sized before anything is read (format::tensor_rows: the rows of rank `rank`).
@@ -49,13 +49,8 @@ std::vector<at::Tensor> load_tensors_from(const std::shared_ptr<const format::Ch
   const bool zero_copy = mmap && !to_device;
   // Zero-copy views skip the read, so their pieces are hashed up front (in parallel); owned
   // reads hash each piece while reading it.
-  if (verify && zero_copy) verify_pieces(*dir, plan);
-  std::vector<at::Tensor> out(plan.size());
-  at::parallel_for(0, static_cast<int64_t>(plan.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      out[i] = read_rows(dir, *plan[i].first, plan[i].second, verify, zero_copy);
-    }
-  });
+  if (verify && zero_copy) verify_pieces(*dir, plan, /*mapped=*/true);
+  std::vector<at::Tensor> out = read_rows(dir, plan, verify, zero_copy);
   if (to_device) {
     for (at::Tensor& t : out) t = t.to(*device);
   }

@@ -234,3 +234,24 @@ def test_a_collective_load_refuses_a_file_rewritten_after_its_check(tmp_path, mo
     with pytest.raises(RuntimeError, match="changed since it was opened"):
         ema.load(tmp_path)
     assert all(torch.all(t == 7.0) for t in ema._ema)
+
+
+def test_a_corrupted_last_read_chunk_is_refused_before_writing_any_destination(tmp_path):
+    """A tensor over several 8 MiB read chunks, damaged in its last: refused, nothing written."""
+    g = torch.Generator().manual_seed(9)
+    ref = {"a": torch.arange(7, dtype=torch.int32), "big": torch.randn(5_000_003, generator=g)}
+    ckpt.save(tmp_path, ref)
+    path = Path(tmp_path) / ckpt.shard_file_name(0, 1)
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0x10  # "big" is the file's last tensor: its last byte
+    path.write_bytes(bytes(raw))
+    dst = sentinels(ref)
+    before = {k: v.clone() for k, v in dst.items()}
+    with pytest.raises(RuntimeError, match="checksum mismatch") as e:
+        ckpt.load_into(tmp_path, dst)
+    assert str(path) in str(e.value)
+    for k, v in before.items():
+        assert torch.equal(dst[k], v), f"{k} was written before the corruption was found"
+    ckpt.save(tmp_path, ref, overwrite=True)
+    ckpt.load_into(tmp_path, dst)
+    assert all(torch.equal(dst[k], v) for k, v in ref.items())

@@ -146,3 +146,47 @@ def test_dcp_directory_missing_a_rank_file_is_refused(tmp_path):
         ckpt.load(dst)
     with pytest.raises(RuntimeError, match=r"files of shard 2 \(rank 1\) are missing"):
         ckpt.info(dst)
+
+
+def data_range(path, name):
+    """[begin, end) of tensor `name`'s bytes in a safetensors file."""
+    raw = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    begin, end = json.loads(raw[8:8 + n])[name]["data_offsets"]
+    return 8 + n + begin, 8 + n + end
+
+
+def multi_chunk_state():
+    """A tensor over several 8 MiB read chunks (with an odd tail) and two small ones."""
+    g = torch.Generator().manual_seed(5)
+    return {"big": torch.randn(5_000_003, generator=g), "b": torch.ones(3, dtype=torch.bfloat16),
+            "m": torch.tensor([True, False])}
+
+
+def test_a_tensor_over_several_read_chunks_loads_whole_on_every_path(tmp_path):
+    state = multi_chunk_state()
+    ckpt.save(tmp_path, state)
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        try:
+            for got in (ckpt.load(tmp_path), ckpt.open_checkpoint(tmp_path).load(list(state)),
+                        {k: v[0] for k, v in ckpt.load_shard(shard_path(tmp_path)).items()}):
+                assert all(torch.equal(got[k], v) for k, v in state.items())
+            half = ckpt.load(tmp_path, ["big"], rank=1, world_size=2)["big"]
+            assert torch.equal(half, state["big"].chunk(2)[1])
+        finally:
+            torch.set_num_threads(2)
+
+
+def test_a_flipped_byte_in_the_last_read_chunk_is_refused_naming_the_file(tmp_path):
+    ckpt.save(tmp_path, multi_chunk_state())
+    path = shard_path(tmp_path)
+    _, end = data_range(path, "big")
+    raw = bytearray(Path(path).read_bytes())
+    raw[end - 2] ^= 0x04  # the last chunk of "big"
+    Path(path).write_bytes(bytes(raw))
+    for load in (lambda: ckpt.load(tmp_path), lambda: ckpt.load_shard(path),
+                 lambda: ckpt.load(tmp_path, ["big"], rank=0, world_size=2)):
+        with pytest.raises(RuntimeError, match="checksum mismatch") as e:
+            load()
+        assert path in str(e.value) and '"big"' in str(e.value)

@@ -61,8 +61,23 @@ class CheckpointDir {
   std::vector<std::string> stray_files() const;
 
   // Reads the whole tensor (row-major, dst_bytes == tensor_nbytes). With verify, every piece read
-  // is checked against its checksum first (each piece at most once per CheckpointDir).
+  // is checked against its checksum (each piece at most once per CheckpointDir). read_full,
+  // read_rows and read_chunk are read_rows_batch of one read on the caller's thread.
   void read_full(std::string_view name, void* dst, size_t dst_bytes, bool verify = true) const;
+  // One destination of read_rows_batch: rows [rows.begin, rows.end) of dim 0 of tensor `name`
+  // (a 0-dim tensor is read whole; rows are ignored), row-major into dst.
+  struct RowsRead {
+    std::string_view name;
+    RowRange rows;
+    void* dst = nullptr;
+    size_t dst_bytes = 0;
+  };
+  // The read path of every load: each read checked as read_rows checks it, then all of them
+  // through read_pieces (piece_reads.h: chunks of 8 MiB on up to `threads` threads, 0 meaning
+  // the machine's cores). With verify, a piece read whole is hashed in order as it is read and
+  // checked against its checksum; a piece read in part is verified (verify_piece) before any
+  // read starts. Each piece is hashed at most once per CheckpointDir, as in read_full.
+  void read_rows_batch(std::span<const RowsRead> reads, bool verify, size_t threads) const;
   // Rows [row_begin, row_end) of dim 0 (the tensor must have at least one dimension).
   void read_rows(std::string_view name, int64_t row_begin, int64_t row_end, void* dst,
                  size_t dst_bytes, bool verify = true) const;
@@ -80,7 +95,9 @@ class CheckpointDir {
 
   // Checks piece `piece` of tensor `name` against its checksum (once; later calls return at
   // once). True when verified, false when it has no checksum (DCP); throws on a mismatch.
-  bool verify_piece(std::string_view name, size_t piece) const;
+  // `mapped`: hash the bytes where the shard file's mapping holds them (ShardFile::
+  // compute_checksum), for zero-copy loads, whose views read that mapping anyway.
+  bool verify_piece(std::string_view name, size_t piece, bool mapped = false) const;
   // verify_piece for every piece; returns the number of pieces with a checksum.
   size_t verify_all() const;
   // ShardFile::check_unchanged for every file: what a load checks before it writes pieces it

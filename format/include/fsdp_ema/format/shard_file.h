@@ -89,6 +89,10 @@ class ShardFile {
   // tensor). Returns whether a checksum was checked.
   bool read_verified(const TensorInfo& tensor, void* dst, bool verify) const;
 
+  // Throws FormatError "<file>: tensor '<name>': checksum mismatch" unless `digest` (of the
+  // tensor's bytes as read) is its stored checksum; nothing to check when it stores none.
+  void check_digest(const TensorInfo& tensor, uint64_t digest) const;
+
   // The verdict on one tensor's bytes, the same a read gives: its stored checksum (true when it
   // matches, false when the file stores none) and the data checks every read applies (BOOL
   // bytes are 0 or 1, checksum or not); throws FormatError("<file>: tensor '<name>': ...").
@@ -103,8 +107,10 @@ class ShardFile {
   // rewrite, even with the same size and its mtime set back).
   void check_unchanged() const;
 
-  // XXH3-64 of the tensor's bytes as they are in the file now (streamed through pread).
-  uint64_t compute_checksum(const TensorInfo& tensor) const;
+  // XXH3-64 of the tensor's bytes as they are in the file now (streamed through pread), with the
+  // data checks of a read. `mapped`: hashed where data() maps them, without a copy, for callers
+  // that opted in to the mapping (truncating the file meanwhile raises SIGBUS).
+  uint64_t compute_checksum(const TensorInfo& tensor, bool mapped = false) const;
 
  private:
   struct Impl;
