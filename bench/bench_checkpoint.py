@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_update import shard_sizes  # noqa: E402
 from rawio import fsync_dir, raw_read, raw_write  # noqa: E402
+from rawio import fsync_path as fsync_file  # noqa: E402
 from report import finish  # noqa: E402
 
 import fsdp_ema  # noqa: E402, F401  (loads the operator library)
@@ -77,14 +78,6 @@ def read_every_byte(result) -> None:
         t = t[0] if isinstance(t, tuple) else t  # load_shard: (tensor, offsets, global shape)
         if t.numel():
             t.view(-1).view(torch.uint8).max()
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def drop_cache(directory: Path) -> None:

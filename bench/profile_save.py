@@ -15,7 +15,6 @@ the save in the counts the wrappers print for the whole process.
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import shutil
 import sys
@@ -26,7 +25,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_checkpoint import make_state  # noqa: E402
-from rawio import fsync_dir, raw_write  # noqa: E402
+from rawio import fsync_path, raw_write  # noqa: E402
+
+
+def synced(save, path: Path, fsync: bool):
+    """save(path), then (with fsync) fsync of the file and its directory, as our save does."""
+    def run():
+        save(path)
+        if fsync:
+            fsync_path(path)
+            fsync_path(path.parent)
+    return run
 
 
 def saver(method: str, state: dict, work: Path, fsync: bool):
@@ -37,27 +46,9 @@ def saver(method: str, state: dict, work: Path, fsync: bool):
     if method == "safetensors":
         from safetensors.torch import save_file
 
-        def st():
-            path = work / "m.safetensors"
-            save_file(state, str(path))
-            if fsync:
-                fd = os.open(path, os.O_RDONLY)
-                os.fsync(fd)
-                os.close(fd)
-                fsync_dir(work)
-
-        return st
+        return synced(lambda path: save_file(state, str(path)), work / "m.safetensors", fsync)
     if method == "torch":
-        def pt():
-            path = work / "m.pt"
-            torch.save(state, path)
-            if fsync:
-                fd = os.open(path, os.O_RDONLY)
-                os.fsync(fd)
-                os.close(fd)
-                fsync_dir(work)
-
-        return pt
+        return synced(lambda path: torch.save(state, path), work / "m.pt", fsync)
     if method == "raw":
         flat = torch.cat([t.reshape(-1) for t in state.values()])
         return lambda: raw_write(work / "raw.bin", flat)

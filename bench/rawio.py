@@ -8,12 +8,16 @@ from pathlib import Path
 import torch
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync of a file or a directory by path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+fsync_dir = fsync_path
 
 
 def raw_write(path: Path, data: torch.Tensor) -> None:

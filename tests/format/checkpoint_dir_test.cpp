@@ -22,6 +22,7 @@ namespace {
 
 using ::testing::AllOf;
 using testing::error_of;
+using testing::flip_byte;
 using ::testing::HasSubstr;
 using testing::RefTensor;
 using testing::TempDir;
@@ -270,17 +271,6 @@ TEST(CheckpointDir, ConcurrentReadsAgree) {
   }
   for (auto& th : threads) th.join();
   EXPECT_EQ(mismatches.load(), 0);
-}
-
-// Flips one byte of a file in place (same inode, like disk corruption would).
-void flip_byte(const std::string& path, uint64_t offset) {
-  const int fd = ::open(path.c_str(), O_RDWR);
-  ASSERT_GE(fd, 0);
-  unsigned char c;
-  ASSERT_EQ(::pread(fd, &c, 1, static_cast<off_t>(offset)), 1);
-  c ^= 0x01;
-  ASSERT_EQ(::pwrite(fd, &c, 1, static_cast<off_t>(offset)), 1);
-  ::close(fd);
 }
 
 TEST(CheckpointDirCorruption, FlippedByteFailsTheReadThatTouchesItOnly) {

@@ -18,6 +18,7 @@ namespace {
 
 using ::testing::AllOf;
 using testing::error_of;
+using testing::flip_byte;
 using ::testing::HasSubstr;
 using testing::RefTensor;
 using testing::TempDir;
@@ -29,16 +30,6 @@ std::vector<RefTensor> large_model() {
   return {testing::make_ref("big", DType::kF32, {kRows, 3}, 21),
           testing::make_ref("small", DType::kBF16, {5, 2}, 22),
           testing::make_ref("step", DType::kI64, {}, 23)};
-}
-
-void flip_byte(const std::string& path, uint64_t offset) {
-  const int fd = ::open(path.c_str(), O_RDWR);
-  ASSERT_GE(fd, 0);
-  unsigned char c;
-  ASSERT_EQ(::pread(fd, &c, 1, static_cast<off_t>(offset)), 1);
-  c ^= 0x01;
-  ASSERT_EQ(::pwrite(fd, &c, 1, static_cast<off_t>(offset)), 1);
-  ::close(fd);
 }
 
 TEST(ReadPieces, ChunkedHashIsTheChecksumOfTheBytesForEveryThreadCount) {

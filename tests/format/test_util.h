@@ -1,6 +1,7 @@
 // Test helpers: temporary directories, whole-file I/O, capturing FormatError messages.
 #pragma once
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -98,6 +99,17 @@ inline std::map<std::string, std::vector<std::byte>> files_of(const std::string&
 
 // The FormatError message `f` throws; a test failure (and "") if it throws nothing or another
 // type.
+// Flips one byte of a file in place (same inode, like disk corruption would).
+inline void flip_byte(const std::string& path, uint64_t offset) {
+  const int fd = ::open(path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  unsigned char c;
+  ASSERT_EQ(::pread(fd, &c, 1, static_cast<off_t>(offset)), 1);
+  c ^= 0x01;
+  ASSERT_EQ(::pwrite(fd, &c, 1, static_cast<off_t>(offset)), 1);
+  ::close(fd);
+}
+
 inline std::string error_of(const std::function<void()>& f) {
   try {
     f();
