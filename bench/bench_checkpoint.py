@@ -44,8 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_update import shard_sizes  # noqa: E402
-from rawio import fsync_dir, raw_read, raw_write  # noqa: E402
-from rawio import fsync_path as fsync_file  # noqa: E402
+from rawio import raw_read, raw_write, synced  # noqa: E402
 from report import finish  # noqa: E402
 
 import fsdp_ema  # noqa: E402, F401  (loads the operator library)
@@ -176,13 +175,6 @@ def run_place(place: str, work: Path, state: dict, repeat: int, diagnose: bool) 
     index = work / "fsdp_ema.index.json"
     pt, st, raw = work / "m.pt", work / "m.safetensors", work / "raw.bin"
     dcp_files = (work / ".metadata", work / "__0_0.distcp")
-
-    def synced(save, path):
-        def fn():
-            save()
-            fsync_file(path)
-            fsync_dir(work)
-        return fn
 
     save = {
         OURS_SAVE: (lambda: ckpt.save(work, state, fsync=True), remove(shard, index)),

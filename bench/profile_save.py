@@ -25,17 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_checkpoint import make_state  # noqa: E402
-from rawio import fsync_path, raw_write  # noqa: E402
-
-
-def synced(save, path: Path, fsync: bool):
-    """save(path), then (with fsync) fsync of the file and its directory, as our save does."""
-    def run():
-        save(path)
-        if fsync:
-            fsync_path(path)
-            fsync_path(path.parent)
-    return run
+from rawio import raw_write, synced  # noqa: E402
 
 
 def saver(method: str, state: dict, work: Path, fsync: bool):
@@ -46,9 +36,13 @@ def saver(method: str, state: dict, work: Path, fsync: bool):
     if method == "safetensors":
         from safetensors.torch import save_file
 
-        return synced(lambda path: save_file(state, str(path)), work / "m.safetensors", fsync)
+        path = work / "m.safetensors"
+        save = lambda: save_file(state, str(path))  # noqa: E731
+        return synced(save, path) if fsync else save
     if method == "torch":
-        return synced(lambda path: torch.save(state, path), work / "m.pt", fsync)
+        path = work / "m.pt"
+        save = lambda: torch.save(state, path)  # noqa: E731
+        return synced(save, path) if fsync else save
     if method == "raw":
         flat = torch.cat([t.reshape(-1) for t in state.values()])
         return lambda: raw_write(work / "raw.bin", flat)

@@ -17,7 +17,15 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-fsync_dir = fsync_path
+
+def synced(save, path: Path):
+    """save(), then fsync of ``path`` and of its directory: another library's save at our save's
+    fsync policy."""
+    def run():
+        save()
+        fsync_path(path)
+        fsync_path(path.parent)
+    return run
 
 
 def raw_write(path: Path, data: torch.Tensor) -> None:
@@ -26,7 +34,7 @@ def raw_write(path: Path, data: torch.Tensor) -> None:
         f.write(memoryview(data.numpy()).cast("B"))
         f.flush()
         os.fsync(f.fileno())
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def raw_read(path: Path, size: int) -> torch.Tensor:
