@@ -21,7 +21,10 @@ the anchors, and per call (median) the minor and major page faults and the CPU s
 the process's threads (getrusage). --diagnose adds the rows that decompose our owned load (no
 verify, one thread, reads into memory faulted in already).
 
-    python bench/bench_checkpoint.py [--gigabytes 1] [--places tmpfs,disk] [--repeat 5]
+With --places cuda (scripts/gpu_check.sh runs it), loads from the page cache into CUDA memory
+against dcp.load, safetensors and torch.load, beside the staging pipeline's two halves alone.
+
+    python bench/bench_checkpoint.py [--gigabytes 1] [--places tmpfs,disk,cuda] [--repeat 5]
                                      [--diagnose] [--json out.json]
 """
 
@@ -58,6 +61,11 @@ OURS_MMAP = "fsdp_ema load mmap=True (verified)"
 OURS_INTO = "fsdp_ema load_into (verified)"
 ST_SAVE, ST_SAVE_NOSYNC = "safetensors save_file + fsync", "safetensors save_file"
 ST_LOAD = "safetensors load_file"
+OURS_DEV_INTO = "fsdp_ema load_into cuda (verified)"
+OURS_DEV_INTO_NOVERIFY = "fsdp_ema load_into cuda (no verify)"
+OURS_DEV_LOAD = "fsdp_ema load device=cuda (verified)"
+DCP_DEV = "dcp.load (existing cuda tensors)"
+READ_ALONE, H2D_ALONE = "read alone (fresh host memory)", "H2D alone (one pinned copy)"
 
 
 def make_state(gigabytes: float, count: int) -> dict:
@@ -253,6 +261,72 @@ def run_place(place: str, work: Path, state: dict, repeat: int, diagnose: bool) 
     return results
 
 
+def run_device(work: Path, state: dict, repeat: int) -> dict:
+    """Loads from the page cache (tmpfs) into CUDA memory: ours (staged through two pinned
+    buffers, ops/staged_reads.h) against dcp.load, safetensors' load_file(device="cuda") and
+    torch.load(map_location="cuda"), beside the pipeline's two halves measured alone: a read of
+    the same bytes into host memory and one host-to-device copy of them from pinned memory. A
+    load is done when the device is (a synchronize inside the timing)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file, save_file
+
+    work.mkdir(parents=True, exist_ok=True)
+    size = nbytes(state)
+    names = list(state)
+    pt, st, raw = work / "m.pt", work / "m.safetensors", work / "raw.bin"
+    ckpt.save(work, state)
+    torch.save(state, pt)
+    save_file(state, str(st))
+    dcp.save(state, checkpoint_id=str(work))
+    raw_write(raw, torch.cat([t.reshape(-1) for t in state.values()]))
+    targets = {k: torch.zeros_like(v, device="cuda") for k, v in state.items()}
+    dcp_targets = {k: torch.zeros_like(v, device="cuda") for k, v in state.items()}
+    pinned = torch.empty(size, dtype=torch.uint8).pin_memory()
+    device_bytes = torch.empty(size, dtype=torch.uint8, device="cuda")
+
+    def synced_cuda(fn):
+        def run():
+            out = fn()
+            torch.cuda.synchronize()
+            return out
+        return run
+
+    def h2d():
+        device_bytes.copy_(pinned, non_blocking=True)
+        return device_bytes
+
+    load = {
+        OURS_DEV_INTO: lambda: (ckpt.load_into(work, targets, verify=True), targets)[1],
+        OURS_DEV_INTO_NOVERIFY: lambda: (ckpt.load_into(work, targets, verify=False), targets)[1],
+        OURS_DEV_LOAD: lambda: ckpt.load(work, names, verify=True, device="cuda"),
+        DCP_DEV: lambda: (dcp.load(dcp_targets, checkpoint_id=str(work)), dcp_targets)[1],
+        "safetensors load_file(device=cuda)": lambda: load_file(str(st), device="cuda"),
+        "torch.load(map_location=cuda)": lambda: torch.load(pt, map_location="cuda"),
+        READ_ALONE: lambda: raw_read(raw, size),
+        H2D_ALONE: h2d,
+    }
+    runs = run_rounds({k: (synced_cuda(fn), None) for k, fn in load.items()}, repeat, read=False)
+    for p in list(work.iterdir()):
+        remove(p)()
+    work.rmdir()
+    return {"bytes": size, "load": runs}
+
+
+def report_device(r: dict) -> list:
+    size = r["bytes"]
+    print(f"\ncuda (from the page cache): {size / 2**30:.2f} GiB")
+    ld = print_rows("load to cuda", r["load"], size, OURS_DEV_INTO,
+                    [DCP_DEV, "safetensors load_file(device=cuda)", READ_ALONE, H2D_ALONE])
+    floor, total = max(ld[READ_ALONE], ld[H2D_ALONE]), ld[READ_ALONE] + ld[H2D_ALONE]
+    return [
+        ("cuda: unverified load_into nearer max(read, H2D) than their sum",
+         ld[OURS_DEV_INTO_NOVERIFY] <= (floor + total) / 2,
+         f"{ld[OURS_DEV_INTO_NOVERIFY]:.3f} s; max {floor:.3f} s, sum {total:.3f} s"),
+        ("cuda: verified load_into >= 2x dcp.load", ld[DCP_DEV] >= 2 * ld[OURS_DEV_INTO],
+         f"{ld[DCP_DEV] / ld[OURS_DEV_INTO]:.2f}x"),
+    ]
+
+
 def print_rows(title: str, runs: dict, size: int, ours: str, anchors: list[str]) -> dict:
     med = {name: statistics.median(r["s"]) for name, r in runs.items()}
     head = "".join(f" {'/' + a.split()[0][:10]:>11s}" for a in anchors)
@@ -309,7 +383,8 @@ def main():
     parser.add_argument("--gigabytes", type=float, default=1.0)
     parser.add_argument("--tensors", type=int, default=300)
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--places", default="tmpfs,disk")
+    parser.add_argument("--places", default="tmpfs,disk",
+                        help="comma-separated: tmpfs, disk, cuda (loads into CUDA memory)")
     parser.add_argument("--disk-dir", type=Path, default=Path("/var/tmp"))
     parser.add_argument("--diagnose", action="store_true",
                         help="add the rows that decompose our owned load")
@@ -322,9 +397,13 @@ def main():
     bases = {"tmpfs": Path("/dev/shm"), "disk": args.disk_dir}
     results, checks = {}, []
     for place in args.places.split(","):
-        work = bases[place] / f"fsdp_ema_bench_{os.getpid()}"
-        results[place] = run_place(place, work, state, args.repeat, args.diagnose)
-        checks += report(place, results[place])
+        work = bases.get(place, bases["tmpfs"]) / f"fsdp_ema_bench_{os.getpid()}"
+        if place == "cuda":
+            results[place] = run_device(work, state, args.repeat)
+            checks += report_device(results[place])
+        else:
+            results[place] = run_place(place, work, state, args.repeat, args.diagnose)
+            checks += report(place, results[place])
         print(f"after {place}: {machine_line()}")
     finish(results, checks, args.json)
 

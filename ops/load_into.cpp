@@ -19,6 +19,7 @@
 #include "ops/load_tensors.h"
 #include "ops/memory.h"
 #include "ops/reads.h"
+#include "ops/staged_reads.h"
 #include "ops/tracing.h"
 
 namespace fsdp_ema::ops {
@@ -46,8 +47,7 @@ Plan plan_load_into(const std::shared_ptr<const format::CheckpointDir>& dir,
     TORCH_CHECK(info != nullptr, kOp, "names[", i, "] '", names[i], "' is not in checkpoint '",
                 directory, "'");
     const format::RowRange rows = format::tensor_rows(info->shape, rank, world_size);
-    std::vector<int64_t> shape(info->shape.begin(), info->shape.end());
-    if (!shape.empty()) shape[0] = rows.size();
+    const std::vector<int64_t> shape = rows_shape(*info, rows);
     const at::Tensor& t = out[i];
     TORCH_CHECK(t.defined(), kOp, "out[", i, "] ('", names[i], "') is an undefined tensor");
     check_strided(kOp, t, label, i);
@@ -113,28 +113,53 @@ void read_into(const format::CheckpointDir& dir, const Plan& plan, at::TensorLis
     if (verify) verify_pieces(dir, plan);
     between_unchanged_checks(dir, [&] {
       bump_versions(out);  // as torch's in-place ops: backward through an overwritten tensor raises
-      // Contiguous CPU destinations are read into directly; the others through a host buffer
-      // of their own (pinned for CUDA), copied over after the read. The reads go in batches
-      // that hold at most kStagingBytes of such buffers at a time.
+      // Contiguous CPU destinations are read into directly; contiguous device ones through two
+      // pinned buffers, the device copying one while the file is read into the other
+      // (staged_reads.h); the others through a host buffer of their own (pinned for CUDA),
+      // copied over after the read, in batches that hold at most kStagingBytes of such buffers
+      // at a time.
+      std::vector<std::pair<at::Device, std::vector<size_t>>> staged;  // per device, in order
+      std::vector<size_t> rest;
+      for (size_t i = 0; i < plan.size(); ++i) {
+        const at::Tensor& t = out[i];
+        if (t.device().is_cpu() || !t.is_contiguous()) {
+          rest.push_back(i);
+          continue;
+        }
+        auto it = std::find_if(staged.begin(), staged.end(),
+                               [&](const auto& s) { return s.first == t.device(); });
+        if (it == staged.end()) it = staged.insert(staged.end(), {t.device(), {}});
+        it->second.push_back(i);
+      }
+      for (const auto& [device, indices] : staged) {
+        Plan part;
+        std::vector<at::Tensor> dst;
+        for (const size_t i : indices) {
+          part.push_back(plan[i]);
+          dst.push_back(out[i]);
+        }
+        read_rows_to_device(dir, part, dst);
+      }
       constexpr uint64_t kStagingBytes = uint64_t{256} << 20;
-      for (size_t begin = 0; begin < plan.size();) {
+      for (size_t begin = 0; begin < rest.size();) {
         Plan batch;
         std::vector<at::Tensor> host;
-        uint64_t staged = 0;
+        uint64_t staged_bytes = 0;
         size_t end = begin;
-        for (; end < plan.size() && staged < kStagingBytes; ++end) {
-          const at::Tensor& t = out[end];
+        for (; end < rest.size() && staged_bytes < kStagingBytes; ++end) {
+          const at::Tensor& t = out[rest[end]];
           const bool direct = t.device().is_cpu() && t.is_contiguous();
-          if (!direct) staged += t.nbytes();
-          batch.push_back(plan[end]);
+          if (!direct) staged_bytes += t.nbytes();
+          batch.push_back(plan[rest[end]]);
           host.push_back(direct ? t
                                 : at::Tensor(at::detail::empty_cpu(
                                       t.sizes(), t.scalar_type(),
                                       /*pin_memory=*/t.device().is_cuda(), std::nullopt)));
         }
         read_rows_into(dir, batch, host, verify);
-        for (size_t i = begin; i < end; ++i) {
-          if (!host[i - begin].is_same(out[i])) out[i].copy_(host[i - begin]);
+        for (size_t k = begin; k < end; ++k) {
+          const at::Tensor& t = out[rest[k]];
+          if (!host[k - begin].is_same(t)) t.copy_(host[k - begin]);
         }
         begin = end;
       }

@@ -10,6 +10,7 @@
 #include "fsdp_ema/format/rows.h"
 #include "ops/format_bridge.h"
 #include "ops/reads.h"
+#include "ops/staged_reads.h"
 #include "ops/tracing.h"
 
 namespace fsdp_ema::ops {
@@ -50,6 +51,20 @@ std::vector<at::Tensor> load_tensors_from(const std::shared_ptr<const format::Ch
   // Zero-copy views skip the read, so their pieces are hashed up front (in parallel); owned
   // reads hash each piece while reading it.
   if (verify && zero_copy) verify_pieces(*dir, plan, /*mapped=*/true);
+  if (to_device && device->is_cuda()) {
+    // Straight to the device through two pinned buffers (staged_reads.h), each piece verified
+    // first so that the pipeline's reads need not hash.
+    if (verify) verify_pieces(*dir, plan);
+    std::vector<at::Tensor> out;
+    out.reserve(plan.size());
+    for (const auto& [info, rows] : plan) {
+      out.push_back(
+          at::empty(rows_shape(*info, rows),
+                    at::TensorOptions().dtype(to_scalar_type(info->dtype)).device(*device)));
+    }
+    read_rows_to_device(*dir, plan, out);
+    return out;
+  }
   std::vector<at::Tensor> out = read_rows(dir, plan, verify, zero_copy);
   if (to_device) {
     for (at::Tensor& t : out) t = t.to(*device);
@@ -111,9 +126,7 @@ std::vector<at::Tensor> load_tensors_meta(const at::Tensor& target, at::TensorLi
     std::vector<at::Tensor> out;
     out.reserve(plan.size());
     for (const auto& [info, rows] : plan) {
-      std::vector<int64_t> shape(info->shape.begin(), info->shape.end());
-      if (!shape.empty()) shape[0] = rows.size();
-      out.push_back(at::empty(shape, meta_options(to_scalar_type(info->dtype))));
+      out.push_back(at::empty(rows_shape(*info, rows), meta_options(to_scalar_type(info->dtype))));
     }
     return out;
   });

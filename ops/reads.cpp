@@ -15,6 +15,12 @@
 
 namespace fsdp_ema::ops {
 
+std::vector<int64_t> rows_shape(const format::IndexTensor& tensor, format::RowRange rows) {
+  std::vector<int64_t> shape(tensor.shape.begin(), tensor.shape.end());
+  if (!shape.empty()) shape[0] = rows.size();
+  return shape;
+}
+
 void verify_pieces(const format::CheckpointDir& dir, const RowsPlan& plan, bool mapped) {
   std::vector<std::pair<const format::IndexTensor*, size_t>> pieces;
   for (const auto& [tensor, rows] : plan) {
@@ -39,8 +45,7 @@ namespace {
 // (aligned for the dtype); undefined otherwise.
 at::Tensor mapped_view(const std::shared_ptr<const format::CheckpointDir>& dir,
                        const format::IndexTensor& tensor, format::RowRange rows, bool verify) {
-  std::vector<int64_t> shape(tensor.shape.begin(), tensor.shape.end());
-  if (!shape.empty()) shape[0] = rows.size();
+  const std::vector<int64_t> shape = rows_shape(tensor, rows);
   if (c10::multiply_integers(shape) == 0) return {};
   for (size_t k = 0; k < tensor.pieces.size(); ++k) {
     const format::IndexPiece& piece = tensor.pieces[k];
@@ -109,9 +114,7 @@ std::vector<at::Tensor> read_rows(const std::shared_ptr<const format::Checkpoint
       if (mmap) out[i] = mapped_view(dir, *tensor, rows, verify);
       mapped[i] = out[i].defined();
       if (mapped[i]) continue;
-      std::vector<int64_t> shape(tensor->shape.begin(), tensor->shape.end());
-      if (!shape.empty()) shape[0] = rows.size();
-      out[i] = empty_for_read(shape, to_scalar_type(tensor->dtype));
+      out[i] = empty_for_read(rows_shape(*tensor, rows), to_scalar_type(tensor->dtype));
     }
   });
   RowsPlan owned;

@@ -24,6 +24,10 @@ at::Tensor empty_for_read(c10::IntArrayRef shape, at::ScalarType dtype);
 // Per tensor: its index entry and the dim-0 rows to read (all of it for a 0-dim tensor).
 using RowsPlan = std::vector<std::pair<const format::IndexTensor*, format::RowRange>>;
 
+// The shape of `rows` of `tensor`: its stored shape with dim 0 cut to the rows (a 0-dim tensor's
+// own shape).
+std::vector<int64_t> rows_shape(const format::IndexTensor& tensor, format::RowRange rows);
+
 // The rows of every plan entry as CPU tensors the caller owns (read and verified in one pass).
 // With mmap (opt-in), an entry one stored piece holds exactly is instead a zero-copy view of a
 // private mapping of the file that keeps `dir` open (see load_shard for the risk); its piece is

@@ -88,3 +88,64 @@ def test_save_reads_what_the_current_side_stream_wrote(tmp_path):
     side.synchronize()
     loaded = ckpt.load(tmp_path, device="cuda")["t"]
     assert torch.equal(loaded, torch.full_like(t, 1.75))
+
+
+# Loads to CUDA go through two pinned staging buffers of 64 MiB (ops/staged_reads.h): the device
+# copies one while the file is read into the other. These cases cycle the buffers several times.
+def staged_tensors():
+    g = torch.Generator().manual_seed(1)
+    tensors = {"big": torch.randn(150 * 256 + 5, 1024, generator=g)}  # 150 MiB: three steps
+    for i in range(40):  # small ones between large ones: several share one step
+        tensors[f"small.{i:02d}"] = torch.randn(i + 1, 3, generator=g).to(torch.bfloat16)
+    tensors["wide"] = torch.randn(2, 5 << 22, generator=g)  # a row of 80 MiB: a wider buffer
+    tensors["scalar"] = torch.tensor(-0.0, dtype=torch.float64)
+    return tensors
+
+
+def test_staged_loads_to_cuda_cycle_the_buffers_bit_exact(tmp_path):
+    tensors = staged_tensors()
+    ckpt.save(tmp_path, tensors)
+    for rank, world in [(0, 1), (1, 3)]:
+        names = sorted(tensors)
+        loaded = ckpt.load(tmp_path, names, rank=rank, world_size=world, device="cuda")
+        dst = {n: torch.full_like(loaded[n], 7.0) for n in names}
+        ckpt.load_into(tmp_path, dst, rank=rank, world_size=world)
+        for n in names:
+            t = tensors[n]
+            cs = -(-t.shape[0] // world) if t.dim() else 0  # torch.chunk's rows, empty past the end
+            expected = t if t.dim() == 0 else t[rank * cs:(rank + 1) * cs]
+            assert loaded[n].is_cuda and dst[n].is_cuda, n
+            assert_bit_exact(loaded[n], expected, f"{n} load rank {rank}/{world}")
+            assert_bit_exact(dst[n], expected, f"{n} load_into rank {rank}/{world}")
+
+
+def test_staged_load_into_follows_the_current_stream(tmp_path):
+    """Work queued on the current stream before load_into (a fill behind a long sleep) runs
+    before the staged copies; the loaded values are what the caller sees afterwards."""
+    t = torch.randn(1 << 24)
+    ckpt.save(tmp_path, {"t": t})
+    dst = torch.zeros(1 << 24, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        dst.fill_(3.0)
+        ckpt.load_into(tmp_path, {"t": dst})
+        dst.add_(1.0)
+    side.synchronize()
+    assert torch.equal(dst.cpu(), t + 1.0)
+
+
+def test_staged_load_into_refuses_a_corrupt_file_with_cuda_destinations_untouched(tmp_path):
+    from test_load_in_place import flip_data_byte
+
+    tensors = staged_tensors()
+    ckpt.save(tmp_path, tensors)
+    flip_data_byte(tmp_path / ckpt.shard_file_name(0, 1), "wide")
+    dst = {n: torch.full_like(t, 5.0, device="cuda") for n, t in tensors.items()}
+    with pytest.raises(RuntimeError, match="wide"):
+        ckpt.load_into(tmp_path, dst)
+    for n, t in dst.items():
+        assert torch.equal(t.cpu(), torch.full_like(tensors[n], 5.0)), n
+    with pytest.raises(RuntimeError, match="wide"):
+        ckpt.load(tmp_path, device="cuda")

@@ -287,7 +287,7 @@ else
   NICE=()
   T_RUN=520
   T_CONFIGURE=35 T_BUILD=160 T_CTEST=40 T_PYTEST=140 T_BENCH_UPDATE=35 T_BENCH_GATHER=20
-  T_BENCH_ASYNC=45 T_BENCH_HOST_EMA=45 T_DIAG=20
+  T_BENCH_ASYNC=45 T_BENCH_HOST_EMA=45 T_BENCH_LOAD=40 T_DIAG=20
   PY="${FSDP_EMA_PYTHON:-$(command -v python3)}"
   torch_version="$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
   TORCH_ARGS=(-DPython3_EXECUTABLE="$PY")
@@ -297,6 +297,8 @@ fi
 # toolkit's, else the ones scripts/stage_gpu_deps.sh put in gpu-deps/bin (appended to the PATH, so
 # a toolkit's own copies come first).
 if [ -d "$STAGE/bin" ]; then export PATH="$PATH:$STAGE/bin"; fi
+# safetensors for the CUDA tests and the load benchmark, where the machine's Python lacks it.
+if [ -d "$STAGE/python" ]; then export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$STAGE/python"; fi
 
 {
   date -u
@@ -444,6 +446,10 @@ else
     --megabytes 512 --repeat 3 --steps 8 --matmuls 10 --dir "$BUILD/bench-disk" || status=1
   run bench_host_ema "$T_BENCH_HOST_EMA" "$IOLOG" "$PY" "$ROOT/bench/bench_host_ema.py" \
     --repeat 3 --steps 8 || status=1
+  # Issue 29 step 3: loads into CUDA memory through the two pinned staging buffers, from the page
+  # cache, against dcp.load, safetensors and torch.load, beside the read and the H2D copy alone.
+  run bench_load "$T_BENCH_LOAD" "$IOLOG" "$PY" "$ROOT/bench/bench_checkpoint.py" \
+    --places cuda --gigabytes 1 --repeat 3 || status=1
   grep -E "PASS|MISS" "$IOLOG" | tee -a "$SUMMARY"
 fi
 

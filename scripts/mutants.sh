@@ -239,7 +239,7 @@ MUTANTS = {
         [ctest("^format_fuzz_replay$")]),
     # --- tracing and the C++ paths (#15) --------------------------------------------------------
     "meta-load-ignores-rank-rows": (
-        "ops/load_tensors.cpp",
+        "ops/reads.cpp",
         "if (!shape.empty()) shape[0] = rows.size();",
         "if (false) shape[0] = rows.size();",
         [pytest("python_tests/test_library_only.py", "-k", "tracing or opcheck")]),
@@ -251,6 +251,13 @@ MUTANTS = {
     # --- Python ---------------------------------------------------------------------------------
     # The row rule has no Python copy (chunk-rows-cpp-remainder-one covers it); a Layout whose
     # second replica writes too puts two pieces over one box.
+    # Loads to a device through two staging buffers: refilling a buffer before waiting for the
+    # copies out of it hands the device the next step's bytes.
+    "staging-refills-before-wait": (
+        "ops/staged_reads.cpp",
+        "if (s >= 2) target.acquire(b);",
+        "if (s >= 2 && false) target.acquire(b);",
+        [ctest("^StagedReads\\.LateCopies")]),
     "layout-every-replica-writes": (
         "python/fsdp_ema/_layouts.py",
         "if any(c for c, p in zip(coordinate, self.placements) if not is_shard(p)):",

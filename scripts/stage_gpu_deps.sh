@@ -90,6 +90,27 @@ else
 fi
 echo "# cuda tools in bin/: $tools_note" >>"$DEST/MANIFEST.txt"
 
+# safetensors (the version of requirements.txt; an abi3 wheel, any CPython >= 3.7) into python/:
+# the CUDA tests read our files with it and the GPU load benchmark compares against it. The GPU
+# machine has no network and may lack it; gpu_check.sh appends python/ to PYTHONPATH, so the
+# machine's own copy wins where it has one.
+ST_VERSION="$(sed -n 's/^safetensors==//p' "$ROOT/requirements.txt")"
+if "$PY" -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: \
+     --platform manylinux_2_17_x86_64 --python-version 3.12 -d "$tools_tmp" \
+     "safetensors==$ST_VERSION" &&
+   "$PY" - "$tools_tmp"/safetensors-"$ST_VERSION"-*.whl "$DEST/python" <<'PYEOF'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as whl:
+    whl.extractall(sys.argv[2], [n for n in whl.namelist() if n.startswith("safetensors/")])
+PYEOF
+then
+  echo "# python/: safetensors $ST_VERSION (PyPI wheel)" >>"$DEST/MANIFEST.txt"
+  count=$((count + 1))
+else
+  echo "stage_gpu_deps: WARNING: could not stage safetensors $ST_VERSION; the GPU run uses the" \
+       "machine's own or skips what needs it" >&2
+fi
+
 # The package configs the GPU build points at (gpu_check.sh passes them as <Package>_DIR too, so a
 # machine whose CMake looks in another multiarch folder still finds them).
 for cfg in share/cmake/nlohmann_json/nlohmann_jsonConfig.cmake share/cmake/CLI11/CLI11Config.cmake \

@@ -1,0 +1,163 @@
+#include "ops/staged_reads.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <array>
+#include <optional>
+
+namespace fsdp_ema::ops {
+
+namespace {
+
+uint64_t align_up(uint64_t n) { return (n + kStageAlign - 1) / kStageAlign * kStageAlign; }
+
+}  // namespace
+
+StagePlan plan_stages(std::span<const StageItem> items, uint64_t buffer_bytes) {
+  StagePlan plan;
+  plan.buffer_bytes = align_up(std::max<uint64_t>(buffer_bytes, 1));
+  for (const StageItem& item : items) {
+    if (item.rows > 0) plan.buffer_bytes = std::max(plan.buffer_bytes, align_up(item.row_bytes));
+  }
+  plan.segments.reserve(items.size());
+  uint64_t used = plan.buffer_bytes;  // no step open yet
+  for (size_t i = 0; i < items.size(); ++i) {
+    const StageItem& item = items[i];
+    if (item.rows <= 0 || item.row_bytes == 0) continue;  // nothing to copy
+    for (int64_t row = 0; row < item.rows;) {
+      uint64_t offset = align_up(used);
+      if (offset >= plan.buffer_bytes || plan.buffer_bytes - offset < item.row_bytes) {
+        plan.step_begin.push_back(plan.segments.size());  // a new step, its buffer empty
+        offset = 0;
+      }
+      const int64_t fit = static_cast<int64_t>((plan.buffer_bytes - offset) / item.row_bytes);
+      const int64_t end = row + std::min(fit, item.rows - row);
+      plan.segments.push_back({i, row, end, offset});
+      used = offset + static_cast<uint64_t>(end - row) * item.row_bytes;
+      row = end;
+    }
+  }
+  plan.step_begin.push_back(plan.segments.size());
+  if (plan.step_begin.size() == 1) plan.step_begin.clear();  // no steps at all
+  return plan;
+}
+
+void run_staged_reads(const format::CheckpointDir& dir, const RowsPlan& plan, StageTarget& target,
+                      uint64_t buffer_bytes) {
+  std::vector<StageItem> items;
+  items.reserve(plan.size());
+  for (const auto& [tensor, rows] : plan) {
+    const uint64_t size = format::dtype_size(tensor->dtype);
+    if (tensor->shape.empty()) {
+      items.push_back({1, size});
+      continue;
+    }
+    uint64_t row_bytes = size;
+    for (size_t d = 1; d < tensor->shape.size(); ++d) {
+      row_bytes *= static_cast<uint64_t>(tensor->shape[d]);
+    }
+    items.push_back({rows.size(), row_bytes});
+  }
+  const StagePlan stages = plan_stages(items, buffer_bytes);
+  const auto threads = static_cast<size_t>(std::max(1, at::get_num_threads()));
+  std::vector<format::CheckpointDir::RowsRead> reads;
+  for (size_t s = 0; s < stages.steps(); ++s) {
+    const int b = static_cast<int>(s % 2);
+    if (s >= 2) target.acquire(b);
+    std::byte* buffer = target.buffer(b, stages.buffer_bytes);
+    reads.clear();
+    for (size_t k = stages.step_begin[s]; k < stages.step_begin[s + 1]; ++k) {
+      const StageSegment& seg = stages.segments[k];
+      const auto& [tensor, rows] = plan[seg.item];
+      const uint64_t bytes =
+          static_cast<uint64_t>(seg.row_end - seg.row_begin) * items[seg.item].row_bytes;
+      const format::RowRange range =
+          tensor->shape.empty()
+              ? rows
+              : format::RowRange{rows.begin + seg.row_begin, rows.begin + seg.row_end};
+      reads.push_back({tensor->name, range, buffer + seg.offset, bytes});
+    }
+    // Verified already where asked (the caller's verify_pieces): read the bytes only.
+    dir.read_rows_batch(reads, /*verify=*/false, threads);
+    for (size_t k = stages.step_begin[s]; k < stages.step_begin[s + 1]; ++k) {
+      const StageSegment& seg = stages.segments[k];
+      const uint64_t row_bytes = items[seg.item].row_bytes;
+      target.copy(seg.item, static_cast<uint64_t>(seg.row_begin) * row_bytes, b, seg.offset,
+                  static_cast<uint64_t>(seg.row_end - seg.row_begin) * row_bytes);
+    }
+    target.release(b);
+  }
+  target.finish();
+}
+
+namespace {
+
+// Copies from two pinned buffers on the device's current stream; an event per buffer says when
+// its copies are done.
+class DeviceTarget final : public StageTarget {
+ public:
+  DeviceTarget(const std::vector<at::Tensor>& dst, at::Device device)
+      : device_(device),
+        stream_(c10::impl::VirtualGuardImpl(device.type()).getStream(device)),
+        events_{c10::Event(device.type()), c10::Event(device.type())} {
+    bytes_.reserve(dst.size());
+    for (const at::Tensor& t : dst) bytes_.push_back(t.reshape({-1}).view(at::kByte));
+  }
+  ~DeviceTarget() override {
+    // On an error between steps: the copies still in flight read the buffers; wait for them.
+    for (auto& e : events_) {
+      if (e.was_marked_for_recording()) e.synchronize();
+    }
+  }
+  std::byte* buffer(int b, uint64_t bytes) override {
+    at::Tensor& buf = buffers_[static_cast<size_t>(b)];
+    if (!buf.defined()) {
+      buf = at::empty({static_cast<int64_t>(bytes)},
+                      at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    }
+    return static_cast<std::byte*>(buf.data_ptr());
+  }
+  void copy(size_t item, uint64_t dst_offset, int b, uint64_t src_offset, uint64_t bytes) override {
+    const auto n = static_cast<int64_t>(bytes);
+    bytes_[item]
+        .narrow(0, static_cast<int64_t>(dst_offset), n)
+        .copy_(buffers_[static_cast<size_t>(b)].narrow(0, static_cast<int64_t>(src_offset), n),
+               /*non_blocking=*/true);
+  }
+  void release(int b) override { events_[static_cast<size_t>(b)].record(stream_); }
+  void acquire(int b) override { events_[static_cast<size_t>(b)].synchronize(); }
+  void finish() override {
+    for (auto& e : events_) {
+      if (e.was_marked_for_recording()) e.synchronize();
+    }
+  }
+
+ private:
+  at::Device device_;
+  c10::Stream stream_;
+  std::array<c10::Event, 2> events_;
+  std::array<at::Tensor, 2> buffers_;
+  std::vector<at::Tensor> bytes_;
+};
+
+}  // namespace
+
+void read_rows_to_device(const format::CheckpointDir& dir, const RowsPlan& plan,
+                         const std::vector<at::Tensor>& dst) {
+  if (plan.empty()) return;
+  const at::Device device = dst.front().device();
+  for (const at::Tensor& t : dst) {
+    TORCH_INTERNAL_ASSERT(t.device() == device && t.is_contiguous() && !device.is_cpu());
+  }
+  const c10::DeviceGuard guard(device);
+  DeviceTarget target(dst, device);
+  run_staged_reads(dir, plan, target);
+}
+
+}  // namespace fsdp_ema::ops
