@@ -6,7 +6,9 @@ as one file), in one run, on tmpfs (/dev/shm) and on the project's disk.
 
 Times are wall times of the slowest rank (barrier before and after), medians of --repeat runs.
 Saves fsync (ours and DCP's FileSystemWriter both do; raw: one fsync). Loads run with a warm page
-cache (nothing drops caches on a shared machine); ours verifies every checksum.
+cache (nothing drops caches on a shared machine); ours verifies every checksum (a pass of its own
+before the first write, since nothing is written until every rank has verified; the "diag" row
+without it shows that pass's cost).
 
     python bench/bench_training_state.py [--megabytes 1024] [--places tmpfs,disk]
 """
@@ -141,6 +143,9 @@ def worker(rank, init_file, args, out_queue):
         def ours_load():
             fsdp_ema.load_training_state(ours, model=model, optimizer=opt, ema=ema)
 
+        def ours_load_unverified():  # diagnostic: the cost of the hash pass is the difference
+            fsdp_ema.load_training_state(ours, model=model, optimizer=opt, ema=ema, verify=False)
+
         def dcp_load():
             sd = state_dicts()
             dcp.load(sd, checkpoint_id=str(dcp_dir))
@@ -153,6 +158,7 @@ def worker(rank, init_file, args, out_queue):
             dist.barrier()
         row["load"]["fsdp_ema load_training_state"] = timed(ours_load, args.repeat)
         row["load"]["dcp.load (+ set_state_dict)"] = timed(dcp_load, args.repeat)
+        row["load"]["diag: ours, verify=False"] = timed(ours_load_unverified, args.repeat)
         row["load"]["raw read"] = timed(raw_read, args.repeat)
         results["places"][place] = row
         dist.barrier()
