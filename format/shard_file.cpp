@@ -1,6 +1,10 @@
 #include "fsdp_ema/format/shard_file.h"
 
+#include <fcntl.h>
+#include <sys/uio.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cstring>
 #include <functional>
@@ -435,6 +439,18 @@ std::span<const std::byte> ShardFile::data(const TensorInfo& t) const {
 
 std::span<const std::byte> ShardFile::data(std::string_view name) const {
   return data(tensor(name));
+}
+
+void ShardFile::prefetch_if_cold(uint64_t offset, uint64_t length) const {
+  if (length == 0) return;
+  const auto fd = impl_->fd();
+  std::byte probe;
+  iovec v{&probe, 1};
+  if (::preadv2(fd->get(), &v, 1, static_cast<off_t>(offset), RWF_NOWAIT) >= 0 || errno != EAGAIN) {
+    return;  // cached (or no answer): the reads find the bytes without help
+  }
+  (void)::posix_fadvise(fd->get(), static_cast<off_t>(offset), static_cast<off_t>(length),
+                        POSIX_FADV_WILLNEED);
 }
 
 void ShardFile::read(const TensorInfo& t, uint64_t offset, uint64_t length, void* dst,

@@ -69,6 +69,33 @@ TEST(ReadPieces, PartialReadsOverChunkBoundariesCopyExactly) {
   EXPECT_TRUE(std::equal(got.begin(), got.end(), model[0].data.begin() + offset));
 }
 
+// A file dropped from the page cache: the reads advise the kernel ahead of them (the cold branch
+// of ShardFile::prefetch_if_cold) and still copy and hash exactly; a hint past the end or of an
+// absurd length raises nothing.
+TEST(ReadPieces, ColdFileReadsAheadAndStaysExact) {
+  TempDir dir;
+  const auto model = large_model();
+  testing::write_checkpoint(dir.path(), model, 1);
+  const std::string path = dir.file(shard_file_name(0, 1));
+  {
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::fsync(fd), 0);
+    ASSERT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+    ::close(fd);
+  }
+  const ShardFile file = ShardFile::open(path);
+  const TensorInfo& big = file.tensor("big");
+  std::vector<std::byte> got(big.nbytes);
+  const PieceRead read{&file, &big, 0, big.nbytes, got.data(), /*hash=*/true};
+  uint64_t digest = 0;
+  read_pieces(std::span(&read, 1), 2, [&](size_t, uint64_t d) { digest = d; });
+  EXPECT_EQ(got, model[0].data);
+  EXPECT_EQ(digest, *big.checksum);
+  file.prefetch_if_cold(file.file_bytes() + 4096, uint64_t{1} << 40);
+  file.prefetch_if_cold(0, 0);
+}
+
 TEST(ReadRowsBatch, WholeAndPartialReadsOfEveryWriterWorldSizeEqualTheReference) {
   const auto model = large_model();
   for (int64_t writers : {1, 2, 3}) {
