@@ -95,8 +95,8 @@ void read_pieces(std::span<const PieceRead> reads, size_t threads,
   // the kernel, which then reads a cold file only as each (hashed: 1 MiB) pread asks, one I/O
   // at a time (issue 29: a cold owned load 1.3x torch.load). So when a unit starts, the next
   // kAheadBytes of the batch, in chunk order, are advised (POSIX_FADV_WILLNEED), runs adjacent
-  // in one file as one call and runs under 64 KiB not at all; on a page-cache-hot file a call
-  // only finds the pages there.
+  // in one file as one call and runs under 64 KiB not at all; where the first byte of a run is
+  // cached, nothing is advised (ShardFile::prefetch_if_cold).
   constexpr uint64_t kAheadBytes = uint64_t{64} << 20;
   constexpr uint64_t kAheadMinRun = uint64_t{64} << 10;
   std::vector<uint64_t> chunk_start(chunks.size() + 1, 0);  // batch bytes before chunk c

@@ -85,8 +85,8 @@ class ShardFile {
   // If the byte at `offset` is not in the page cache (a one-byte RWF_NOWAIT read would wait),
   // asks the kernel to start reading bytes [offset, offset + length) of the file
   // (POSIX_FADV_WILLNEED) and returns without waiting. A hint: it raises nothing, and does
-  // nothing on a file whose bytes are cached (the advice costs as much as a read there) or that
-  // cannot say (a file system without RWF_NOWAIT).
+  // nothing where the bytes are cached (nothing to start; the probe is one cheap syscall) or
+  // where the file cannot say (a file system without RWF_NOWAIT).
   void prefetch_if_cold(uint64_t offset, uint64_t length) const;
   void read(const TensorInfo& tensor, uint64_t offset, uint64_t length, void* dst,
             Checksummer* hash = nullptr) const;
