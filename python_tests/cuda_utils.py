@@ -1,5 +1,5 @@
-"""A one-rank NCCL process group in the test process (one GPU is enough for NCCL's code paths).
-
+"""CUDA test helpers. ``side_stream_behind_a_sleep()``: a current stream whose work runs late.
+A one-rank NCCL process group in the test process (one GPU is enough for NCCL's code paths):
 ``nccl_group()`` yields the group to use: a new NCCL subgroup when another test already set up a
 default group in this process, otherwise a default group of world size 1 ("cpu:gloo,cuda:nccl",
 so FSDP2 and DeviceMesh find it) that is destroyed afterwards.
@@ -13,6 +13,19 @@ import os
 import tempfile
 
 import torch
+
+
+@contextlib.contextmanager
+def side_stream_behind_a_sleep(cycles: int = 200_000_000):
+    """A new stream, made current, that starts behind the work already queued on the current one
+    and then ~0.1 s of GPU sleep: what the block queues runs late, so an op that used any other
+    stream than the current one would see the values from before it. Synchronized on exit."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(cycles)
+        yield side
+    side.synchronize()
 
 
 @contextlib.contextmanager

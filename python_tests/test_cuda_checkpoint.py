@@ -6,6 +6,7 @@ without a CUDA device.
 
 import pytest
 import torch
+from cuda_utils import side_stream_behind_a_sleep
 
 import fsdp_ema.checkpoint as ckpt
 
@@ -79,13 +80,9 @@ def test_save_reads_what_the_current_side_stream_wrote(tmp_path):
     """Values written on a side stream behind a long sleep must be what save_shard stages when it
     is called on that stream (its device-to-host copies run on the current stream)."""
     t = torch.zeros(1 << 22, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(200_000_000)
+    with side_stream_behind_a_sleep():
         t.fill_(1.75)
         ckpt.save(tmp_path, {"t": t})
-    side.synchronize()
     loaded = ckpt.load(tmp_path, device="cuda")["t"]
     assert torch.equal(loaded, torch.full_like(t, 1.75))
 
@@ -125,14 +122,10 @@ def test_staged_load_into_follows_the_current_stream(tmp_path):
     t = torch.randn(1 << 24)
     ckpt.save(tmp_path, {"t": t})
     dst = torch.zeros(1 << 24, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(200_000_000)
+    with side_stream_behind_a_sleep():
         dst.fill_(3.0)
         ckpt.load_into(tmp_path, {"t": dst})
         dst.add_(1.0)
-    side.synchronize()
     assert torch.equal(dst.cpu(), t + 1.0)
 
 

@@ -8,7 +8,7 @@ kernel with every source and destination alignment.
 
 import pytest
 import torch
-from cuda_utils import nccl_group
+from cuda_utils import nccl_group, side_stream_behind_a_sleep
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -88,14 +88,10 @@ def test_runs_on_the_current_side_stream(group):
     """The shard is rewritten on a side stream behind a long sleep; a gather issued on that
     stream must pack the new values."""
     shard = torch.zeros(1 << 20, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(200_000_000)
+    with side_stream_behind_a_sleep():
         shard.fill_(3.25)
         (out,) = gather([shard], group)
         total = out.sum()
-    side.synchronize()
     assert float(total) == 3.25 * (1 << 20)
     assert torch.equal(out, torch.full_like(out, 3.25))
 

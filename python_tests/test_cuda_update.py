@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 import torch
+from cuda_utils import side_stream_behind_a_sleep
 
 import fsdp_ema
 
@@ -183,14 +184,10 @@ def test_runs_on_the_current_side_stream():
     new_model = randn(4 * CHUNK + 5, torch.float32, 13)
     expected = reference(ema, new_model, 0.5)
     decay = torch.tensor(0.9, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the writes
+    with side_stream_behind_a_sleep():  # ~0.1 s of GPU time before the writes
         model.copy_(new_model)
         decay.fill_(0.5)
         fsdp_ema.update_([ema], [model], decay)
-    side.synchronize()
     assert_ema_close(ema, expected)
 
 
