@@ -12,6 +12,7 @@
 #include "fsdp_ema/format/error.h"
 #include "fsdp_ema/format/rows.h"
 #include "ops/format_bridge.h"
+#include "ops/load_tensors.h"
 #include "ops/reads.h"
 
 namespace fsdp_ema {
@@ -79,6 +80,10 @@ at::Tensor CheckpointReader::load_chunk(const std::string& name, int64_t rank, i
                                         at::Device device, bool verify) const {
   ops::check_rank(kWhere, rank, world_size);
   return translate([&] {
+    if (device.is_cuda()) {  // through the two pinned staging buffers (ops/staged_reads.h)
+      return ops::load_tensors_from(impl_->owner, {name}, rank, world_size, verify, device,
+                                    false)[0];
+    }
     const format::IndexTensor& info = impl_->dir.tensor(name);
     const at::Tensor t =
         ops::read_rows(impl_->owner, {{&info, format::tensor_rows(info.shape, rank, world_size)}},
@@ -89,6 +94,17 @@ at::Tensor CheckpointReader::load_chunk(const std::string& name, int64_t rank, i
 
 std::map<std::string, at::Tensor> CheckpointReader::load_all(at::Device device, bool verify) const {
   std::map<std::string, at::Tensor> out;
+  if (device.is_cuda()) {
+    // In one batch through the two pinned staging buffers (ops/staged_reads.h): the host holds
+    // those, never the checkpoint.
+    std::vector<std::string> names;
+    names.reserve(impl_->dir.tensors().size());
+    for (const auto& t : impl_->dir.tensors()) names.push_back(t.name);
+    const auto tensors = translate(
+        [&] { return ops::load_tensors_from(impl_->owner, names, 0, 1, verify, device, false); });
+    for (size_t i = 0; i < names.size(); ++i) out.emplace_hint(out.end(), names[i], tensors[i]);
+    return out;
+  }
   if (!device.is_cpu()) {
     // One tensor at a time: the host copy of the whole checkpoint is never held at once.
     for (const auto& t : impl_->dir.tensors()) {

@@ -73,6 +73,8 @@ class CheckpointReader {
                         at::Device device = at::kCPU, bool verify = true) const;
   // Every tensor, whole, by name (ordered: names come from the file, and an ordered map cannot be
   // flooded by names crafted to collide in a hash table; it is also what load_into takes).
+  // To a CUDA device, load, load_chunk and load_all read through two 64 MiB pinned host buffers
+  // (the device copies one while the file is read into the other): the host never holds more.
   std::map<std::string, at::Tensor> load_all(at::Device device = at::kCPU,
                                              bool verify = true) const;
   // Checks every piece against its checksum; returns how many pieces carried one.
