@@ -16,6 +16,7 @@
 #include "fsdp_ema/format/shard_file.h"
 #include "ops/format_bridge.h"
 #include "ops/reads.h"
+#include "ops/staged_reads.h"
 #include "ops/tracing.h"
 
 namespace fsdp_ema::ops {
@@ -39,6 +40,11 @@ ShardContents load_shard(c10::string_view path, bool verify, std::optional<at::D
     std::vector<int64_t> global_shapes;
     std::vector<format::PieceRead> reads;  // the owned tensors, read in one batch
     std::vector<size_t> read_of;           // per read: its index in tensors
+    // To CUDA: every tensor allocated there and staged through two pinned buffers
+    // (staged_reads.h), after the whole file was verified.
+    const bool staged = target.is_cuda();
+    std::vector<const format::TensorInfo*> staged_infos;
+    std::vector<at::Tensor> staged_dst;
     for (const format::TensorInfo& info : file->tensors()) {
       names.push_back(info.name);
       offsets.insert(offsets.end(), info.offsets.begin(), info.offsets.end());
@@ -54,7 +60,11 @@ ShardContents load_shard(c10::string_view path, bool verify, std::optional<at::D
               const_cast<std::byte*>(bytes.data()), info.shape, [file](void*) {}, options);
         }
       }
-      if (!t.defined()) {
+      if (staged) {
+        t = at::empty(info.shape, options.device(target));
+        staged_infos.push_back(&info);
+        staged_dst.push_back(t);
+      } else if (!t.defined()) {
         t = empty_for_read(info.shape, to_scalar_type(info.dtype));
         reads.push_back({file.get(), &info, 0, info.nbytes, t.data_ptr(),
                          verify && !zero_copy && info.checksum.has_value()});
@@ -62,9 +72,17 @@ ShardContents load_shard(c10::string_view path, bool verify, std::optional<at::D
       }
       tensors.push_back(std::move(t));
     }
+    if (staged) {
+      if (verify) file->verify_all();  // one pass over the data section; nothing staged yet
+      read_file_to_device(*file, staged_infos, staged_dst);
+      // What was staged is what was hashed unless the file changed in place meanwhile.
+      if (verify) file->check_unchanged();
+      return std::make_tuple(std::move(names), std::move(tensors), std::move(offsets),
+                             std::move(global_shapes));
+    }
     // The read path of every load (format/piece_reads.h): chunked, on torch's thread count,
-    // each tensor hashed in order as it is read. For a device, one tensor at a time, so that the
-    // host never holds the whole file.
+    // each tensor hashed in order as it is read. For another device, one tensor at a time, so
+    // that the host never holds the whole file.
     const auto threads = static_cast<size_t>(std::max(1, at::get_num_threads()));
     const size_t batch = target.is_cpu() ? std::max<size_t>(reads.size(), 1) : 1;
     for (size_t k = 0; k < reads.size(); k += batch) {

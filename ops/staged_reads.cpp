@@ -11,6 +11,8 @@
 #include <array>
 #include <optional>
 
+#include "fsdp_ema/format/piece_reads.h"
+
 namespace fsdp_ema::ops {
 
 namespace {
@@ -48,45 +50,17 @@ StagePlan plan_stages(std::span<const StageItem> items, uint64_t buffer_bytes) {
   return plan;
 }
 
-void run_staged_reads(const format::CheckpointDir& dir, const RowsPlan& plan, StageTarget& target,
-                      uint64_t buffer_bytes) {
-  std::vector<StageItem> items;
-  items.reserve(plan.size());
-  for (const auto& [tensor, rows] : plan) {
-    const uint64_t size = format::dtype_size(tensor->dtype);
-    if (tensor->shape.empty()) {
-      items.push_back({1, size});
-      continue;
-    }
-    uint64_t row_bytes = size;
-    for (size_t d = 1; d < tensor->shape.size(); ++d) {
-      row_bytes *= static_cast<uint64_t>(tensor->shape[d]);
-    }
-    items.push_back({rows.size(), row_bytes});
-  }
+void run_stages(std::span<const StageItem> items, const StageReadFn& read, StageTarget& target,
+                uint64_t buffer_bytes) {
   const StagePlan stages = plan_stages(items, buffer_bytes);
-  const auto threads = static_cast<size_t>(std::max(1, at::get_num_threads()));
-  std::vector<format::CheckpointDir::RowsRead> reads;
   for (size_t s = 0; s < stages.steps(); ++s) {
     const int b = static_cast<int>(s % 2);
     if (s >= 2) target.acquire(b);
-    std::byte* buffer = target.buffer(b, stages.buffer_bytes);
-    reads.clear();
-    for (size_t k = stages.step_begin[s]; k < stages.step_begin[s + 1]; ++k) {
-      const StageSegment& seg = stages.segments[k];
-      const auto& [tensor, rows] = plan[seg.item];
-      const uint64_t bytes =
-          static_cast<uint64_t>(seg.row_end - seg.row_begin) * items[seg.item].row_bytes;
-      const format::RowRange range =
-          tensor->shape.empty()
-              ? rows
-              : format::RowRange{rows.begin + seg.row_begin, rows.begin + seg.row_end};
-      reads.push_back({tensor->name, range, buffer + seg.offset, bytes});
-    }
-    // Verified already where asked (the caller's verify_pieces): read the bytes only.
-    dir.read_rows_batch(reads, /*verify=*/false, threads);
-    for (size_t k = stages.step_begin[s]; k < stages.step_begin[s + 1]; ++k) {
-      const StageSegment& seg = stages.segments[k];
+    const auto segments =
+        std::span(stages.segments)
+            .subspan(stages.step_begin[s], stages.step_begin[s + 1] - stages.step_begin[s]);
+    read(segments, target.buffer(b, stages.buffer_bytes), items);
+    for (const StageSegment& seg : segments) {
       const uint64_t row_bytes = items[seg.item].row_bytes;
       target.copy(seg.item, static_cast<uint64_t>(seg.row_begin) * row_bytes, b, seg.offset,
                   static_cast<uint64_t>(seg.row_end - seg.row_begin) * row_bytes);
@@ -94,6 +68,48 @@ void run_staged_reads(const format::CheckpointDir& dir, const RowsPlan& plan, St
     target.release(b);
   }
   target.finish();
+}
+
+namespace {
+
+uint64_t segment_bytes(const StageSegment& seg, std::span<const StageItem> items) {
+  return static_cast<uint64_t>(seg.row_end - seg.row_begin) * items[seg.item].row_bytes;
+}
+
+// A stored tensor as rows: dim 0's rows of the rest's bytes (one row for a 0-dim tensor).
+StageItem item_of(const format::Shape& shape, format::DType dtype, int64_t rows) {
+  uint64_t row_bytes = format::dtype_size(dtype);
+  for (size_t d = 1; d < shape.size(); ++d) row_bytes *= static_cast<uint64_t>(shape[d]);
+  return {shape.empty() ? 1 : rows, row_bytes};
+}
+
+size_t read_threads() { return static_cast<size_t>(std::max(1, at::get_num_threads())); }
+
+}  // namespace
+
+void run_staged_reads(const format::CheckpointDir& dir, const RowsPlan& plan, StageTarget& target,
+                      uint64_t buffer_bytes) {
+  std::vector<StageItem> items;
+  items.reserve(plan.size());
+  for (const auto& [tensor, rows] : plan) {
+    items.push_back(item_of(tensor->shape, tensor->dtype, rows.size()));
+  }
+  std::vector<format::CheckpointDir::RowsRead> reads;
+  auto read = [&](std::span<const StageSegment> segments, std::byte* buffer,
+                  std::span<const StageItem> all) {
+    reads.clear();
+    for (const StageSegment& seg : segments) {
+      const auto& [tensor, rows] = plan[seg.item];
+      const format::RowRange range =
+          tensor->shape.empty()
+              ? rows
+              : format::RowRange{rows.begin + seg.row_begin, rows.begin + seg.row_end};
+      reads.push_back({tensor->name, range, buffer + seg.offset, segment_bytes(seg, all)});
+    }
+    // Verified already where asked (the caller's verify_pieces): read the bytes only.
+    dir.read_rows_batch(reads, /*verify=*/false, read_threads());
+  };
+  run_stages(items, read, target, buffer_bytes);
 }
 
 namespace {
@@ -146,18 +162,52 @@ class DeviceTarget final : public StageTarget {
   std::vector<at::Tensor> bytes_;
 };
 
-}  // namespace
-
-void read_rows_to_device(const format::CheckpointDir& dir, const RowsPlan& plan,
-                         const std::vector<at::Tensor>& dst) {
-  if (plan.empty()) return;
+// Runs `stage(target)` with a DeviceTarget over dst (one non-CPU device, contiguous).
+template <typename F>
+void stage_to_device(const std::vector<at::Tensor>& dst, F&& stage) {
+  if (dst.empty()) return;
   const at::Device device = dst.front().device();
   for (const at::Tensor& t : dst) {
     TORCH_INTERNAL_ASSERT(t.device() == device && t.is_contiguous() && !device.is_cpu());
   }
   const c10::DeviceGuard guard(device);
   DeviceTarget target(dst, device);
-  run_staged_reads(dir, plan, target);
+  stage(target);
+}
+
+}  // namespace
+
+void read_rows_to_device(const format::CheckpointDir& dir, const RowsPlan& plan,
+                         const std::vector<at::Tensor>& dst) {
+  stage_to_device(dst, [&](StageTarget& target) { run_staged_reads(dir, plan, target); });
+}
+
+void run_staged_file_reads(const format::ShardFile& file,
+                           std::span<const format::TensorInfo* const> tensors, StageTarget& target,
+                           uint64_t buffer_bytes) {
+  std::vector<StageItem> items;
+  items.reserve(tensors.size());
+  for (const format::TensorInfo* t : tensors) {
+    items.push_back(item_of(t->shape, t->dtype, t->shape.empty() ? 1 : t->shape[0]));
+  }
+  std::vector<format::PieceRead> reads;
+  auto read = [&](std::span<const StageSegment> segments, std::byte* buffer,
+                  std::span<const StageItem> all) {
+    reads.clear();
+    for (const StageSegment& seg : segments) {
+      const uint64_t offset = static_cast<uint64_t>(seg.row_begin) * all[seg.item].row_bytes;
+      reads.push_back({&file, tensors[seg.item], offset, segment_bytes(seg, all),
+                       buffer + seg.offset, /*hash=*/false});
+    }
+    format::read_pieces(reads, read_threads(), [](size_t, uint64_t) {});
+  };
+  run_stages(items, read, target, buffer_bytes);
+}
+
+void read_file_to_device(const format::ShardFile& file,
+                         std::span<const format::TensorInfo* const> tensors,
+                         const std::vector<at::Tensor>& dst) {
+  stage_to_device(dst, [&](StageTarget& target) { run_staged_file_reads(file, tensors, target); });
 }
 
 }  // namespace fsdp_ema::ops

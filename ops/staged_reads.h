@@ -8,10 +8,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
 #include "fsdp_ema/format/checkpoint_dir.h"
+#include "fsdp_ema/format/shard_file.h"
 #include "ops/reads.h"
 
 namespace fsdp_ema::ops {
@@ -66,11 +68,30 @@ class StageTarget {
   virtual void finish() = 0;
 };
 
+// The pipeline over any source: for each step of plan_stages(items, buffer_bytes), `read`
+// fills the buffer with the step's segments (at their offsets), then their copies are issued.
+using StageReadFn = std::function<void(std::span<const StageSegment> segments, std::byte* buffer,
+                                       std::span<const StageItem> items)>;
+void run_stages(std::span<const StageItem> items, const StageReadFn& read, StageTarget& target,
+                uint64_t buffer_bytes = kStageBytes);
+
 // Reads plan[i]'s rows, through the target's two buffers, to item i of `target`. Pieces are
 // read unhashed: with verify, the caller verifies them first (verify_pieces), so that a bad file
 // is refused before the first destination byte is written.
 void run_staged_reads(const format::CheckpointDir& dir, const RowsPlan& plan, StageTarget& target,
                       uint64_t buffer_bytes = kStageBytes);
+
+// Tensors of one shard file, whole, through the target's two buffers to item i for tensors[i],
+// unhashed (the caller verifies first).
+void run_staged_file_reads(const format::ShardFile& file,
+                           std::span<const format::TensorInfo* const> tensors, StageTarget& target,
+                           uint64_t buffer_bytes = kStageBytes);
+
+// Tensors of one shard file, whole, into dst[i] for tensors[i] (as read_rows_to_device: one
+// device, contiguous, the stored dtype and shape), unhashed: the caller verifies first.
+void read_file_to_device(const format::ShardFile& file,
+                         std::span<const format::TensorInfo* const> tensors,
+                         const std::vector<at::Tensor>& dst);
 
 // plan[i]'s rows into dst[i]: contiguous tensors on one non-CPU device, of the stored dtype and
 // of exactly those rows' shape. Copies run on the device's current stream, from pinned buffers;

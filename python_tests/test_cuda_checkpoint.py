@@ -142,3 +142,5 @@ def test_staged_load_into_refuses_a_corrupt_file_with_cuda_destinations_untouche
         assert torch.equal(t.cpu(), torch.full_like(tensors[n], 5.0)), n
     with pytest.raises(RuntimeError, match="wide"):
         ckpt.load(tmp_path, device="cuda")
+    with pytest.raises(RuntimeError, match="wide"):
+        ckpt.load_shard(tmp_path / ckpt.shard_file_name(0, 1), device="cuda")
