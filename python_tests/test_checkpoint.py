@@ -327,6 +327,41 @@ def test_a_partial_read_of_a_corrupted_piece_fails_the_checksum(committed, rank)
     assert torch.equal(ckpt.load(committed, rank=2, world_size=4)["w"], expected[32:48])
 
 
+def _grid_checkpoint(directory, full):
+    """A TP x FSDP-style grid of four writers: rows split 33 / 31, columns 4 / 4. Reads of rows
+    cut these pieces in two dimensions (the sliced read path, not the dim-0 rows one)."""
+    pieces = [(r0, r1, c0, c1) for r0, r1 in [(0, 33), (33, 64)] for c0, c1 in [(0, 4), (4, 8)]]
+    for rank, (r0, r1, c0, c1) in enumerate(pieces):
+        ckpt.save_shard(directory, {"w": (full[r0:r1, c0:c1], [r0, c0], list(full.shape))},
+                        rank=rank, world_size=len(pieces))
+    ckpt.commit(directory, len(pieces))
+
+
+def test_resharding_a_grid_layout_reads_one_row_intersections(tmp_path):
+    """Rank 2 of 4 holds rows [32, 48): row 32 is the last of the first row of pieces, an
+    intersection one row high with pieces and a request both taller than one row."""
+    full = make_tensor((64, 8), torch.float32, 5)
+    _grid_checkpoint(tmp_path, full)
+    for rank in range(4):
+        got = ckpt.load(tmp_path, rank=rank, world_size=4)["w"]
+        assert torch.equal(got, full[16 * rank:16 * (rank + 1)]), rank
+
+
+def test_a_partial_read_of_a_corrupted_grid_piece_fails_the_checksum(tmp_path):
+    """Rows [0, 16) read from the grid cut piece (rows [0, 33), columns [0, 4)) in two
+    dimensions; a flip in its row 30, outside what is read, still fails the read: the whole
+    piece is verified first."""
+    full = make_tensor((64, 8), torch.float32, 6)
+    _grid_checkpoint(tmp_path, full)
+    path = tmp_path / ckpt.shard_file_name(0, 4)
+    data = bytearray(path.read_bytes())
+    data[len(data) - 33 * 16 + 30 * 16 + 4] ^= 0x10  # the piece is the file's only tensor
+    path.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match=r"shard-00000-of-00004\.safetensors.*checksum"):
+        ckpt.load(tmp_path, rank=0, world_size=4)
+    assert torch.equal(ckpt.load(tmp_path, rank=0, world_size=4, verify=False)["w"], full[:16])
+
+
 SAVE_ERRORS = {
     "names vs shards": (["a"], [torch.ones(2), torch.ones(2)], [0, 0], [2, 2],
                         "names has 1 entries but shards has 2"),
