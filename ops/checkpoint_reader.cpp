@@ -79,33 +79,16 @@ at::Tensor CheckpointReader::load(const std::string& name, at::Device device, bo
 at::Tensor CheckpointReader::load_chunk(const std::string& name, int64_t rank, int64_t world_size,
                                         at::Device device, bool verify) const {
   ops::check_rank(kWhere, rank, world_size);
+  // CUDA: through the two pinned staging buffers (ops/staged_reads.h).
   return translate([&] {
-    if (device.is_cuda()) {  // through the two pinned staging buffers (ops/staged_reads.h)
-      return ops::load_tensors_from(impl_->owner, {name}, rank, world_size, verify, device,
-                                    false)[0];
-    }
-    const format::IndexTensor& info = impl_->dir.tensor(name);
-    const at::Tensor t =
-        ops::read_rows(impl_->owner, {{&info, format::tensor_rows(info.shape, rank, world_size)}},
-                       verify, impl_->mmap && device.is_cpu())[0];
-    return device.is_cpu() ? t : t.to(device);
+    return ops::load_tensors_from(impl_->owner, {name}, rank, world_size, verify, device,
+                                  impl_->mmap)[0];
   });
 }
 
 std::map<std::string, at::Tensor> CheckpointReader::load_all(at::Device device, bool verify) const {
   std::map<std::string, at::Tensor> out;
-  if (device.is_cuda()) {
-    // In one batch through the two pinned staging buffers (ops/staged_reads.h): the host holds
-    // those, never the checkpoint.
-    std::vector<std::string> names;
-    names.reserve(impl_->dir.tensors().size());
-    for (const auto& t : impl_->dir.tensors()) names.push_back(t.name);
-    const auto tensors = translate(
-        [&] { return ops::load_tensors_from(impl_->owner, names, 0, 1, verify, device, false); });
-    for (size_t i = 0; i < names.size(); ++i) out.emplace_hint(out.end(), names[i], tensors[i]);
-    return out;
-  }
-  if (!device.is_cpu()) {
+  if (!device.is_cpu() && !device.is_cuda()) {
     // One tensor at a time: the host copy of the whole checkpoint is never held at once.
     for (const auto& t : impl_->dir.tensors()) {
       out.emplace_hint(out.end(), t.name, load(t.name, device, verify));
@@ -116,11 +99,10 @@ std::map<std::string, at::Tensor> CheckpointReader::load_all(at::Device device, 
   for (const auto& t : impl_->dir.tensors()) {
     plan.emplace_back(&t, format::tensor_rows(t.shape, 0, 1));
   }
-  const bool mmap = impl_->mmap;
-  // Zero-copy views are not read, so hash their pieces first, in parallel; owned loads hash
-  // each piece while reading it, all in one batch.
-  if (verify && mmap) translate([&] { ops::verify_pieces(impl_->dir, plan, /*mapped=*/true); });
-  const auto tensors = translate([&] { return ops::read_rows(impl_->owner, plan, verify, mmap); });
+  // One batch: on the CPU read and hashed in one pass (or zero-copy views, hashed first); to CUDA
+  // through the two pinned staging buffers, so the host never holds the checkpoint.
+  const auto tensors =
+      translate([&] { return ops::load_plan(impl_->owner, plan, verify, device, impl_->mmap); });
   // tensors() is sorted by name: each insert goes at the end, in constant time.
   for (size_t i = 0; i < plan.size(); ++i)
     out.emplace_hint(out.end(), plan[i].first->name, tensors[i]);

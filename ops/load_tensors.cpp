@@ -45,7 +45,12 @@ std::vector<at::Tensor> load_tensors_from(const std::shared_ptr<const format::Ch
                                           const std::vector<std::string>& names, int64_t rank,
                                           int64_t world_size, bool verify,
                                           std::optional<at::Device> device, bool mmap) {
-  const Plan plan = plan_load(*dir, names, rank, world_size);
+  return load_plan(dir, plan_load(*dir, names, rank, world_size), verify, device, mmap);
+}
+
+std::vector<at::Tensor> load_plan(const std::shared_ptr<const format::CheckpointDir>& dir,
+                                  const RowsPlan& plan, bool verify,
+                                  std::optional<at::Device> device, bool mmap) {
   const bool to_device = device.has_value() && !device->is_cpu();
   const bool zero_copy = mmap && !to_device;
   // Zero-copy views skip the read, so their pieces are hashed up front (in parallel); owned

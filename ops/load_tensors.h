@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "fsdp_ema/format/checkpoint_dir.h"
+#include "ops/reads.h"
 
 namespace fsdp_ema::ops {
 
@@ -30,6 +31,10 @@ std::vector<at::Tensor> load_tensors_from(const std::shared_ptr<const format::Ch
                                           const std::vector<std::string>& names, int64_t rank,
                                           int64_t world_size, bool verify,
                                           std::optional<at::Device> device, bool mmap);
+// load_tensors_from of a plan made already (the C++ reader's load_all plans from the index).
+std::vector<at::Tensor> load_plan(const std::shared_ptr<const format::CheckpointDir>& dir,
+                                  const RowsPlan& plan, bool verify,
+                                  std::optional<at::Device> device, bool mmap);
 
 // CompositeImplicitAutograd kernels of load_tensors and load_tensors.after: the private op on an
 // empty `target` tensor on `device` (and `after` moved there).
