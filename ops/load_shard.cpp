@@ -83,7 +83,7 @@ ShardContents load_shard(c10::string_view path, bool verify, std::optional<at::D
     // The read path of every load (format/piece_reads.h): chunked, on torch's thread count,
     // each tensor hashed in order as it is read. For another device, one tensor at a time, so
     // that the host never holds the whole file.
-    const auto threads = static_cast<size_t>(std::max(1, at::get_num_threads()));
+    const size_t threads = read_threads();
     const size_t batch = target.is_cpu() ? std::max<size_t>(reads.size(), 1) : 1;
     for (size_t k = 0; k < reads.size(); k += batch) {
       const size_t n = std::min(batch, reads.size() - k);

@@ -15,6 +15,8 @@
 
 namespace fsdp_ema::ops {
 
+size_t read_threads() { return static_cast<size_t>(std::max(1, at::get_num_threads())); }
+
 std::vector<int64_t> rows_shape(const format::IndexTensor& tensor, format::RowRange rows) {
   std::vector<int64_t> shape(tensor.shape.begin(), tensor.shape.end());
   if (!shape.empty()) shape[0] = rows.size();
@@ -36,7 +38,7 @@ void verify_pieces(const format::CheckpointDir& dir, const RowsPlan& plan, bool 
   format::detail::rethrow_first(format::detail::run_jobs(
       pieces.size(),
       [&](size_t i) { dir.verify_piece(pieces[i].first->name, pieces[i].second, mapped); },
-      static_cast<size_t>(std::max(1, at::get_num_threads()))));
+      read_threads()));
 }
 
 namespace {
@@ -135,7 +137,7 @@ void read_rows_into(const format::CheckpointDir& dir, const RowsPlan& plan,
   for (size_t i = 0; i < plan.size(); ++i) {
     reads.push_back({plan[i].first->name, plan[i].second, dst[i].data_ptr(), dst[i].nbytes()});
   }
-  dir.read_rows_batch(reads, verify, static_cast<size_t>(std::max(1, at::get_num_threads())));
+  dir.read_rows_batch(reads, verify, read_threads());
 }
 
 }  // namespace fsdp_ema::ops

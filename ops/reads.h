@@ -24,6 +24,9 @@ at::Tensor empty_for_read(c10::IntArrayRef shape, at::ScalarType dtype);
 // Per tensor: its index entry and the dim-0 rows to read (all of it for a 0-dim tensor).
 using RowsPlan = std::vector<std::pair<const format::IndexTensor*, format::RowRange>>;
 
+// Threads a load reads on: torch's intra-op thread count (at least one).
+size_t read_threads();
+
 // The shape of `rows` of `tensor`: its stored shape with dim 0 cut to the rows (a 0-dim tensor's
 // own shape).
 std::vector<int64_t> rows_shape(const format::IndexTensor& tensor, format::RowRange rows);

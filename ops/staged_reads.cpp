@@ -19,6 +19,10 @@ namespace {
 
 uint64_t align_up(uint64_t n) { return (n + kStageAlign - 1) / kStageAlign * kStageAlign; }
 
+uint64_t segment_bytes(const StageSegment& seg, std::span<const StageItem> items) {
+  return static_cast<uint64_t>(seg.row_end - seg.row_begin) * items[seg.item].row_bytes;
+}
+
 }  // namespace
 
 StagePlan plan_stages(std::span<const StageItem> items, uint64_t buffer_bytes) {
@@ -61,9 +65,8 @@ void run_stages(std::span<const StageItem> items, const StageReadFn& read, Stage
             .subspan(stages.step_begin[s], stages.step_begin[s + 1] - stages.step_begin[s]);
     read(segments, target.buffer(b, stages.buffer_bytes), items);
     for (const StageSegment& seg : segments) {
-      const uint64_t row_bytes = items[seg.item].row_bytes;
-      target.copy(seg.item, static_cast<uint64_t>(seg.row_begin) * row_bytes, b, seg.offset,
-                  static_cast<uint64_t>(seg.row_end - seg.row_begin) * row_bytes);
+      target.copy(seg.item, static_cast<uint64_t>(seg.row_begin) * items[seg.item].row_bytes, b,
+                  seg.offset, segment_bytes(seg, items));
     }
     target.release(b);
   }
@@ -72,18 +75,12 @@ void run_stages(std::span<const StageItem> items, const StageReadFn& read, Stage
 
 namespace {
 
-uint64_t segment_bytes(const StageSegment& seg, std::span<const StageItem> items) {
-  return static_cast<uint64_t>(seg.row_end - seg.row_begin) * items[seg.item].row_bytes;
-}
-
 // A stored tensor as rows: dim 0's rows of the rest's bytes (one row for a 0-dim tensor).
 StageItem item_of(const format::Shape& shape, format::DType dtype, int64_t rows) {
   uint64_t row_bytes = format::dtype_size(dtype);
   for (size_t d = 1; d < shape.size(); ++d) row_bytes *= static_cast<uint64_t>(shape[d]);
   return {shape.empty() ? 1 : rows, row_bytes};
 }
-
-size_t read_threads() { return static_cast<size_t>(std::max(1, at::get_num_threads())); }
 
 }  // namespace
 
