@@ -10,6 +10,7 @@
 //   serve MODEL.pt|MODEL.pt2 EMA_CHECKPOINT_DIR VAL_DIR
 //
 // Prints "loss=<value>" (%.9g) on its last line; exit status 1 on any error.
+#include <c10/util/Exception.h>
 #include <fsdp_ema/checkpoint.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/script.h>
@@ -65,6 +66,10 @@ int main(int argc, char** argv) {
                 static_cast<long long>(inputs.size(0)), static_cast<long long>(inputs.size(1)));
     std::printf("loss=%.9g\n", value);
     return std::isfinite(value) ? 0 : 1;
+  } catch (const c10::Error& e) {
+    // torch's errors: the message without the C++ backtrace what() appends.
+    std::fprintf(stderr, "serve: %s\n", e.what_without_backtrace());
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "serve: %s\n", e.what());
     return 1;

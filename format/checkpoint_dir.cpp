@@ -3,11 +3,10 @@
 #include <sys/stat.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <unordered_map>
@@ -19,7 +18,7 @@
 #include "fsdp_ema/format/names.h"
 #include "fsdp_ema/format/parallel.h"
 #include "fsdp_ema/format/paths.h"
-#include "fsdp_ema/format/piece_reads.h"
+#include "fsdp_ema/format/read_exec.h"
 
 namespace fsdp_ema::format {
 namespace {
@@ -32,12 +31,6 @@ std::vector<std::string> safetensors_files(const std::vector<std::string>& names
     if (is_safetensors_file_name(n)) out.push_back(n);
   }
   return out;
-}
-
-Shape strides_of(std::span<const int64_t> shape) {
-  Shape s(shape.size(), 1);
-  for (size_t d = shape.size(); d-- > 1;) s[d - 1] = s[d] * shape[d];
-  return s;
 }
 
 // A directory of DCP HuggingFace files records no world size and no global shapes (its reader
@@ -95,16 +88,16 @@ struct CheckpointDir::Impl {
   CheckpointIndex index;
   std::vector<std::string> file_names;  // sorted
   std::vector<ShardFile> files;         // parallel to file_names
-  // Per tensor (index order) and piece: the file and its header entry.
+  // Per tensor (index order) and piece: the file and its header entry (while opening).
   struct PieceRef {
     size_t file;
     const TensorInfo* info;
   };
   std::vector<std::vector<PieceRef>> pieces;
-  std::vector<size_t> flag_base;  // first once_flag of each tensor
-  std::unique_ptr<std::once_flag[]> verified;
-  // Set once piece's verdict is in (a flag may be set by a read that hashed it on the way).
-  std::unique_ptr<std::atomic<bool>[]> verified_done;
+  // What the read pipeline plans on: every tensor's pieces in one array, tensor i's from
+  // piece_begin[i] to piece_begin[i + 1].
+  std::vector<StoredPiece> stored;
+  std::vector<size_t> piece_begin;
   std::map<std::string, size_t> file_slot;  // file name -> index in files (while opening)
 
   // open(), one layout each: fill index, files and pieces, or throw.
@@ -129,154 +122,46 @@ struct CheckpointDir::Impl {
     return static_cast<size_t>(t - index.tensors.data());
   }
 
-  void init_flags() {
-    flag_base.resize(index.tensors.size());
+  // The pipeline's arrays, once the pieces are known.
+  void finish_open() {
     size_t n = 0;
-    for (size_t i = 0; i < index.tensors.size(); ++i) {
-      flag_base[i] = n;
-      n += index.tensors[i].pieces.size();
+    for (const auto& p : pieces) n += p.size();
+    stored.reserve(n);
+    piece_begin.reserve(pieces.size() + 1);
+    for (size_t ti = 0; ti < pieces.size(); ++ti) {
+      piece_begin.push_back(stored.size());
+      const IndexTensor& t = index.tensors[ti];
+      for (size_t pi = 0; pi < pieces[ti].size(); ++pi) {
+        stored.push_back({&files[pieces[ti][pi].file], pieces[ti][pi].info, t.pieces[pi].offsets});
+      }
     }
-    verified = std::make_unique<std::once_flag[]>(n);
-    verified_done = std::make_unique<std::atomic<bool>[]>(n);
+    piece_begin.push_back(stored.size());
+    pieces.clear();
+    pieces.shrink_to_fit();
+    file_slot.clear();
   }
 
-  bool is_verified(size_t ti, size_t pi) const {
-    return verified_done[flag_base[ti] + pi].load(std::memory_order_acquire);
-  }
-  // Records that piece (ti, pi) passed: its once_flag is spent, so no later call hashes it again.
-  void mark_verified(size_t ti, size_t pi) const {
-    std::call_once(verified[flag_base[ti] + pi], [] {});
-    verified_done[flag_base[ti] + pi].store(true, std::memory_order_release);
-  }
-
-  std::string piece_ctx(size_t ti, size_t pi) const {
+  StoredTensor stored_tensor(size_t ti) const {
     const IndexTensor& t = index.tensors[ti];
-    const IndexPiece& p = t.pieces[pi];
-    return detail::join_path(path, p.file) + ": tensor " + json_quote(t.name) +
-           " (piece at offsets " + shape_to_string(p.offsets) + ")";
+    return {t.name, t.dtype, t.shape,
+            std::span(stored).subspan(piece_begin[ti], piece_begin[ti + 1] - piece_begin[ti])};
   }
 
-  void check_checksum(size_t ti, size_t pi, uint64_t actual) const {
-    const IndexPiece& p = index.tensors[ti].pieces[pi];
-    if (actual != *p.checksum) {
-      throw FormatError(piece_ctx(ti, pi) + ": checksum mismatch: expected " +
-                        format_checksum(*p.checksum) + ", data hashes to " +
-                        format_checksum(actual) + " (corrupted data)");
-    }
+  // Plans the requests and runs them into host memory on `threads` threads.
+  void read(std::span<const ReadRequest> requests, std::span<std::byte* const> dst,
+            std::span<const uint64_t> dst_bytes, bool verify, size_t threads,
+            std::shared_ptr<ReadSession> session = {}) const {
+    const ReadPlan plan = plan_reads(requests, dst_bytes, path, {verify, std::move(session)});
+    execute_reads(plan, dst, {threads, false});
   }
-
-  // Verifies a piece once; false if it has no checksum.
-  // The verdict on piece (ti, pi), once: its checksum, and the checks every read of its bytes
-  // applies (ShardFile::read: BOOL bytes are 0 or 1), so that verify refuses exactly what a load
-  // refuses, on every layout (DCP and plain Hugging Face files have no checksums, but a BOOL byte
-  // of 2 is as wrong there). True when a checksum was verified.
-  bool ensure_verified(size_t ti, size_t pi, bool mapped = false) const {
-    const IndexPiece& p = index.tensors[ti].pieces[pi];
-    const PieceRef& r = pieces[ti][pi];
-    if (!p.checksum && !ShardFile::has_data_checks(*r.info)) return false;
-    if (is_verified(ti, pi)) return p.checksum.has_value();
-    std::call_once(verified[flag_base[ti] + pi], [&] {
-      const uint64_t sum = files[r.file].compute_checksum(*r.info, mapped);  // + data checks
-      if (p.checksum) check_checksum(ti, pi, sum);
-    });
-    mark_verified(ti, pi);
-    return p.checksum.has_value();
+  void read_one(const ReadRequest& request, void* dst, size_t dst_bytes, bool verify,
+                size_t threads, std::shared_ptr<ReadSession> session = {}) const {
+    std::byte* d = static_cast<std::byte*>(dst);
+    const uint64_t bytes = dst_bytes;
+    if (dst == nullptr && dst_bytes > 0) throw FormatError(path + ": destination is null");
+    read(std::span(&request, 1), std::span(&d, 1), std::span(&bytes, 1), verify, threads,
+         std::move(session));
   }
-
-  // Copies the intersection `box` of piece (ti, pi) into dst, a row-major buffer holding the
-  // box [dst_off, dst_off + dst_shape).
-  void copy_box(size_t ti, size_t pi, const Box& box, std::span<const int64_t> dst_off,
-                std::span<const int64_t> dst_shape, std::byte* dst, bool verify) const {
-    const IndexTensor& t = index.tensors[ti];
-    const IndexPiece& p = t.pieces[pi];
-    const PieceRef& r = pieces[ti][pi];
-    const ShardFile& f = files[r.file];
-    const uint64_t esz = dtype_size(t.dtype);
-    const size_t ndim = box.shape.size();
-
-    // The largest k such that dims > k are whole in both the piece and the destination: each
-    // run then spans dims k..ndim-1 and is contiguous on both sides.
-    size_t k = ndim == 0 ? 0 : ndim - 1;
-    while (k > 0 && box.shape[k] == p.shape[k] && box.shape[k] == dst_shape[k]) --k;
-    uint64_t run = esz;
-    for (size_t d = k; d < ndim; ++d) run *= static_cast<uint64_t>(box.shape[d]);
-
-    const bool whole_piece = box.shape == p.shape && run == r.info->nbytes;
-    if (verify && p.checksum && whole_piece) {
-      // The piece lands in dst as one contiguous run: read it there and hash it on the way
-      // (once); other threads or later calls copy it plainly.
-      uint64_t dst_byte = 0;
-      if (ndim > 0) {
-        const Shape dstride = strides_of(dst_shape);
-        for (size_t d = 0; d < ndim; ++d) {
-          dst_byte += static_cast<uint64_t>(box.offsets[d] - dst_off[d]) *
-                      static_cast<uint64_t>(dstride[d]) * esz;
-        }
-      }
-      bool copied = false;
-      std::call_once(verified[flag_base[ti] + pi], [&] {
-        Checksummer h;
-        f.read(*r.info, 0, run, dst + dst_byte, &h);
-        copied = true;
-        check_checksum(ti, pi, h.digest());
-      });
-      mark_verified(ti, pi);
-      if (copied) return;
-    } else if (verify) {
-      ensure_verified(ti, pi);
-    }
-
-    if (ndim == 0) {
-      f.read(*r.info, 0, esz, dst);
-      return;
-    }
-    const Shape sstride = strides_of(p.shape);
-    const Shape dstride = strides_of(dst_shape);
-    std::vector<int64_t> idx(k, 0);
-    for (;;) {
-      uint64_t s = 0, q = 0;
-      for (size_t d = 0; d <= k; ++d) {
-        const int64_t i = d < k ? idx[d] : 0;
-        s += static_cast<uint64_t>(box.offsets[d] - p.offsets[d] + i) *
-             static_cast<uint64_t>(sstride[d]);
-        q += static_cast<uint64_t>(box.offsets[d] - dst_off[d] + i) *
-             static_cast<uint64_t>(dstride[d]);
-      }
-      f.read(*r.info, s * esz, run, dst + q * esz);
-      // Odometer over dims [0, k).
-      size_t d = k;
-      while (d > 0) {
-        --d;
-        if (++idx[d] < box.shape[d]) break;
-        idx[d] = 0;
-        if (d == 0) return;
-      }
-      if (k == 0) return;
-    }
-  }
-
-  // A piece read whole into dst (the common case: a tensor saved by one rank, or the rows one
-  // rank wrote), hashed on the way the first time it is read.
-  void read_whole_piece(size_t ti, size_t pi, std::byte* dst, bool verify) const {
-    const PieceRef& r = pieces[ti][pi];
-    const ShardFile& f = files[r.file];
-    bool copied = false;
-    if (verify && index.tensors[ti].pieces[pi].checksum) {
-      std::call_once(verified[flag_base[ti] + pi], [&] {
-        Checksummer h;
-        f.read(*r.info, 0, r.info->nbytes, dst, &h);
-        copied = true;
-        check_checksum(ti, pi, h.digest());
-      });
-      mark_verified(ti, pi);
-    }
-    if (!copied) f.read(*r.info, 0, r.info->nbytes, dst);
-  }
-
-  void read_slice_at(size_t ti, std::span<const int64_t> offsets, std::span<const int64_t> shape,
-                     void* dst, size_t dst_bytes, bool verify) const;
-  void read_rows_batch(std::span<const CheckpointDir::RowsRead> requests, bool verify,
-                       size_t threads) const;
 };
 
 CheckpointDir::CheckpointDir(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -297,7 +182,7 @@ CheckpointDir CheckpointDir::open(const std::string& dir) {
   } else {
     impl->open_dcp_huggingface(names);
   }
-  impl->init_flags();
+  impl->finish_open();
   return CheckpointDir(std::move(impl));
 }
 
@@ -530,186 +415,70 @@ std::vector<std::string> CheckpointDir::stray_files() const {
   return out;
 }
 
-void CheckpointDir::read_slice(std::string_view name, std::span<const int64_t> offsets,
-                               std::span<const int64_t> shape, void* dst, size_t dst_bytes,
-                               bool verify) const {
-  impl_->read_slice_at(impl_->tensor_index(name), offsets, shape, dst, dst_bytes, verify);
+StoredTensor CheckpointDir::stored(size_t index) const { return impl_->stored_tensor(index); }
+
+size_t CheckpointDir::index_of(std::string_view name) const { return impl_->tensor_index(name); }
+
+ReadPlan CheckpointDir::plan(std::span<const ReadRequest> requests,
+                             std::span<const uint64_t> dst_bytes,
+                             const PlanOptions& options) const {
+  return plan_reads(requests, dst_bytes, impl_->path, options);
 }
 
-void CheckpointDir::Impl::read_slice_at(size_t ti, std::span<const int64_t> offsets,
-                                        std::span<const int64_t> shape, void* dst, size_t dst_bytes,
-                                        bool verify) const {
-  const IndexTensor& t = index.tensors[ti];
-  auto ctx = [&] { return path + ": tensor " + json_quote(t.name); };  // on error only
-  const size_t ndim = t.shape.size();
-  if (offsets.size() != ndim || shape.size() != ndim) {
-    throw FormatError(ctx() + ": slice offsets " + shape_to_string(offsets) + " and shape " +
-                      shape_to_string(shape) + " need " + std::to_string(ndim) +
-                      " entries each (global shape " + shape_to_string(t.shape) + ")");
-  }
-  for (size_t d = 0; d < ndim; ++d) {
-    if (offsets[d] < 0 || shape[d] < 0 || offsets[d] > t.shape[d] ||
-        shape[d] > t.shape[d] - offsets[d]) {
-      throw FormatError(ctx() + ": slice at offsets " + shape_to_string(offsets) + " with shape " +
-                        shape_to_string(shape) + " is outside global shape " +
-                        shape_to_string(t.shape));
-    }
-  }
-  const uint64_t need = *nbytes(shape, t.dtype);
-  if (dst_bytes != need) {
-    throw FormatError(ctx() + ": destination has " + std::to_string(dst_bytes) +
-                      " bytes but the slice of shape " + shape_to_string(shape) + " of " +
-                      std::string(dtype_name(t.dtype)) + " needs " + std::to_string(need));
-  }
-  if (need == 0) return;
-  if (dst == nullptr) throw FormatError(ctx() + ": destination is null");
-  if (t.pieces.size() == 1 && std::ranges::equal(t.pieces[0].offsets, offsets) &&
-      std::ranges::equal(t.pieces[0].shape, shape)) {
-    read_whole_piece(ti, 0, static_cast<std::byte*>(dst), verify);
-    return;
-  }
-  const Box want{Shape(offsets.begin(), offsets.end()), Shape(shape.begin(), shape.end())};
-  for (size_t pi = 0; pi < t.pieces.size(); ++pi) {
-    const IndexPiece& p = t.pieces[pi];
-    auto box = intersect(want, Box{p.offsets, p.shape});
-    if (!box) continue;
-    copy_box(ti, pi, *box, want.offsets, want.shape, static_cast<std::byte*>(dst), verify);
-  }
-}
-
-void CheckpointDir::read_rows_batch(std::span<const RowsRead> reads, bool verify,
-                                    size_t threads) const {
-  impl_->read_rows_batch(reads, verify, threads);
-}
-
-void CheckpointDir::Impl::read_rows_batch(std::span<const CheckpointDir::RowsRead> requests,
-                                          bool verify, size_t threads) const {
-  constexpr size_t kNone = ~size_t{0};
-  std::vector<PieceRead> reads;
-  std::vector<std::pair<size_t, size_t>> hashed;  // per read: its piece (ti, pi) when hashed
-  std::vector<std::pair<size_t, size_t>> first;   // pieces read in part: verified before reading
-  std::vector<std::pair<size_t, size_t>> sliced;  // (request, ti): pieces split beyond dim 0
-  reads.reserve(requests.size());
-  hashed.reserve(requests.size());
-  for (size_t q = 0; q < requests.size(); ++q) {
-    const CheckpointDir::RowsRead& req = requests[q];
-    const size_t ti = tensor_index(req.name);
-    const IndexTensor& t = index.tensors[ti];
-    auto ctx = [&] { return path + ": tensor " + json_quote(t.name); };  // on error only
-    Shape shape = t.shape;
-    int64_t begin = 0;
-    if (!t.shape.empty()) {
-      if (req.rows.begin < 0 || req.rows.begin > req.rows.end || req.rows.end > t.shape[0]) {
-        throw FormatError(ctx() + ": rows [" + std::to_string(req.rows.begin) + ", " +
-                          std::to_string(req.rows.end) + ") are not inside its " +
-                          std::to_string(t.shape[0]) + " rows");
-      }
-      begin = req.rows.begin;
-      shape[0] = req.rows.size();
-    }
-    const uint64_t need = *nbytes(shape, t.dtype);
-    if (req.dst_bytes != need) {
-      throw FormatError(ctx() + ": destination has " + std::to_string(req.dst_bytes) +
-                        " bytes but the slice of shape " + shape_to_string(shape) + " of " +
-                        std::string(dtype_name(t.dtype)) + " needs " + std::to_string(need));
-    }
-    if (need == 0) continue;
-    if (req.dst == nullptr) throw FormatError(ctx() + ": destination is null");
-    // Pieces whole in every dimension but the first hold rows: one contiguous run each side.
-    const bool rows_only = std::ranges::all_of(t.pieces, [&](const IndexPiece& p) {
-      return std::ranges::equal(std::span(p.shape).subspan(p.shape.empty() ? 0 : 1),
-                                std::span(t.shape).subspan(t.shape.empty() ? 0 : 1));
-    });
-    if (!rows_only) {
-      sliced.emplace_back(q, ti);
-      continue;
-    }
-    const uint64_t row_bytes = t.shape.empty() ? need : need / static_cast<uint64_t>(shape[0]);
-    for (size_t pi = 0; pi < t.pieces.size(); ++pi) {
-      const IndexPiece& p = t.pieces[pi];
-      const PieceRef& ref = pieces[ti][pi];
-      int64_t lo = 0, hi = 1, p0 = 0;
-      if (!t.shape.empty()) {
-        p0 = p.offsets[0];
-        lo = std::max(begin, p0);
-        hi = std::min(req.rows.end, p0 + p.shape[0]);
-        if (lo >= hi) continue;
-      }
-      PieceRead r;
-      r.file = &files[ref.file];
-      r.tensor = ref.info;
-      r.offset = static_cast<uint64_t>(lo - p0) * row_bytes;
-      r.length = static_cast<uint64_t>(hi - lo) * row_bytes;
-      r.dst = static_cast<std::byte*>(req.dst) + static_cast<uint64_t>(lo - begin) * row_bytes;
-      const bool whole = r.offset == 0 && r.length == ref.info->nbytes;
-      if (verify && !is_verified(ti, pi)) {
-        if (whole && p.checksum) {
-          r.hash = true;
-        } else if (!whole && (p.checksum || ShardFile::has_data_checks(*ref.info))) {
-          first.emplace_back(ti, pi);
-        }
-      }
-      hashed.emplace_back(r.hash ? ti : kNone, pi);
-      reads.push_back(r);
-    }
-  }
-  std::sort(first.begin(), first.end());
-  first.erase(std::unique(first.begin(), first.end()), first.end());
-  detail::rethrow_first(detail::run_jobs(
-      first.size(), [&](size_t i) { ensure_verified(first[i].first, first[i].second); }, threads));
-  read_pieces(reads, threads, [&](size_t i, uint64_t digest) {
-    const auto [ti, pi] = hashed[i];
-    check_checksum(ti, pi, digest);
-    mark_verified(ti, pi);
-  });
-  detail::rethrow_first(detail::run_jobs(
-      sliced.size(),
-      [&](size_t i) {
-        const auto [q, ti] = sliced[i];
-        const CheckpointDir::RowsRead& req = requests[q];
-        const IndexTensor& t = index.tensors[ti];
-        Shape offsets(t.shape.size(), 0), shape = t.shape;
-        if (!t.shape.empty()) {
-          offsets[0] = req.rows.begin;
-          shape[0] = req.rows.size();
-        }
-        read_slice_at(ti, offsets, shape, req.dst, req.dst_bytes, verify);
-      },
-      threads));
-}
-
-void CheckpointDir::read_full(std::string_view name, void* dst, size_t dst_bytes,
-                              bool verify) const {
-  const IndexTensor& t = tensor(name);
-  const RowsRead read{name, RowRange{0, t.shape.empty() ? 0 : t.shape[0]}, dst, dst_bytes};
-  impl_->read_rows_batch(std::span(&read, 1), verify, 1);
+void CheckpointDir::read_full(std::string_view name, void* dst, size_t dst_bytes, bool verify,
+                              size_t threads) const {
+  const size_t ti = impl_->tensor_index(name);
+  ReadRequest q;
+  q.tensor = impl_->stored_tensor(ti);
+  q.rows = {0, q.tensor.shape.empty() ? 0 : q.tensor.shape[0]};
+  impl_->read_one(q, dst, dst_bytes, verify, threads);
 }
 
 void CheckpointDir::read_rows(std::string_view name, int64_t row_begin, int64_t row_end, void* dst,
-                              size_t dst_bytes, bool verify) const {
-  const IndexTensor& t = tensor(name);
-  auto ctx = [&] { return impl_->path + ": tensor " + json_quote(t.name); };  // on error only
-  if (t.shape.empty()) throw FormatError(ctx() + ": is 0-dim, it has no rows");
-  const RowsRead read{name, RowRange{row_begin, row_end}, dst, dst_bytes};
-  impl_->read_rows_batch(std::span(&read, 1), verify, 1);
+                              size_t dst_bytes, bool verify, size_t threads) const {
+  const size_t ti = impl_->tensor_index(name);
+  ReadRequest q;
+  q.tensor = impl_->stored_tensor(ti);
+  if (q.tensor.shape.empty()) {
+    throw FormatError(impl_->path + ": tensor " + json_quote(name) + ": is 0-dim, it has no rows");
+  }
+  q.rows = {row_begin, row_end};
+  impl_->read_one(q, dst, dst_bytes, verify, threads);
 }
 
 void CheckpointDir::read_chunk(std::string_view name, int64_t rank, int64_t world, void* dst,
-                               size_t dst_bytes, bool verify) const {
-  const IndexTensor& t = tensor(name);
-  if (t.shape.empty()) {  // every rank holds a 0-dim tensor whole (rows.h)
-    tensor_rows(t.shape, rank, world);
-    read_full(name, dst, dst_bytes, verify);
-    return;
+                               size_t dst_bytes, bool verify, size_t threads) const {
+  const size_t ti = impl_->tensor_index(name);
+  ReadRequest q;
+  q.tensor = impl_->stored_tensor(ti);
+  q.rows = tensor_rows(q.tensor.shape, rank, world);  // checks rank and world
+  impl_->read_one(q, dst, dst_bytes, verify, threads);
+}
+
+void CheckpointDir::read_slice(std::string_view name, std::span<const int64_t> offsets,
+                               std::span<const int64_t> shape, void* dst, size_t dst_bytes,
+                               bool verify, size_t threads) const {
+  const size_t ti = impl_->tensor_index(name);
+  ReadRequest q;
+  q.tensor = impl_->stored_tensor(ti);
+  const size_t ndim = q.tensor.shape.size();
+  if (offsets.size() != ndim || shape.size() != ndim) {
+    throw FormatError(impl_->path + ": tensor " + json_quote(name) + ": slice offsets " +
+                      shape_to_string(offsets) + " and shape " + shape_to_string(shape) + " need " +
+                      std::to_string(ndim) + " entries each (global shape " +
+                      shape_to_string(q.tensor.shape) + ")");
   }
-  const RowRange r = tensor_rows(t.shape, rank, world);
-  read_rows(name, r.begin, r.end, dst, dst_bytes, verify);
+  q.box_offsets = offsets;
+  q.box_shape = shape;
+  impl_->read_one(q, dst, dst_bytes, verify, threads);
 }
 
 void CheckpointDir::read_flat(std::string_view name, uint64_t elem_begin, uint64_t elem_end,
-                              void* dst, size_t dst_bytes, bool verify) const {
-  const IndexTensor& t = tensor(name);
-  const std::string ctx = impl_->path + ": tensor " + json_quote(t.name);
+                              void* dst, size_t dst_bytes, bool verify,
+                              const std::shared_ptr<ReadSession>& session) const {
+  const size_t ti = impl_->tensor_index(name);
+  const StoredTensor t = impl_->stored_tensor(ti);
+  const std::string ctx = impl_->path + ": tensor " + json_quote(name);
   const uint64_t total = *numel(t.shape);
   const uint64_t esz = dtype_size(t.dtype);
   if (elem_begin > elem_end || elem_end > total) {
@@ -722,62 +491,75 @@ void CheckpointDir::read_flat(std::string_view name, uint64_t elem_begin, uint64
                       std::to_string((elem_end - elem_begin) * esz));
   }
   if (elem_begin == elem_end) return;
-  auto* out = static_cast<std::byte*>(dst);
+  if (dst == nullptr) throw FormatError(ctx + ": destination is null");
+  std::vector<ReadRequest> requests;
+  std::deque<Shape> boxes;  // the requests' box spans point here
   if (t.shape.empty()) {
-    read_full(name, out, esz, verify);
-    return;
+    ReadRequest q;
+    q.tensor = t;
+    requests.push_back(q);
+  } else {
+    // The flat range as boxes, each contiguous in the output: a partial leading row, whole rows,
+    // a partial trailing row, recursively per dimension; all planned as one read.
+    const size_t ndim = t.shape.size();
+    Shape inner(ndim, 1);  // elements per index of dim d
+    for (size_t d = ndim; d-- > 1;) inner[d - 1] = inner[d] * t.shape[d];
+    Shape prefix(ndim, 0);
+    uint64_t at = 0;  // output bytes so far
+    auto emit = [&](size_t dim, int64_t lo, int64_t hi) {
+      Shape& o = boxes.emplace_back(prefix);
+      Shape& s = boxes.emplace_back(ndim, 1);
+      o[dim] = lo;
+      s[dim] = hi - lo;
+      for (size_t d = dim + 1; d < ndim; ++d) {
+        o[d] = 0;
+        s[d] = t.shape[d];
+      }
+      ReadRequest q;
+      q.tensor = t;
+      q.box_offsets = o;
+      q.box_shape = s;
+      q.dst_offset = at;
+      requests.push_back(q);
+      at += *nbytes(s, t.dtype);
+    };
+    std::function<void(size_t, uint64_t, uint64_t)> split = [&](size_t dim, uint64_t b,
+                                                                uint64_t e) {
+      if (b >= e) return;
+      const auto in = static_cast<uint64_t>(inner[dim]);
+      uint64_t r0 = b / in;
+      const uint64_t r1 = e / in;
+      if (r0 == r1) {  // inside one index of `dim`: the next dimension
+        prefix[dim] = static_cast<int64_t>(r0);
+        split(dim + 1, b - r0 * in, e - r0 * in);
+        return;
+      }
+      if (b % in != 0) {
+        prefix[dim] = static_cast<int64_t>(r0);
+        split(dim + 1, b - r0 * in, in);
+        ++r0;
+      }
+      if (r1 > r0) emit(dim, static_cast<int64_t>(r0), static_cast<int64_t>(r1));
+      if (e % in != 0) {
+        prefix[dim] = static_cast<int64_t>(r1);
+        split(dim + 1, 0, e - r1 * in);
+      }
+    };
+    split(0, elem_begin, elem_end);
   }
-  // Split the flat range into boxes, each contiguous in the output: a partial leading row, whole
-  // rows, a partial trailing row, recursively per dimension.
-  const size_t ndim = t.shape.size();
-  Shape offsets(ndim, 0), shape(ndim, 1);
-  auto emit = [&](size_t dim, int64_t lo, int64_t hi) {
-    // Box: the fixed prefix in `offsets[0..dim)`, [lo, hi) in `dim`, whole dims after it.
-    Shape o(offsets.begin(), offsets.end()), s(ndim, 1);
-    o[dim] = lo;
-    s[dim] = hi - lo;
-    for (size_t d = dim + 1; d < ndim; ++d) {
-      o[d] = 0;
-      s[d] = t.shape[d];
-    }
-    const uint64_t bytes = *nbytes(s, t.dtype);
-    read_slice(name, o, s, out, bytes, verify);
-    out += bytes;
-  };
-  // inner[d] = elements per index of dim d.
-  Shape inner = strides_of(t.shape);
-  std::function<void(size_t, uint64_t, uint64_t)> split = [&](size_t dim, uint64_t b, uint64_t e) {
-    if (b >= e) return;
-    const auto in = static_cast<uint64_t>(inner[dim]);
-    uint64_t r0 = b / in;
-    const uint64_t r1 = e / in;
-    if (r0 == r1) {
-      // Inside one index of `dim`: recurse into the next dimension.
-      offsets[dim] = static_cast<int64_t>(r0);
-      split(dim + 1, b - r0 * in, e - r0 * in);
-      return;
-    }
-    if (b % in != 0) {
-      offsets[dim] = static_cast<int64_t>(r0);
-      split(dim + 1, b - r0 * in, in);
-      ++r0;
-    }
-    if (r1 > r0) emit(dim, static_cast<int64_t>(r0), static_cast<int64_t>(r1));
-    if (e % in != 0) {
-      offsets[dim] = static_cast<int64_t>(r1);
-      split(dim + 1, 0, e - r1 * in);
-    }
-  };
-  split(0, elem_begin, elem_end);
+  std::byte* d = static_cast<std::byte*>(dst);
+  const uint64_t bytes = dst_bytes;
+  impl_->read(requests, std::span(&d, 1), std::span(&bytes, 1), verify, 1, session);
 }
 
-bool CheckpointDir::verify_piece(std::string_view name, size_t piece, bool mapped) const {
+bool CheckpointDir::verify_piece(std::string_view name, size_t piece) const {
   const size_t ti = impl_->tensor_index(name);
-  if (piece >= impl_->index.tensors[ti].pieces.size()) {
+  const StoredTensor t = impl_->stored_tensor(ti);
+  if (piece >= t.pieces.size()) {
     throw FormatError(impl_->path + ": tensor " + json_quote(name) + " has no piece " +
                       std::to_string(piece));
   }
-  return impl_->ensure_verified(ti, piece, mapped);
+  return t.pieces[piece].file->verify(*t.pieces[piece].info);
 }
 
 void CheckpointDir::check_unchanged() const {
@@ -785,12 +567,11 @@ void CheckpointDir::check_unchanged() const {
 }
 
 size_t CheckpointDir::verify_all() const {
+  std::vector<size_t> counts(impl_->files.size(), 0);
+  detail::rethrow_first(detail::run_jobs(
+      impl_->files.size(), [&](size_t i) { counts[i] = impl_->files[i].verify_all(); }, 0));
   size_t n = 0;
-  for (size_t ti = 0; ti < impl_->index.tensors.size(); ++ti) {
-    for (size_t pi = 0; pi < impl_->index.tensors[ti].pieces.size(); ++pi) {
-      n += impl_->ensure_verified(ti, pi) ? 1 : 0;
-    }
-  }
+  for (size_t c : counts) n += c;
   return n;
 }
 

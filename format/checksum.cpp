@@ -1,5 +1,7 @@
 #include "fsdp_ema/format/checksum.h"
 
+#include <algorithm>
+#include <cstddef>
 #include <random>
 #include <utility>
 
@@ -98,6 +100,42 @@ void Checksummer::update(const void* data, size_t size) {
 uint64_t Checksummer::digest() const {
   if (state_ == nullptr) return checksum_of(nullptr, 0);
   return ops().digest(state_);
+}
+
+TensorHasher::TensorHasher(uint64_t nbytes, uint64_t block_bytes)
+    : block_bytes_(block_bytes > 0 && nbytes > block_bytes ? block_bytes : 0) {
+  if (block_bytes_ > 0) blocks_.reserve(checksum_blocks(nbytes, block_bytes_));
+}
+
+void TensorHasher::update(const void* data, size_t size) {
+  whole_.update(data, size);
+  if (block_bytes_ == 0) return;
+  const auto* p = static_cast<const std::byte*>(data);
+  while (size > 0) {
+    const size_t take = static_cast<size_t>(std::min<uint64_t>(size, block_bytes_ - in_block_));
+    if (in_block_ == 0 && take == block_bytes_) {
+      blocks_.push_back(checksum_of(p, take));  // a whole block at once: no streaming state
+    } else {
+      block_.update(p, take);
+      in_block_ += take;
+      if (in_block_ == block_bytes_) {
+        blocks_.push_back(block_.digest());
+        block_.reset();
+        in_block_ = 0;
+      }
+    }
+    p += take;
+    size -= take;
+  }
+}
+
+std::vector<uint64_t>& TensorHasher::blocks() {
+  if (in_block_ > 0) {  // the last, shorter block
+    blocks_.push_back(block_.digest());
+    block_.reset();
+    in_block_ = 0;
+  }
+  return blocks_;
 }
 
 }  // namespace fsdp_ema::format

@@ -265,6 +265,10 @@ ExportResult export_consolidated(const std::string& dir, const std::string& out_
   };
   WriteOptions wopts;
   wopts.fsync = options.fsync;
+  wopts.checksum_block_bytes = 0;  // the export's files carry no checksums of ours
+  // The fills read each tensor in consecutive ranges: a piece without block checksums is then
+  // hashed once across them (read_plan.h).
+  const auto session = std::make_shared<ReadSession>();
   Stage stage(out_dir);
   {
     for (size_t g = 0; g < nfiles; ++g) {
@@ -282,15 +286,15 @@ ExportResult export_consolidated(const std::string& dir, const std::string& out_
         const DType src_dtype = t.dtype;
         const DType dst_dtype = out_dtype[i];
         const std::string& src = source[i];
-        r.fill = [&ckpt, &t, &src, &progress, &report, &options, src_dtype, dst_dtype](
+        r.fill = [&ckpt, &t, &src, &progress, &report, &options, &session, src_dtype, dst_dtype](
                      uint64_t offset, uint64_t length, void* dst) {
           const uint64_t osz = dtype_size(dst_dtype), isz = dtype_size(src_dtype);
           const uint64_t e0 = offset / osz, e1 = (offset + length) / osz;
           if (src_dtype == dst_dtype) {
-            ckpt.read_flat(src, e0, e1, dst, length, options.verify);
+            ckpt.read_flat(src, e0, e1, dst, length, options.verify, session);
           } else {
             std::vector<std::byte> tmp((e1 - e0) * isz);
-            ckpt.read_flat(src, e0, e1, tmp.data(), tmp.size(), options.verify);
+            ckpt.read_flat(src, e0, e1, tmp.data(), tmp.size(), options.verify, session);
             cast_elements(src_dtype, tmp.data(), dst_dtype, dst, e1 - e0);
           }
           progress.bytes_done += length;

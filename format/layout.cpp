@@ -10,10 +10,12 @@
 #include <cerrno>
 #include <cstdlib>
 #include <string_view>
+#include <unordered_set>
 #include <vector>
 
 #include "fsdp_ema/format/error.h"
 #include "fsdp_ema/format/file_util.h"
+#include "fsdp_ema/format/name_hash.h"
 #include "fsdp_ema/format/names.h"
 #include "fsdp_ema/format/paths.h"
 #include "fsdp_ema/format/shard_writer.h"
@@ -236,6 +238,27 @@ CheckpointIndex commit_directory(const std::string& dir, int64_t world_size, boo
                       ": checkpoint already committed (the index exists; pass overwrite=true to "
                       "replace it)");
   }
+  // Every rank needs a file (plain or ".b") of this world size: refused before any per-rank work
+  // when the listing cannot hold them (a world_size of 10**6 costs one listing, not 10**6 names
+  // and stats).
+  const std::vector<std::string> listing = detail::list_dir(dir);
+  std::unordered_set<std::string_view, detail::NameHash, std::equal_to<>> listed;
+  std::unordered_set<int64_t> ranks_present;
+  for (const std::string& n : listing) {
+    listed.insert(n);
+    const auto parsed = parse_shard_file_name(n);
+    if (parsed && parsed->world_size == world_size && parsed->rank < world_size) {
+      ranks_present.insert(parsed->rank);
+    }
+  }
+  if (static_cast<int64_t>(ranks_present.size()) < world_size) {
+    int64_t missing = 0;
+    while (ranks_present.contains(missing)) ++missing;
+    throw FormatError(dir + ": missing shard file " + shard_file_name(missing, world_size) +
+                      " (rank " + std::to_string(missing) + " of " + std::to_string(world_size) +
+                      " did not finish writing); files of " + std::to_string(ranks_present.size()) +
+                      " of the " + std::to_string(world_size) + " ranks are present");
+  }
   const auto old_files = committed_files(dir);
   std::vector<std::string> names;
   std::vector<std::string> fresh_names;  // what save_shard wrote for each rank
@@ -246,7 +269,7 @@ CheckpointIndex commit_directory(const std::string& dir, int64_t world_size, boo
     const bool plain_committed = old_files.contains(plain);
     fresh_names.push_back(plain_committed ? alternate : plain);
     std::string& committed = plain_committed ? plain : alternate;
-    if (detail::path_exists(detail::join_path(dir, fresh_names.back()))) {
+    if (listed.contains(fresh_names.back())) {
       names.push_back(fresh_names.back());
       ++written;
     } else {
@@ -272,7 +295,7 @@ CheckpointIndex commit_directory(const std::string& dir, int64_t world_size, boo
   const std::unordered_set<std::string, detail::NameHash, std::equal_to<>> keep(names.begin(),
                                                                                 names.end());
   bool removed = false;
-  for (const std::string& n : detail::list_dir(dir)) {
+  for (const std::string& n : listing) {
     if (is_shard_file_name(n) && !keep.contains(n)) {
       detail::remove_quietly(detail::join_path(dir, n));
       removed = true;

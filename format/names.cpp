@@ -36,15 +36,45 @@ std::string alternate_shard_file_name(int64_t rank, int64_t world_size) {
   return name;
 }
 
-bool is_shard_file_name(std::string_view n) {
+namespace {
+
+// The rank and world-size digits of "shard-<digits>-of-<digits>[.b].safetensors", and whether it
+// is the ".b" name.
+struct ShardNameParts {
+  std::string_view rank, world;
+  bool alternate = false;
+};
+
+std::optional<ShardNameParts> shard_name_parts(std::string_view n) {
   constexpr std::string_view kPrefix = "shard-", kOf = "-of-";
-  if (!n.starts_with(kPrefix) || !n.ends_with(kSafetensorsSuffix)) return false;
+  if (!n.starts_with(kPrefix) || !n.ends_with(kSafetensorsSuffix)) return std::nullopt;
   n.remove_prefix(kPrefix.size());
   n.remove_suffix(kSafetensorsSuffix.size());
-  if (n.ends_with(".b")) n.remove_suffix(2);
+  ShardNameParts out;
+  if (n.ends_with(".b")) {
+    n.remove_suffix(2);
+    out.alternate = true;
+  }
   const auto of = n.find(kOf);
-  return of != std::string_view::npos && is_digits(n.substr(0, of)) &&
-         is_digits(n.substr(of + kOf.size()));
+  if (of == std::string_view::npos) return std::nullopt;
+  out.rank = n.substr(0, of);
+  out.world = n.substr(of + kOf.size());
+  if (!is_digits(out.rank) || !is_digits(out.world)) return std::nullopt;
+  return out;
+}
+
+}  // namespace
+
+bool is_shard_file_name(std::string_view n) { return shard_name_parts(n).has_value(); }
+
+std::optional<ShardFileName> parse_shard_file_name(std::string_view n) {
+  const auto parts = shard_name_parts(n);
+  if (!parts || parts->rank.size() > 18 || parts->world.size() > 18) return std::nullopt;
+  ShardFileName out;
+  out.alternate = parts->alternate;
+  for (char c : parts->rank) out.rank = out.rank * 10 + (c - '0');
+  for (char c : parts->world) out.world_size = out.world_size * 10 + (c - '0');
+  return out;
 }
 
 std::string export_file_name(size_t k, size_t n) {

@@ -194,11 +194,19 @@ RawWriteResult write_safetensors_file(const std::string& path, std::span<const R
   if (static_cast<bool>(options.allocate_buffer) != static_cast<bool>(options.free_buffer)) {
     throw FormatError(path + ": WriteOptions::allocate_buffer and free_buffer go together");
   }
+  const uint64_t block = options.checksum_block_bytes;
+  if (block != 0 && (block < kMinChecksumBlockBytes || block > kMaxChecksumBlockBytes ||
+                     (block & (block - 1)) != 0)) {
+    throw FormatError(path + ": WriteOptions::checksum_block_bytes " + std::to_string(block) +
+                      " must be 0 or a power of two in [" + std::to_string(kMinChecksumBlockBytes) +
+                      ", " + std::to_string(kMaxChecksumBlockBytes) + "]");
+  }
 
   RawWriteResult result;
   if (order.size() != tensors.size()) order = file_order(tensors);
   result.order = std::move(order);
   result.checksums.assign(tensors.size(), 0);
+  result.block_checksums.resize(tensors.size());
   result.data_offset.assign(tensors.size(), 0);
 
   std::vector<HeaderEntry> entries(tensors.size());
@@ -241,10 +249,9 @@ RawWriteResult write_safetensors_file(const std::string& path, std::span<const R
         cur_fill = 0;
       }
     };
-    Checksummer hasher;
     for (const size_t idx : result.order) {
       const RawTensor& t = tensors[idx];
-      hasher.reset();
+      TensorHasher hasher(t.nbytes, block);
       if (t.nbytes > 0 && t.host_data == nullptr && !t.fill) {
         throw FormatError(path + ": tensor '" + std::string(t.name) + "' has no data source");
       }
@@ -281,6 +288,7 @@ RawWriteResult write_safetensors_file(const std::string& path, std::span<const R
         }
       }
       result.checksums[idx] = hasher.digest();
+      result.block_checksums[idx] = std::move(hasher.blocks());
     }
     flush();
     writer.finish();
@@ -289,7 +297,7 @@ RawWriteResult write_safetensors_file(const std::string& path, std::span<const R
   std::string header;
   if (patch) {
     header = std::move(placeholder);
-    patch(header, value_offsets, result.checksums);
+    patch(header, value_offsets, result);
   } else {
     header = serialize_safetensors_header(entries, metadata(result.checksums));
   }

@@ -41,10 +41,12 @@ using TensorsByName = detail::NameIndex;
 
 // Reads a metadata value holding a JSON object keyed by tensor name, whose keys must be exactly
 // the file's tensors, in one pass: on_entry(tensor, reader) reads each entry's value.
-template <typename F>
+// `required(tensor)`: whether the tensor must have an entry (and may: an entry for a tensor
+// that is not required is refused too); every tensor by default.
+template <typename F, typename R>
 void for_each_tensor_entry(const std::map<std::string, std::string>& metadata, std::string_view key,
                            std::vector<TensorInfo>& tensors, const TensorsByName& by_name,
-                           const std::string& file, F&& on_entry) {
+                           const std::string& file, F&& on_entry, R&& required) {
   const std::string what = file + ": metadata " + std::string(key);
   const std::string& text = metadata.at(std::string(key));
   std::vector<char> seen(tensors.size(), 0);
@@ -65,6 +67,10 @@ void for_each_tensor_entry(const std::map<std::string, std::string>& metadata, s
         throw FormatError(what + ": names tensor " + json_quote(name) + " that is not in the file");
       }
       if (seen[*found]) r.duplicate_key(name);
+      if (!required(tensors[*found])) {
+        throw FormatError(what + ": has an entry for tensor " + json_quote(name) +
+                          ", which must have none");
+      }
       seen[*found] = 1;
       next = *found + 1;
       on_entry(tensors[*found], r);
@@ -72,10 +78,49 @@ void for_each_tensor_entry(const std::map<std::string, std::string>& metadata, s
     r.expect_end();
   });
   for (size_t i = 0; i < tensors.size(); ++i) {
-    if (!seen[i]) {
+    if (!seen[i] && required(tensors[i])) {
       throw FormatError(what + ": has no entry for tensor " + json_quote(tensors[i].name));
     }
   }
+}
+
+template <typename F>
+void for_each_tensor_entry(const std::map<std::string, std::string>& metadata, std::string_view key,
+                           std::vector<TensorInfo>& tensors, const TensorsByName& by_name,
+                           const std::string& file, F&& on_entry) {
+  for_each_tensor_entry(metadata, key, tensors, by_name, file, std::forward<F>(on_entry),
+                        [](const TensorInfo&) { return true; });
+}
+
+// The block size of the extension: a power of two in the accepted range.
+uint64_t parse_block_bytes(const std::string& value, const std::string& file) {
+  const auto v = parse_decimal(value);
+  const auto b = v ? static_cast<uint64_t>(*v) : 0;
+  if (!v || b < kMinChecksumBlockBytes || b > kMaxChecksumBlockBytes || (b & (b - 1)) != 0) {
+    throw FormatError(file + ": metadata " + std::string(kMetaBlockBytes) + " " +
+                      json_quote(value) + " is not a power of two in [" +
+                      std::to_string(kMinChecksumBlockBytes) + ", " +
+                      std::to_string(kMaxChecksumBlockBytes) + "]");
+  }
+  return b;
+}
+
+// "<16 hex digits>" per block, concatenated.
+std::optional<std::vector<uint64_t>> parse_block_digits(std::string_view text, uint64_t blocks) {
+  if (text.size() != blocks * 16) return std::nullopt;
+  std::vector<uint64_t> out(blocks);
+  for (uint64_t b = 0; b < blocks; ++b) {
+    uint64_t v = 0;
+    for (char c : text.substr(b * 16, 16)) {
+      int d = -1;
+      if (c >= '0' && c <= '9') d = c - '0';
+      if (c >= 'a' && c <= 'f') d = c - 'a' + 10;
+      if (d < 0) return std::nullopt;
+      v = (v << 4) | static_cast<uint64_t>(d);
+    }
+    out[b] = v;
+  }
+  return out;
 }
 
 }  // namespace
@@ -214,6 +259,40 @@ ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& fil
             }
             t.checksum = *c;
           });
+    });
+  }
+  if (has(kMetaBlockBytes) != has(kMetaBlockChecksums)) {
+    throw FormatError(file + ": metadata " +
+                      std::string(has(kMetaBlockBytes) ? kMetaBlockBytes : kMetaBlockChecksums) +
+                      " without " +
+                      std::string(has(kMetaBlockBytes) ? kMetaBlockChecksums : kMetaBlockBytes) +
+                      ": the block-checksum extension needs both");
+  }
+  if (has(kMetaBlockChecksums)) {
+    h.block_bytes = parse_block_bytes(md.at(std::string(kMetaBlockBytes)), file);
+    text_bytes += md.at(std::string(kMetaBlockChecksums)).size();
+    passes.emplace_back([&] {
+      const uint64_t block = h.block_bytes;
+      for_each_tensor_entry(
+          md, kMetaBlockChecksums, h.tensors, by_name, file,
+          [&](TensorInfo& t, JsonReader& r) {
+            const uint64_t blocks = checksum_blocks(t.nbytes, block);
+            std::optional<std::vector<uint64_t>> sums;
+            if (r.peek() == JsonReader::Kind::kString) {
+              sums = parse_block_digits(r.read_string(), blocks);
+            } else {
+              r.skip_value();
+            }
+            if (!sums) {
+              throw FormatError(file + ": tensor " + json_quote(t.name) + ": " +
+                                std::string(kMetaBlockChecksums) + " entry must be a string of " +
+                                std::to_string(blocks) + " x 16 lowercase hex digits (" +
+                                std::to_string(t.nbytes) + " bytes in blocks of " +
+                                std::to_string(block) + ")");
+            }
+            t.block_checksums = std::move(*sums);
+          },
+          [block](const TensorInfo& t) { return t.nbytes > block; });
     });
   }
   const auto errors = detail::run_jobs(
@@ -355,9 +434,16 @@ void check_bool_bytes(const std::string& path, const TensorInfo& t, const std::b
   }
 }
 
+// "<file>: tensor "<name>" (piece at offsets [..])", the context of a data error.
+std::string piece_context(const std::string& path, const TensorInfo& t) {
+  std::string out = path + ": tensor " + json_quote(t.name);
+  if (!t.offsets.empty()) out += " (piece at offsets " + shape_to_string(t.offsets) + ")";
+  return out;
+}
+
 void check_stored_checksum(const std::string& path, const TensorInfo& t, uint64_t actual) {
   if (actual != *t.checksum) {
-    throw FormatError(path + ": tensor " + json_quote(t.name) + ": checksum mismatch: stored " +
+    throw FormatError(piece_context(path, t) + ": checksum mismatch: stored " +
                       format_checksum(*t.checksum) + ", data hashes to " + format_checksum(actual) +
                       " (corrupted data)");
   }
@@ -477,35 +563,31 @@ void ShardFile::read(const TensorInfo& t, uint64_t offset, uint64_t length, void
   }
 }
 
-bool ShardFile::read_verified(const TensorInfo& t, void* dst, bool verify) const {
-  if (!verify || !t.checksum) {
-    read(t, 0, t.nbytes, dst);
-    return false;
-  }
-  Checksummer h;
-  read(t, 0, t.nbytes, dst, &h);
-  check_stored_checksum(impl_->path, t, h.digest());
-  return true;
-}
-
 void ShardFile::check_digest(const TensorInfo& t, uint64_t digest) const {
   if (t.checksum) check_stored_checksum(impl_->path, t, digest);
 }
 
-uint64_t ShardFile::compute_checksum(const TensorInfo& t, bool mapped) const {
-  if (mapped) {
-    const auto bytes = data(t);
-    check_bool_bytes(impl_->path, t, bytes.data(), bytes.size());
-    return checksum_of(bytes);
+void ShardFile::check_data(const TensorInfo& t, const std::byte* data, uint64_t length) const {
+  check_bool_bytes(impl_->path, t, data, length);
+}
+
+void ShardFile::check_blocks(const TensorInfo& t, uint64_t offset, const std::byte* data,
+                             uint64_t length) const {
+  const uint64_t b = impl_->header.block_bytes;
+  if (b == 0 || !t.checksum) return;  // nothing stored to check against
+  for (uint64_t pos = 0; pos < length; pos += b) {
+    const uint64_t n = std::min(b, length - pos);
+    const uint64_t k = (offset + pos) / b;
+    const uint64_t stored = t.nbytes <= b ? *t.checksum : t.block_checksums[k];
+    const uint64_t actual = checksum_of(data + pos, n);
+    if (actual != stored) {
+      throw FormatError(piece_context(impl_->path, t) + ": checksum mismatch in block " +
+                        std::to_string(k) + " (bytes " + std::to_string(offset + pos) + " to " +
+                        std::to_string(offset + pos + n) + "): stored " + format_checksum(stored) +
+                        ", data hashes to " + format_checksum(actual) +
+                        " (corrupted data, or the file changed while it was read)");
+    }
   }
-  Checksummer h;
-  std::vector<std::byte> block(std::min(kHashBlockBytes, t.nbytes));
-  for (uint64_t pos = 0; pos < t.nbytes; pos += block.size()) {
-    const uint64_t n = std::min<uint64_t>(block.size(), t.nbytes - pos);
-    read(t, pos, n, block.data());
-    h.update(block.data(), n);
-  }
-  return h.digest();
 }
 
 bool ShardFile::has_data_checks(const TensorInfo& t) { return t.dtype == DType::kBool; }
@@ -515,13 +597,51 @@ void ShardFile::check_unchanged() const {
   ReadFdCache::check_identity(fd->get(), impl_->path, impl_->identity);
 }
 
-bool ShardFile::verify(const TensorInfo& t) const {
-  if (!t.checksum) {
-    if (has_data_checks(t)) compute_checksum(t);  // reads it: the data checks of a read
-    return false;
+namespace {
+
+// Every check of a tensor's bytes, fed in order in any split: the whole checksum, the block
+// checksums (when the file has them) and the data checks.
+class TensorVerdict {
+ public:
+  TensorVerdict(const ShardFile& file, const TensorInfo& t, uint64_t block_bytes)
+      : file_(file), t_(t), hash_(t.nbytes, t.block_checksums.empty() ? 0 : block_bytes) {}
+  void update(const std::byte* data, uint64_t n) {
+    file_.check_data(t_, data, n);
+    hash_.update(data, n);
   }
-  check_stored_checksum(impl_->path, t, compute_checksum(t));
-  return true;
+  // True when a checksum was checked.
+  bool finish() {
+    if (!t_.checksum) return false;
+    file_.check_digest(t_, hash_.digest());
+    const std::vector<uint64_t>& blocks = hash_.blocks();
+    for (size_t k = 0; k < blocks.size(); ++k) {
+      if (blocks[k] != t_.block_checksums[k]) {
+        throw FormatError(piece_context(file_.path(), t_) + ": checksum mismatch in block " +
+                          std::to_string(k) + ": stored " + format_checksum(t_.block_checksums[k]) +
+                          ", data hashes to " + format_checksum(blocks[k]) +
+                          " (the block checksums disagree with the data's checksum)");
+      }
+    }
+    return true;
+  }
+
+ private:
+  const ShardFile& file_;
+  const TensorInfo& t_;
+  TensorHasher hash_;
+};
+
+}  // namespace
+
+bool ShardFile::verify(const TensorInfo& t) const {
+  TensorVerdict v(*this, t, impl_->header.block_bytes);
+  std::vector<std::byte> block(std::min(kHashBlockBytes, t.nbytes));
+  for (uint64_t pos = 0; pos < t.nbytes; pos += block.size()) {
+    const uint64_t n = std::min<uint64_t>(block.size(), t.nbytes - pos);
+    read(t, pos, n, block.data());
+    v.update(block.data(), n);
+  }
+  return v.finish();
 }
 
 bool ShardFile::verify(std::string_view name) const { return verify(tensor(name)); }
@@ -537,19 +657,8 @@ size_t ShardFile::verify_all() const {
   std::shared_ptr<const detail::UniqueFd> fd;
   size_t n = 0;
   for (const TensorInfo& t : tensors) {
-    if (!t.checksum) {
-      verify(t);  // no checksum, but the data checks of a read (BOOL bytes) all the same
-      continue;
-    }
+    TensorVerdict v(*this, t, impl_->header.block_bytes);
     const uint64_t end = t.data_offset + t.nbytes;
-    if (t.data_offset >= block_start && end <= block_start + block_len) {
-      const std::byte* p = block.data() + (t.data_offset - block_start);
-      check_bool_bytes(impl_->path, t, p, t.nbytes);
-      check_stored_checksum(impl_->path, t, checksum_of(std::span<const std::byte>(p, t.nbytes)));
-      ++n;
-      continue;
-    }
-    Checksummer h;
     for (uint64_t pos = t.data_offset; pos < end;) {
       if (pos < block_start || pos >= block_start + block_len) {
         if (!fd) fd = impl_->fd();
@@ -558,12 +667,10 @@ size_t ShardFile::verify_all() const {
         detail::pread_all(fd->get(), block.data(), block_len, block_start, impl_->path);
       }
       const uint64_t take = std::min(end, block_start + block_len) - pos;
-      h.update(block.data() + (pos - block_start), take);
-      check_bool_bytes(impl_->path, t, block.data() + (pos - block_start), take);
+      v.update(block.data() + (pos - block_start), take);
       pos += take;
     }
-    check_stored_checksum(impl_->path, t, h.digest());
-    ++n;
+    n += v.finish() ? 1 : 0;
   }
   return n;
 }

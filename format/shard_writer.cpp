@@ -144,28 +144,41 @@ uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> te
   sharding += '}';
   global_shapes += '}';
 
-  // The checksums document, written once with zero digits: `digits[k]` is where the k-th
-  // tensor's 16 digits land once the document is quoted into the header (each '"' or '\\' before
+  // The checksums documents, written once with zero digits: `digits[k]` is where the k-th
+  // entry's digits land once the document is quoted into the header (each '"' or '\\' before
   // them gains a backslash there), so they are patched in after the data without serializing
-  // the header again.
-  std::string sums = "{";
-  sums.reserve(names_bytes + 30 * order.size());
-  std::vector<size_t> digits(order.size());
-  size_t quoted = 1, scanned = 1;  // quoted size of sums[0, scanned)
-  const std::string zero_digits(16, '0');
-  for (size_t k = 0; k < order.size(); ++k) {
-    if (k > 0) sums += ',';
-    detail::append_json_quoted(sums, tensors[order[k]].name);
-    sums += ":\"";
-    sums += kChecksumPrefix;
-    for (; scanned < sums.size(); ++scanned) {
-      quoted += sums[scanned] == '"' || sums[scanned] == '\\' ? 2 : 1;
+  // the header again. One entry per tensor in file order for the checksums; for the block
+  // checksums (checksum.h), one per tensor of more than one block, its blocks' digits in a row.
+  struct DigitsDoc {
+    std::string text = "{";
+    std::vector<size_t> digits;      // per entry
+    std::vector<size_t> entry;       // per entry: its index in `order`
+    size_t quoted = 1, scanned = 1;  // quoted size of text[0, scanned)
+    void add(std::string_view name, std::string_view prefix, uint64_t num_digits, size_t k) {
+      if (!digits.empty()) text += ',';
+      detail::append_json_quoted(text, name);
+      text += ":\"";
+      text += prefix;
+      for (; scanned < text.size(); ++scanned) {
+        quoted += text[scanned] == '"' || text[scanned] == '\\' ? 2 : 1;
+      }
+      digits.push_back(quoted);
+      entry.push_back(k);
+      text.append(num_digits, '0');
+      text += '"';
     }
-    digits[k] = quoted;
-    sums += zero_digits;
-    sums += '"';
+  };
+  const uint64_t block = options.checksum_block_bytes;
+  DigitsDoc sums, block_sums;
+  sums.text.reserve(names_bytes + 30 * order.size());
+  for (size_t k = 0; k < order.size(); ++k) {
+    const TensorToWrite& t = tensors[order[k]];
+    sums.add(t.name, kChecksumPrefix, 16, k);
+    const uint64_t n = raw[order[k]].nbytes;
+    if (block > 0 && n > block) block_sums.add(t.name, "", 16 * checksum_blocks(n, block), k);
   }
-  sums += '}';
+  sums.text += '}';
+  block_sums.text += '}';
   std::vector<std::pair<std::string, std::string>> md = {
       {std::string(kMetaFormat), "pt"},
       {std::string(kMetaDcpVersion), "1.0"},
@@ -174,16 +187,29 @@ uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> te
       {std::string(kMetaRank), std::to_string(options.rank)},
       {std::string(kMetaWorldSize), std::to_string(options.world_size)},
       {std::string(kMetaGlobalShapes), std::move(global_shapes)},
-      {std::string(kMetaChecksums), std::move(sums)},
+      {std::string(kMetaChecksums), std::move(sums.text)},
   };
   constexpr size_t kChecksumsEntry = 7;
+  constexpr size_t kBlockChecksumsEntry = 8;
+  if (block > 0) {
+    md.emplace_back(std::string(kMetaBlockChecksums), std::move(block_sums.text));
+    md.emplace_back(std::string(kMetaBlockBytes), std::to_string(block));
+  }
   for (const auto& [k, v] : options.metadata) md.emplace_back(k, v);
   auto metadata = [&](std::span<const uint64_t>) { return std::move(md); };
   auto patch = [&](std::string& header, std::span<const size_t> value_offsets,
-                   std::span<const uint64_t> checksums) {
-    const size_t base = value_offsets[kChecksumsEntry];
+                   const RawWriteResult& written) {
+    char* base = header.data() + value_offsets[kChecksumsEntry];
     for (size_t k = 0; k < order.size(); ++k) {
-      write_checksum_digits(header.data() + base + digits[k], checksums[order[k]]);
+      write_checksum_digits(base + sums.digits[k], written.checksums[order[k]]);
+    }
+    if (block == 0) return;
+    base = header.data() + value_offsets[kBlockChecksumsEntry];
+    for (size_t e = 0; e < block_sums.entry.size(); ++e) {
+      const std::vector<uint64_t>& blocks = written.block_checksums[order[block_sums.entry[e]]];
+      for (size_t b = 0; b < blocks.size(); ++b) {
+        write_checksum_digits(base + block_sums.digits[e] + 16 * b, blocks[b]);
+      }
     }
   };
 
@@ -207,6 +233,7 @@ uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> te
       info.offsets = std::move(t.offsets);
       info.global_shape = std::move(t.global_shape);
       info.checksum = r.checksums[idx];
+      info.block_checksums = r.block_checksums[idx];
       info.data_offset = r.data_offset[idx];
       info.nbytes = raw[idx].nbytes;
       d.tensors.push_back(std::move(info));

@@ -1,4 +1,5 @@
 // include/fsdp_ema/checkpoint.h on top of format::CheckpointDir.
+#include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
@@ -12,8 +13,7 @@
 #include "fsdp_ema/format/error.h"
 #include "fsdp_ema/format/rows.h"
 #include "ops/format_bridge.h"
-#include "ops/load_tensors.h"
-#include "ops/reads.h"
+#include "ops/load/pipeline.h"
 
 namespace fsdp_ema {
 namespace {
@@ -41,35 +41,40 @@ struct CheckpointReader::Impl {
 };
 
 CheckpointReader::CheckpointReader(const std::string& directory, bool mmap)
-    : impl_(translate([&] {
-        auto dir =
-            std::make_shared<const format::CheckpointDir>(format::CheckpointDir::open(directory));
+    : impl_([&] {
+        auto dir = ops::open_dir(kWhere, directory);
         const format::CheckpointDir& ref = *dir;
         return std::make_unique<Impl>(Impl{std::move(dir), ref, mmap});
-      })) {}
+      }()) {}
 
 CheckpointReader::~CheckpointReader() = default;
 CheckpointReader::CheckpointReader(CheckpointReader&&) noexcept = default;
 CheckpointReader& CheckpointReader::operator=(CheckpointReader&&) noexcept = default;
 
-const std::string& CheckpointReader::directory() const { return impl_->dir.path(); }
-
-std::string CheckpointReader::layout() const {
-  return std::string(format::layout_name(impl_->dir.layout()));
+const CheckpointReader::Impl& CheckpointReader::impl() const {
+  TORCH_CHECK(impl_ != nullptr, kWhere,
+              "this reader was moved from; use the CheckpointReader it was moved to");
+  return *impl_;
 }
 
-int64_t CheckpointReader::world_size() const { return impl_->dir.world_size(); }
+const std::string& CheckpointReader::directory() const { return impl().dir.path(); }
+
+std::string CheckpointReader::layout() const {
+  return std::string(format::layout_name(impl().dir.layout()));
+}
+
+int64_t CheckpointReader::world_size() const { return impl().dir.world_size(); }
 
 std::vector<CheckpointTensor> CheckpointReader::tensors() const {
   std::vector<CheckpointTensor> out;
-  for (const auto& t : impl_->dir.tensors()) {
+  for (const auto& t : impl().dir.tensors()) {
     out.push_back({t.name, ops::to_scalar_type(t.dtype), {t.shape.begin(), t.shape.end()}});
   }
   return out;
 }
 
 bool CheckpointReader::contains(const std::string& name) const {
-  return impl_->dir.find(name) != nullptr;
+  return impl().dir.find(name) != nullptr;
 }
 
 at::Tensor CheckpointReader::load(const std::string& name, at::Device device, bool verify) const {
@@ -79,38 +84,34 @@ at::Tensor CheckpointReader::load(const std::string& name, at::Device device, bo
 at::Tensor CheckpointReader::load_chunk(const std::string& name, int64_t rank, int64_t world_size,
                                         at::Device device, bool verify) const {
   ops::check_rank(kWhere, rank, world_size);
-  // CUDA: through the two pinned staging buffers (ops/staged_reads.h).
+  const Impl& r = impl();
+  // Read (and verified) again on every call: bytes from the file as it is now, never from an
+  // earlier verdict. CUDA: through the two pinned staging buffers (ops/load/pipeline.h).
   return translate([&] {
-    return ops::load_tensors_from(impl_->owner, {name}, rank, world_size, verify, device,
-                                  impl_->mmap)[0];
+    return ops::read_fresh(r.owner, ops::plan_rows(r.dir, {name}, rank, world_size), verify, device,
+                           r.mmap)[0];
   });
 }
 
 std::map<std::string, at::Tensor> CheckpointReader::load_all(at::Device device, bool verify) const {
+  const Impl& r = impl();
+  std::vector<std::string> names;
+  names.reserve(r.dir.tensors().size());
+  for (const auto& t : r.dir.tensors()) names.push_back(t.name);
+  // One batch: on the CPU read and hashed in one pass (or zero-copy views, hashed through the
+  // mapping); to CUDA through the two pinned staging buffers, so the host never holds the
+  // checkpoint; other devices one tensor at a time.
+  const auto tensors = translate([&] {
+    return ops::read_fresh(r.owner, ops::plan_rows(r.dir, names, 0, 1), verify, device, r.mmap);
+  });
   std::map<std::string, at::Tensor> out;
-  if (!device.is_cpu() && !device.is_cuda()) {
-    // One tensor at a time: the host copy of the whole checkpoint is never held at once.
-    for (const auto& t : impl_->dir.tensors()) {
-      out.emplace_hint(out.end(), t.name, load(t.name, device, verify));
-    }
-    return out;
-  }
-  ops::RowsPlan plan;
-  for (const auto& t : impl_->dir.tensors()) {
-    plan.emplace_back(&t, format::tensor_rows(t.shape, 0, 1));
-  }
-  // One batch: on the CPU read and hashed in one pass (or zero-copy views, hashed first); to CUDA
-  // through the two pinned staging buffers, so the host never holds the checkpoint.
-  const auto tensors =
-      translate([&] { return ops::load_plan(impl_->owner, plan, verify, device, impl_->mmap); });
   // tensors() is sorted by name: each insert goes at the end, in constant time.
-  for (size_t i = 0; i < plan.size(); ++i)
-    out.emplace_hint(out.end(), plan[i].first->name, tensors[i]);
+  for (size_t i = 0; i < names.size(); ++i) out.emplace_hint(out.end(), names[i], tensors[i]);
   return out;
 }
 
 size_t CheckpointReader::verify_all() const {
-  return translate([&] { return impl_->dir.verify_all(); });
+  return translate([&] { return impl().dir.verify_all(); });
 }
 
 void CheckpointReader::load_into(torch::jit::Module& module, const LoadOptions& options) const {
@@ -131,7 +132,8 @@ void CheckpointReader::load_into(torch::nn::Module& module, const LoadOptions& o
 
 void CheckpointReader::load_into(const std::map<std::string, at::Tensor>& targets,
                                  const LoadOptions& options) const {
-  // Read (and verify) everything before the first write, so a bad file leaves the module as it was.
+  // Every destination checked and every tensor read (and verified) before the first write, so a
+  // bad destination or a bad file leaves the module as it was.
   const auto values = read_for(targets, options);
   const at::NoGradGuard no_grad;
   for (const auto& [name, value] : values) targets.at(name).copy_(value);
@@ -141,7 +143,16 @@ std::vector<std::pair<std::string, at::Tensor>> CheckpointReader::read_for(
     const std::map<std::string, at::Tensor>& targets, const LoadOptions& options) const {
   std::vector<std::string> missing, unexpected, misshaped;
   for (const auto& [name, target] : targets) {
-    const format::IndexTensor* info = impl_->dir.find(name);
+    // What copy_ would refuse only once earlier destinations were written.
+    TORCH_CHECK(target.defined(), kWhere, "cannot load ", directory(), ": destination '", name,
+                "' is an undefined tensor");
+    TORCH_CHECK(target.layout() == at::kStrided, kWhere, "cannot load ", directory(),
+                ": destination '", name, "' is a ", target.layout(), " tensor; it must be dense");
+    TORCH_CHECK(at::has_internal_overlap(target) != at::MemOverlap::Yes, kWhere, "cannot load ",
+                directory(), ": destination '", name,
+                "' has elements that share memory (an "
+                "expanded tensor); load into a tensor of its own");
+    const format::IndexTensor* info = impl().dir.find(name);
     if (info == nullptr) {
       missing.push_back(name);
     } else if (!std::equal(info->shape.begin(), info->shape.end(), target.sizes().begin(),
@@ -152,7 +163,7 @@ std::vector<std::pair<std::string, at::Tensor>> CheckpointReader::read_for(
       misshaped.push_back(os.str());
     }
   }
-  for (const auto& t : impl_->dir.tensors()) {
+  for (const auto& t : impl().dir.tensors()) {
     if (targets.count(t.name) == 0) unexpected.push_back(t.name);
   }
   std::ostringstream problems;
@@ -166,7 +177,7 @@ std::vector<std::pair<std::string, at::Tensor>> CheckpointReader::read_for(
 
   std::vector<std::pair<std::string, at::Tensor>> values;
   for (const auto& [name, target] : targets) {
-    if (impl_->dir.find(name) == nullptr) continue;
+    if (impl().dir.find(name) == nullptr) continue;
     values.emplace_back(name, load(name, target.device(), options.verify).to(target.dtype()));
   }
   return values;

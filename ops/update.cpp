@@ -44,6 +44,7 @@ void validate_pairs(const char* op, TensorList ema, TensorList model, UpdateChec
   TORCH_CHECK(!model.empty(), op, "model is empty; pass at least one (ema, model) pair");
   TORCH_CHECK(ema.size() % model.size() == 0, op, "ema has ", ema.size(), " tensors but model has ",
               model.size(), "; pass one model tensor per EMA tensor");
+  TORCH_CHECK(ema[0].defined(), op, "ema[0] is an undefined tensor");
   const c10::Device device = ema[0].device();
   // ema[j] pairs with model[j % N]: one list per profile, profile-major (update_multi_).
   for (const auto j : c10::irange(ema.size())) {

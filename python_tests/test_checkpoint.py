@@ -264,6 +264,29 @@ def test_commit_refuses_a_committed_directory_unless_asked(committed):
     assert ckpt.commit(committed, 2, overwrite=True) == 1
 
 
+def test_commit_refuses_a_world_size_the_files_cannot_match_before_any_per_rank_work(tmp_path):
+    """#33: a million ranks were a million names and stats (6.5 s, +137 MiB) before the first
+    missing file was found; the listing alone now says which rank's file is missing."""
+    ckpt.save_shard(tmp_path, {"w": torch.ones(2)}, rank=0, world_size=10**6)
+    with pytest.raises(RuntimeError, match=r"fsdp_ema::commit_checkpoint: .*missing shard file "
+                                           r"shard-00001-of-1000000\.safetensors \(rank 1 of "
+                                           r"1000000 did not finish writing\); files of 1 of the "
+                                           r"1000000 ranks are present"):
+        ckpt.commit(tmp_path, 10**6)
+    assert not (tmp_path / "fsdp_ema.index.json").exists()
+
+
+def test_load_boxes_reads_boxes_of_every_layout(tmp_path):
+    ref = torch.arange(7 * 6, dtype=torch.float32).reshape(7, 6)
+    write_sharded(tmp_path, {"w": ref}, 3)
+    opened = ckpt.open_checkpoint(tmp_path)
+    got = opened.load_boxes({"w": ([2, 1], [4, 3])})["w"]
+    assert torch.equal(got, ref[2:6, 1:4])
+    assert opened.load_boxes({"w": ([7, 6], [0, 0])})["w"].shape == (0, 0)
+    with pytest.raises(RuntimeError, match=r"load_boxes: .*outside global shape \[7, 6\]"):
+        opened.load_boxes({"w": ([5, 0], [3, 6])})
+
+
 def test_commit_refuses_a_missing_rank(tmp_path):
     ckpt.save_shard(tmp_path, {"w": (torch.ones(2), [0], [4])}, rank=0, world_size=2)
     with pytest.raises(RuntimeError, match=r"missing shard file shard-00001-of-00002\.safetensors "

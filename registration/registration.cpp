@@ -9,9 +9,7 @@
 #include "ops/directory.h"
 #include "ops/export_writer.h"
 #include "ops/gather_shards.h"
-#include "ops/load_into.h"
-#include "ops/load_shard.h"
-#include "ops/load_tensors.h"
+#include "ops/load/load_ops.h"
 #include "ops/memory.h"
 #include "ops/posthoc.h"
 #include "ops/queries.h"
@@ -143,6 +141,7 @@ TORCH_LIBRARY(fsdp_ema, m) {
       .def("check_into", &ops::OpenCheckpoint::check_into)
       .def("load_into_", &ops::OpenCheckpoint::load_into_)
       .def("load", &ops::OpenCheckpoint::load)
+      .def("load_boxes", &ops::OpenCheckpoint::load_boxes)
       .def("check_unchanged", &ops::OpenCheckpoint::check_unchanged)
       .def("info", &ops::OpenCheckpoint::info);
 }

@@ -3,9 +3,7 @@
 
 #include "ops/commit_checkpoint.h"
 #include "ops/gather_shards.h"
-#include "ops/load_into.h"
-#include "ops/load_shard.h"
-#include "ops/load_tensors.h"
+#include "ops/load/load_ops.h"
 #include "ops/save_shard.h"
 #include "ops/update.h"
 

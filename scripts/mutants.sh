@@ -139,9 +139,9 @@ MUTANTS = {
     # #28: verify skips the data checks of pieces without a checksum (DCP, plain HF), which a
     # load applies: verify says OK where load refuses.
     "verify-skips-data-checks-without-a-checksum": (
-        "format/checkpoint_dir.cpp",
-        "    if (!p.checksum && !ShardFile::has_data_checks(*r.info)) return false;",
-        "    if (!p.checksum) return false;",
+        "format/shard_file.cpp",
+        "    file_.check_data(t_, data, n);\n    hash_.update(data, n);",
+        "    hash_.update(data, n);",
         [pytest("python_tests/test_one_verdict.py", "-k", "bool_byte")]),
     # #28: a file's identity without its ctime: a same-size rewrite with the mtime set back
     # between a collective load's check and its write loads wrong data.
@@ -180,18 +180,51 @@ MUTANTS = {
         "const int64_t cs = rows / world + (rows % world > 1 ? 1 : 0);",
         [pytest("python_tests/test_checkpoint.py", "-k", "resharding"),
          pytest("python_tests/test_gather_shards.py")]),
+    # #33, the read pipeline's seams. A piece with a whole-piece checksum only, read in part,
+    # must be read and hashed whole (its part placed from that pass), not read in part unhashed.
     "partial-read-skips-checksum": (
-        "format/checkpoint_dir.cpp",
-        "    } else if (verify) {\n      ensure_verified(ti, pi);",
-        "    } else if (verify && whole_piece) {\n      ensure_verified(ti, pi);",
+        "format/read_plan.cpp",
+        "    } else if (options_.verify && info.checksum) {\n      add_whole(p, dst, runs);",
+        "    } else if (options_.verify && info.checksum && runs.size() > 1) {\n"
+        "      add_whole(p, dst, runs);",
         [pytest("python_tests/test_checkpoint.py", "-k", "partial_read"),
-         ctest("^CheckpointDirCorruption\\.")]),
-    # The dim-0 rows read path verifies a piece it reads in part before reading it.
+         ctest("^ReadPipeline\\.EveryRead")]),
+    # The edge blocks of a dim-0 range (read through a buffer) are checked like the rest.
     "rows-partial-read-skips-checksum": (
-        "format/checkpoint_dir.cpp",
-        "} else if (!whole && (p.checksum || ShardFile::has_data_checks(*ref.info))) {",
-        "} else if (false) {",
-        [pytest("python_tests/test_checkpoint.py", "-k", "partial_read")]),
+        "format/read_plan.cpp",
+        "      ReadUnit& u = open_unit(p, begin, end, UnitCheck::kBlocks);",
+        "      ReadUnit& u = open_unit(p, begin, end,\n"
+        "                              begin % b || end % b ? UnitCheck::kNone : UnitCheck::kBlocks);",
+        [pytest("python_tests/test_checkpoint.py", "-k", "partial_read"),
+         ctest("^ReadPipeline\\.EveryRead")]),
+    # A chunk read straight into its destination is checked after the read, like one read into
+    # a buffer (the attack's "verified load returns unverified bytes").
+    "read-chunk-skips-its-check": (
+        "format/read_exec.cpp",
+        "        check_chunk(unit, c, data);\n      }\n      if (direct[c.unit]",
+        "      }\n      if (direct[c.unit]",
+        [ctest("^ReadPipeline\\."),
+         pytest("python_tests/test_concurrent_rewrites.py", "-k", "no_verified_load")]),
+    # The write pass of a check-then-write load hashes what it reads (fstat cannot see a write
+    # through a dirty shared page).
+    "write-pass-trusts-the-check": (
+        "ops/load/load_ops.cpp",
+        "    read_into(dir, plan, out, verify);",
+        "    read_into(dir, plan, out, false);",
+        [pytest("python_tests/test_concurrent_rewrites.py", "-k", "dirty_shared_page")]),
+    # Staged chunks are checked in the buffer before their copies are issued.
+    "staged-chunk-skips-its-check": (
+        "format/read_exec.cpp",
+        "          check_chunk(u, c, into);",
+        "          (void)into;",
+        [ctest("^StagedReads\\.ABadBlock")]),
+    # A rank's rows start at its first row, not the tensor's.
+    "planner-ignores-the-first-row": (
+        "format/read_plan.cpp",
+        "    off[0] = q.rows.begin;",
+        "    off[0] = 0;",
+        [ctest("^ReadPipeline\\.Reshard"), pytest("python_tests/test_checkpoint.py", "-k",
+                                                    "resharding")]),
     "one-row-overlap-not-seen-by-the-commit": (
         "format/index.cpp",
         "      hi[d] = cell_of(d, p.offsets[d] + p.shape[d]);\n",
@@ -245,9 +278,9 @@ MUTANTS = {
         [ctest("^format_fuzz_replay$")]),
     # --- tracing and the C++ paths (#15) --------------------------------------------------------
     "meta-load-ignores-rank-rows": (
-        "ops/reads.cpp",
-        "if (!shape.empty()) shape[0] = rows.size();",
-        "if (false) shape[0] = rows.size();",
+        "ops/load/pipeline.cpp",
+        "  shape[0] = item.rows.size();",
+        "  (void)item.rows;",
         [pytest("python_tests/test_library_only.py", "-k", "tracing or opcheck")]),
     "train-sharded-gradients-not-averaged": (
         "examples/train_sharded.cpp",
@@ -260,7 +293,7 @@ MUTANTS = {
     # Loads to a device through two staging buffers: refilling a buffer before waiting for the
     # copies out of it hands the device the next step's bytes.
     "staging-refills-before-wait": (
-        "ops/staged_reads.cpp",
+        "format/read_exec.cpp",
         "if (s >= 2) target.acquire(b);",
         "if (s >= 2 && false) target.acquire(b);",
         [ctest("^StagedReads\\.LateCopies")]),

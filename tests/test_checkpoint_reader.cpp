@@ -3,16 +3,22 @@
 // module's parameters and buffers.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <fcntl.h>
 #include <fsdp_ema/checkpoint.h>
 #include <fsdp_ema/ops.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/script.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
+#include <thread>
 
 #include "checkpoint_fixture.h"
 #include "test_helpers.h"
@@ -109,6 +115,124 @@ TEST(CheckpointReaderCuda, LoadAllAndChunksEqualTheCpuLoads) {
       EXPECT_TRUE(at::equal(got.cpu(), reader.load_chunk(name, rank, 3))) << name << " " << rank;
     }
   }
+  fs::remove_all(dir);
+}
+
+// Every load reads and verifies again: a byte changed in place after the first load (pwrite, with
+// no reopen) fails the second load, never returns the changed bytes.
+TEST(CheckpointReader, SecondLoadOfAChangedFileIsRefused) {
+  const fs::path dir = scratch_dir("second_load");
+  const auto tensors = reference();
+  write_sharded(dir, tensors, 1);
+  const fsdp_ema::CheckpointReader reader(dir.string());
+  EXPECT_TRUE(at::equal(reader.load("emb"), tensors.at("emb")));
+  const std::string file = (dir / "shard-00000-of-00001.safetensors").string();
+  // File order is descending element size, then name: "step" (i64, 8 bytes), then "emb" (f32).
+  const auto data_start = [&] {
+    FILE* f = std::fopen(file.c_str(), "rb");
+    uint64_t n = 0;
+    EXPECT_EQ(std::fread(&n, 8, 1, f), 1u);
+    std::fclose(f);
+    return 8 + n;
+  }();
+  const int fd = ::open(file.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  unsigned char c = 0;
+  ASSERT_EQ(::pread(fd, &c, 1, static_cast<off_t>(data_start + 8 + 5)), 1);
+  c ^= 0x40;
+  ASSERT_EQ(::pwrite(fd, &c, 1, static_cast<off_t>(data_start + 8 + 5)), 1);
+  ::close(fd);
+  for (bool again : {false, true}) {
+    try {
+      const at::Tensor t = reader.load("emb");
+      FAIL() << "loaded " << (at::equal(t, tensors.at("emb")) ? "the old" : "changed") << " bytes";
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.what_without_backtrace(), HasSubstr("checksum mismatch")) << again;
+    }
+  }
+  EXPECT_TRUE(at::equal(reader.load("bias"), tensors.at("bias")));  // other tensors still load
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointReader, AMovedFromReaderThrowsAClearError) {
+  const fs::path dir = scratch_dir("moved");
+  write_sharded(dir, reference(), 1);
+  fsdp_ema::CheckpointReader a(dir.string());
+  fsdp_ema::CheckpointReader b = std::move(a);
+  EXPECT_EQ(b.load("step").item<int64_t>(), 5);
+  for (const auto& call : std::vector<std::function<void()>>{
+           [&] { a.load("step"); }, [&] { a.tensors(); }, [&] { a.directory(); },
+           [&] { a.load_all(); }, [&] { a.verify_all(); }}) {
+    try {
+      call();
+      FAIL() << "no error";
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.what_without_backtrace(),
+                  HasSubstr("fsdp_ema::CheckpointReader: this reader was moved from"));
+    }
+  }
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointReader, LoadIntoChecksEveryDestinationBeforeTheFirstWrite) {
+  const fs::path dir = scratch_dir("destinations");
+  const auto tensors = reference();
+  write_sharded(dir, tensors, 2);
+  const fsdp_ema::CheckpointReader reader(dir.string());
+  const std::map<std::string, at::Tensor> fine = {
+      {"bias", at::zeros({7})}, {"emb", at::zeros({13, 6})}, {"step", at::zeros({}, at::kLong)}};
+  auto with = [&](const std::string& name, at::Tensor t) {
+    auto m = fine;
+    m[name] = t;
+    return m;
+  };
+  const std::vector<std::pair<std::map<std::string, at::Tensor>, std::string>> bad = {
+      {with("tiny", at::zeros({1, 3}).expand({2, 3})),
+       "destination 'tiny' has elements that share"},
+      {with("tiny", at::Tensor()), "destination 'tiny' is an undefined tensor"},
+  };
+  for (const auto& [targets, message] : bad) {
+    try {
+      reader.load_into(targets);
+      FAIL() << "no error for " << message;
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.what_without_backtrace(), HasSubstr(message));
+    }
+    for (const auto& [name, t] : fine) {
+      EXPECT_EQ(t.count_nonzero().item<int64_t>(), 0) << name << " was written";
+    }
+  }
+}
+
+// One reader shared by 8 threads (the serving pattern): every load returns the stored values.
+TEST(CheckpointReader, OneReaderSharedByEightThreadsLoadsTheRightValues) {
+  const fs::path dir = scratch_dir("threads");
+  const auto tensors = reference();
+  write_sharded(dir, tensors, 3);
+  const fsdp_ema::CheckpointReader reader(dir.string());
+  std::atomic<int> wrong{0}, loads{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 60; ++i) {
+        for (const auto& [name, want] : tensors) {
+          const int64_t world = 1 + (t + i) % 4;
+          const int64_t rank = i % world;
+          const at::Tensor got = reader.load_chunk(name, rank, world);
+          at::Tensor expected = want;
+          if (want.dim() > 0) {
+            const auto [b, e] = chunk_rows(want.size(0), rank, world);
+            expected = want.slice(0, b, e);
+          }
+          if (!at::equal(got, expected)) ++wrong;
+          ++loads;
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(loads.load(), 8 * 60 * 4);
+  EXPECT_EQ(wrong.load(), 0);
   fs::remove_all(dir);
 }
 

@@ -151,6 +151,26 @@ TEST(UpdateRejects, EmptyListWithDecayTensor) {
               ::testing::ThrowsMessage<c10::Error>(HasSubstr("ema is empty")));
 }
 
+// From C++ an undefined tensor can reach the op: the error names the op and the argument.
+TEST(UpdateRejects, UndefinedTensorsAreNamed) {
+  std::vector<at::Tensor> ema = {at::Tensor(), at::zeros({3})};
+  std::vector<at::Tensor> model = {at::ones({3}), at::ones({3})};
+  EXPECT_THAT([&] { fsdp_ema::update_(ema, model, 0.5); },
+              ::testing::ThrowsMessage<c10::Error>(
+                  HasSubstr("fsdp_ema::update_: ema[0] is an undefined tensor")));
+  EXPECT_THAT([&] { fsdp_ema::update_(ema, model, at::scalar_tensor(0.5)); },
+              ::testing::ThrowsMessage<c10::Error>(
+                  HasSubstr("fsdp_ema::update_: ema[0] is an undefined tensor")));
+  std::vector<at::Tensor> all_undefined = {at::Tensor()};
+  EXPECT_THAT([&] { fsdp_ema::update_(all_undefined, all_undefined, 0.5); },
+              ::testing::ThrowsMessage<c10::Error>(HasSubstr("fsdp_ema::update_: ema[0]")));
+  std::vector<at::Tensor> fine = {at::zeros({3})};
+  EXPECT_THAT([&] { fsdp_ema::update_(fine, all_undefined, 0.5); },
+              ::testing::ThrowsMessage<c10::Error>(
+                  HasSubstr("fsdp_ema::update_: model[0] is an undefined tensor")));
+  EXPECT_EQ(ema[1].sum().item<double>(), 0.0);
+}
+
 TEST(UpdateRejects, MixedDevicesAcrossPairs) {
   if (!fsdp_ema::testing::cuda_available()) GTEST_SKIP() << "no CUDA device";
   std::vector<at::Tensor> ema = {at::zeros({3}, f32(at::kCUDA)), at::zeros({3})};

@@ -107,6 +107,8 @@ class CheckpointReader {
       const std::map<std::string, at::Tensor>& targets, const LoadOptions& options) const;
 
   struct Impl;
+  // impl_, or a c10::Error when this reader was moved from.
+  const Impl& impl() const;
   std::unique_ptr<Impl> impl_;
 };
 

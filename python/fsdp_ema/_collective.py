@@ -170,9 +170,10 @@ def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
     (the pieces are hashed already). Agree. Then the fresh values are copied into their
     destinations. A failure in the check on any rank raises on every rank before any rank
     writes. Just before the write, every rank checks its open files with ``fstat`` (size, mtime,
-    ctime) and all agree: a file rewritten in place since the check is refused on every rank with
-    nothing written. The write can then fail only if a file changes or becomes unreadable while
-    it is read, and raises on every rank too (its destinations may then be partly written)."""
+    ctime) and all agree: an early refusal, with nothing written, of a file rewritten in place
+    since the check. The write pass hashes every byte again as it reads it, so a change ``fstat``
+    cannot see (a write through a shared mapping) or one during the write raises on every rank
+    too (its destinations may then be partly written); no rank ever loads changed bytes."""
     run = functools.partial(agreed, group=group, device=device, what=what)
 
     def check():
@@ -202,14 +203,22 @@ def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
             by_request[t.read.request][t.name] = t.dest
         for (rank, world), tensors in by_request.items():
             ckpt.check_into(tensors, rank=rank, world_size=world, verify=verify)
+        # Fresh reads: a box (a tensor-parallel piece) reads only what it touches; rows by request.
         fresh_by_request: dict[tuple[int, int], list[LoadTarget]] = defaultdict(list)
+        boxes = [t for t in fresh if t.read.box is not None]
         for t in fresh:
-            fresh_by_request[t.read.request].append(t)
-        values: dict[str, torch.Tensor] = {}
+            if t.read.box is None:
+                fresh_by_request[t.read.request].append(t)
+        loaded = {}
+        if boxes:
+            loaded = ckpt.load_boxes({t.name: t.read.box for t in boxes}, verify=verify)
         for (rank, world), ts in fresh_by_request.items():
-            loaded = ckpt.load([t.name for t in ts], rank=rank, world_size=world, verify=verify)
+            loaded.update(ckpt.load([t.name for t in ts], rank=rank, world_size=world,
+                                    verify=verify))
+        values: dict[str, torch.Tensor] = {}
+        for ts in (boxes, *fresh_by_request.values()):
             for t in ts:
-                value = t.read.take(loaded[t.name])
+                value = loaded[t.name] if t.read.box is not None else t.read.take(loaded[t.name])
                 if t.dest is not None and value.shape != t.dest.shape:
                     raise ValueError(f"{t.name!r}: {list(value.shape)} read for a local tensor "
                                      f"of {list(t.dest.shape)}")
@@ -223,7 +232,7 @@ def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
         if before_write is not None:
             before_write()
         for (rank, world), tensors in by_request.items():
-            ckpt.load_into(tensors, rank=rank, world_size=world, verify=verify)
+            ckpt.load_into(tensors, rank=rank, world_size=world, verify=verify, checked=True)
 
     run(write)
     with torch.no_grad():

@@ -206,12 +206,13 @@ def load_into(directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     dtype and of the shape :func:`load` would return for ``rank`` of ``world_size``.
 
     Nothing is allocated and nothing is copied twice, so resuming into a model's parameters costs
-    one read. Every destination is checked, and (``verify``) every stored piece read is hashed,
-    before the first destination is written: a bad request or a corrupted file leaves all of
-    them as they were. Each file is checked with ``fstat`` (size, mtime and ctime, which no user
-    can set back) just before the first write and again after the last read: a file rewritten in
-    place after it was hashed is refused with every destination untouched, and one rewritten
-    while it is read raises, possibly after some destinations were written.
+    one read. Two passes: every destination is checked and (``verify``) every byte it will read is
+    hashed before the first destination is written, so a bad request or a corrupted file leaves
+    all of them as they were; then every byte is hashed again as it is read into place, so a file
+    that another process changes between the passes, or during the write, makes the call raise
+    (some destinations may then be written) and never yields bytes other than the stored ones.
+    (An ``fstat`` of every file before the write refuses an in-place rewrite early; it is not the
+    proof: a write through a shared mapping moves neither mtime nor ctime.)
 
     Example::
 
@@ -229,12 +230,12 @@ class OpenCheckpoint:
     several reads see the same files and each stored piece is hashed at most once.
 
     What a collective load needs: every rank runs ``check_into`` (everything ``load_into``
-    checks, and the hash of every piece it reads, with nothing written), the ranks agree, and
-    only then every rank runs ``load_into``, which finds those pieces hashed already. A file
-    replaced by rename meanwhile (an overwrite committed) is read as it was opened, or refused
-    ("changed since it was opened") if its descriptor had to be reopened; a file modified in
-    place between the two calls (even with the same size and its mtime set back) is refused by
-    the ``fstat`` check ``load_into`` and ``load`` run before their first read: its ctime moved.
+    checks, every byte it will read hashed, nothing written), the ranks agree, and only then every
+    rank runs ``load_into(..., checked=True)``, which skips the check pass and hashes every byte
+    again as it reads it into place: a file changed in place between the two calls (by ``pwrite``
+    or through a shared mapping, which ``fstat`` cannot see) makes it raise, never load the
+    changed bytes. A file replaced by rename meanwhile (an overwrite committed) is read as it was
+    opened, or refused ("changed since it was opened") if its descriptor had to be reopened.
 
     Example::
 
@@ -261,17 +262,31 @@ class OpenCheckpoint:
                                     verify)
 
     def load_into(self, tensors: Mapping[str, torch.Tensor], *, rank: int = 0,
-                  world_size: int = 1, verify: bool = True) -> None:
-        """:func:`load_into` from this directory."""
+                  world_size: int = 1, verify: bool = True, checked: bool = False) -> None:
+        """:func:`load_into` from this directory. ``checked=True``: :meth:`check_into` ran with
+        the same arguments and passed (on every rank, for a collective load), so the check pass
+        is skipped; the write pass still hashes every byte it reads and raises on any change
+        since (destinations may then be partly written)."""
         with torch.no_grad(), _gc_paused():
             self._handle.load_into_(list(tensors), list(tensors.values()), rank, world_size,
-                                    verify)
+                                    verify, checked)
 
     def check_unchanged(self) -> None:
-        """Raises RuntimeError ("changed since it was opened") when a file of this checkpoint
-        was modified since it was opened: ``fstat`` of every file against its size, mtime and
-        ctime (which no user can set back). ``load_into`` and ``load`` run it themselves."""
+        """Raises RuntimeError ("changed since it was opened") when ``fstat`` of a file of this
+        checkpoint differs from when it was opened (size, mtime, ctime): an early refusal of a
+        rewrite, which ``load_into`` and ``load`` run themselves. Passing it proves nothing (a
+        write through a shared mapping moves neither time); the loads' hashes are the proof."""
         self._handle.check_unchanged()
+
+    def load_boxes(self, boxes: Mapping[str, tuple[Sequence[int], Sequence[int]]], *,
+                   verify: bool = True) -> dict:
+        """Boxes of tensors, ``{name: (offsets, shape)}``, as fresh CPU tensors: only the bytes
+        (with block checksums: the blocks) each box touches are read, each verified as read."""
+        names = list(boxes)
+        offsets = [int(o) for name in names for o in boxes[name][0]]
+        shapes = [int(s) for name in names for s in boxes[name][1]]
+        with _gc_paused():
+            return dict(zip(names, self._handle.load_boxes(names, offsets, shapes, verify)))
 
     def load(self, names: Sequence[str], *, rank: int = 0, world_size: int = 1,
              verify: bool = True) -> dict:

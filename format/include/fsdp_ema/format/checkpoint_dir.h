@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "fsdp_ema/format/index.h"
+#include "fsdp_ema/format/read_plan.h"
 #include "fsdp_ema/format/rows.h"
 #include "fsdp_ema/format/shard_file.h"
 
@@ -60,48 +61,47 @@ class CheckpointDir {
   // layout). Harmless to us, but DCP's HuggingFace reader would read them too.
   std::vector<std::string> stray_files() const;
 
-  // Reads the whole tensor (row-major, dst_bytes == tensor_nbytes). With verify, every piece read
-  // is checked against its checksum (each piece at most once per CheckpointDir). read_full,
-  // read_rows and read_chunk are read_rows_batch of one read on the caller's thread.
-  void read_full(std::string_view name, void* dst, size_t dst_bytes, bool verify = true) const;
-  // One destination of read_rows_batch: rows [rows.begin, rows.end) of dim 0 of tensor `name`
-  // (a 0-dim tensor is read whole; rows are ignored), row-major into dst.
-  struct RowsRead {
-    std::string_view name;
-    RowRange rows;
-    void* dst = nullptr;
-    size_t dst_bytes = 0;
-  };
-  // The read path of every load: each read checked as read_rows checks it, then all of them
-  // through read_pieces (piece_reads.h: chunks of 8 MiB on up to `threads` threads, 0 meaning
-  // the machine's cores). With verify, a piece read whole is hashed in order as it is read and
-  // checked against its checksum; a piece read in part is verified (verify_piece) before any
-  // read starts. Each piece is hashed at most once per CheckpointDir, as in read_full.
-  void read_rows_batch(std::span<const RowsRead> reads, bool verify, size_t threads) const;
-  // Rows [row_begin, row_end) of dim 0 (the tensor must have at least one dimension).
-  void read_rows(std::string_view name, int64_t row_begin, int64_t row_end, void* dst,
-                 size_t dst_bytes, bool verify = true) const;
-  // The rows rank `rank` of `world` holds: read_rows(tensor_rows(shape, rank, world)); a 0-dim
-  // tensor whole (every rank holds it).
-  void read_chunk(std::string_view name, int64_t rank, int64_t world, void* dst, size_t dst_bytes,
-                  bool verify = true) const;
-  // Any box [offsets, offsets + shape) of the tensor, written row-major into dst.
-  void read_slice(std::string_view name, std::span<const int64_t> offsets,
-                  std::span<const int64_t> shape, void* dst, size_t dst_bytes,
-                  bool verify = true) const;
-  // Elements [elem_begin, elem_end) of the flattened (row-major) tensor.
-  void read_flat(std::string_view name, uint64_t elem_begin, uint64_t elem_end, void* dst,
-                 size_t dst_bytes, bool verify = true) const;
+  // The read pipeline's view of tensor `index` (its position in tensors()): shape and pieces.
+  StoredTensor stored(size_t index) const;
+  // Position in tensors(); throws FormatError "no tensor '<name>' in <dir>".
+  size_t index_of(std::string_view name) const;
+  // plan_reads (read_plan.h) of requests on this checkpoint's tensors; errors name the directory.
+  ReadPlan plan(std::span<const ReadRequest> requests, std::span<const uint64_t> dst_bytes,
+                const PlanOptions& options = {}) const;
 
-  // Checks piece `piece` of tensor `name` against its checksum (once; later calls return at
-  // once). True when verified, false when it has no checksum (DCP); throws on a mismatch.
-  // `mapped`: hash the bytes where the shard file's mapping holds them (ShardFile::
-  // compute_checksum), for zero-copy loads, whose views read that mapping anyway.
-  bool verify_piece(std::string_view name, size_t piece, bool mapped = false) const;
-  // verify_piece for every piece; returns the number of pieces with a checksum.
+  // Conveniences over plan + execute_reads, on `threads` threads (0: the machine's cores), every
+  // byte verified (with verify) in the pass that reads it:
+  // the whole tensor (row-major, dst_bytes == tensor_nbytes);
+  void read_full(std::string_view name, void* dst, size_t dst_bytes, bool verify = true,
+                 size_t threads = 1) const;
+  // rows [row_begin, row_end) of dim 0 (the tensor must have at least one dimension);
+  void read_rows(std::string_view name, int64_t row_begin, int64_t row_end, void* dst,
+                 size_t dst_bytes, bool verify = true, size_t threads = 1) const;
+  // the rows rank `rank` of `world` holds (tensor_rows; a 0-dim tensor whole: every rank holds
+  // it);
+  void read_chunk(std::string_view name, int64_t rank, int64_t world, void* dst, size_t dst_bytes,
+                  bool verify = true, size_t threads = 1) const;
+  // any box [offsets, offsets + shape), row-major;
+  void read_slice(std::string_view name, std::span<const int64_t> offsets,
+                  std::span<const int64_t> shape, void* dst, size_t dst_bytes, bool verify = true,
+                  size_t threads = 1) const;
+  // elements [elem_begin, elem_end) of the flattened (row-major) tensor. A reader that reads a
+  // tensor in consecutive ranges passes one `session` to every call, so that a piece without
+  // block checksums is hashed once across them (read_plan.h: ReadSession).
+  void read_flat(std::string_view name, uint64_t elem_begin, uint64_t elem_end, void* dst,
+                 size_t dst_bytes, bool verify = true,
+                 const std::shared_ptr<ReadSession>& session = {}) const;
+
+  // Every check any read of piece `piece` of tensor `name` makes (ShardFile::verify: checksum,
+  // block checksums, data checks), on the bytes as they are in the file now. True when a checksum
+  // was verified, false when it has none (DCP); throws on a mismatch.
+  bool verify_piece(std::string_view name, size_t piece) const;
+  // verify_piece for every piece, one pass over each file (files on the machine's cores);
+  // returns the number of pieces with a checksum.
   size_t verify_all() const;
-  // ShardFile::check_unchanged for every file: what a load checks before it writes pieces it
-  // hashed earlier (and once more after), so that a file rewritten in place meanwhile is refused.
+  // ShardFile::check_unchanged for every file (fstat: size, mtime, ctime against the open): an
+  // early refusal of a file rewritten since it was opened. Not a proof that it is unchanged (a
+  // write through a shared mapping moves neither time); the proof is each read's hash.
   void check_unchanged() const;
 
  private:

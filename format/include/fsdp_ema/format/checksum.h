@@ -7,6 +7,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace fsdp_ema::format {
 
@@ -21,6 +22,19 @@ void write_checksum_digits(char* out, uint64_t value);
 // The value of a string format_checksum wrote; nullopt for anything else (upper-case hex, other
 // lengths, other algorithms).
 std::optional<uint64_t> parse_checksum(std::string_view text);
+
+// Block checksums (an optional extension of the shard header, FORMAT.md): the bytes of a tensor
+// larger than one block are also hashed per block of kChecksumBlockBytes (the last block may be
+// shorter), so that a read of part of the tensor verifies only the blocks it touches. A tensor of
+// at most one block has one block, whose checksum is the tensor's own.
+inline constexpr uint64_t kChecksumBlockBytes = uint64_t{1} << 20;
+// Block sizes a reader accepts: powers of two in [kMinChecksumBlockBytes, kMaxChecksumBlockBytes].
+inline constexpr uint64_t kMinChecksumBlockBytes = 64;
+inline constexpr uint64_t kMaxChecksumBlockBytes = uint64_t{16} << 20;
+// Number of blocks of `nbytes` (at least one).
+inline uint64_t checksum_blocks(uint64_t nbytes, uint64_t block_bytes) {
+  return nbytes <= block_bytes ? 1 : (nbytes + block_bytes - 1) / block_bytes;
+}
 
 // XXH3_64bits (seed 0) of the bytes; AVX2 code where the CPU has it, same result everywhere.
 uint64_t checksum_of(const void* data, size_t size);
@@ -44,6 +58,26 @@ class Checksummer {
 
  private:
   void* state_;  // XXH3_state_t, kept out of this header so xxhash stays a private dependency
+};
+
+// A tensor's checksum and, when it has more than one block, its block checksums, from the bytes
+// in order (any split): what a writer computes on the way to the file.
+class TensorHasher {
+ public:
+  // `block_bytes` 0: no block checksums.
+  TensorHasher(uint64_t nbytes, uint64_t block_bytes);
+  void update(const void* data, size_t size);
+  uint64_t digest() const { return whole_.digest(); }
+  // Empty unless the tensor has more than one block; call once every byte was fed (it closes
+  // the last, shorter block).
+  std::vector<uint64_t>& blocks();
+
+ private:
+  Checksummer whole_;
+  Checksummer block_;
+  uint64_t block_bytes_ = 0;  // 0: whole checksum only
+  uint64_t in_block_ = 0;     // bytes fed into block_
+  std::vector<uint64_t> blocks_;
 };
 
 }  // namespace fsdp_ema::format

@@ -26,6 +26,14 @@ std::string shard_file_name(int64_t rank, int64_t world_size);
 std::string alternate_shard_file_name(int64_t rank, int64_t world_size);
 // True for the names our writers give shard files: shard-<digits>-of-<digits>[.b].safetensors.
 bool is_shard_file_name(std::string_view name);
+// The rank and world size a shard file name says (numbers of at most 18 digits), nullopt for
+// any other name.
+struct ShardFileName {
+  int64_t rank = 0;
+  int64_t world_size = 0;
+  bool alternate = false;  // the ".b" name of an overwrite
+};
+std::optional<ShardFileName> parse_shard_file_name(std::string_view name);
 
 // The consolidated export (export.h): one file, or numbered files plus the index.
 inline constexpr std::string_view kExportSingleFileName = "model.safetensors";

@@ -29,8 +29,11 @@ struct RawTensor {
 
 struct RawWriteResult {
   uint64_t file_bytes = 0;
-  std::vector<size_t> order;          // file order: order[k] = input index of the k-th tensor
-  std::vector<uint64_t> checksums;    // XXH3-64 per input index
+  std::vector<size_t> order;        // file order: order[k] = input index of the k-th tensor
+  std::vector<uint64_t> checksums;  // XXH3-64 per input index
+  // Per input index: its block checksums (options.checksum_block_bytes; empty for a tensor of at
+  // most one block, or with block checksums off).
+  std::vector<std::vector<uint64_t>> block_checksums;
   std::vector<uint64_t> data_offset;  // absolute file offset per input index
   uint64_t header_checksum = 0;       // XXH3-64 of the file's first 8 + header-length bytes
 };
@@ -45,7 +48,7 @@ using MetadataFn = std::function<std::vector<std::pair<std::string, std::string>
 // written, patches those digits into `header` (serialized with the zero checksums; see
 // serialize_safetensors_header for `value_offsets`) in place of a second serialization.
 using HeaderPatchFn = std::function<void(std::string& header, std::span<const size_t> value_offsets,
-                                         std::span<const uint64_t> checksums_by_input_index)>;
+                                         const RawWriteResult& result)>;
 
 // The file order of the tensors: descending element size, then name. Every data offset is then a
 // multiple of its element size with no padding (the data section starts 64-aligned).

@@ -21,6 +21,11 @@ namespace fsdp_ema::format {
 inline constexpr std::string_view kMetaFormatVersion = "fsdp_ema_format_version";
 inline constexpr std::string_view kMetaGlobalShapes = "fsdp_ema_global_shapes";
 inline constexpr std::string_view kMetaChecksums = "fsdp_ema_checksums";
+// The block-checksum extension (optional, both keys or neither): the block size, and an object
+// keyed by the name of every tensor of more than one block, each value the 16 lowercase hex
+// digits of every block's XXH3-64, concatenated.
+inline constexpr std::string_view kMetaBlockBytes = "fsdp_ema_checksum_block_bytes";
+inline constexpr std::string_view kMetaBlockChecksums = "fsdp_ema_block_checksums";
 inline constexpr std::string_view kMetaRank = "fsdp_ema_rank";
 inline constexpr std::string_view kMetaWorldSize = "fsdp_ema_world_size";
 inline constexpr std::string_view kMetaDcpShardingInfo = "DCP_SHARDING_INFO";
@@ -36,6 +41,8 @@ struct ShardHeader {
   bool fsdp_ema = false;            // has our metadata ("fsdp_ema_format_version")
   std::optional<int64_t> rank;
   std::optional<int64_t> world_size;
+  // The block size of the block-checksum extension; 0 when the file has none.
+  uint64_t block_bytes = 0;
 };
 
 // Interprets the metadata of a parsed header. Our keys are optional (any safetensors file reads),
@@ -90,21 +97,25 @@ class ShardFile {
   void prefetch_if_cold(uint64_t offset, uint64_t length) const;
   void read(const TensorInfo& tensor, uint64_t offset, uint64_t length, void* dst,
             Checksummer* hash = nullptr) const;
-  // Reads the whole tensor into dst (tensor.nbytes bytes) and checks its stored checksum in the
-  // same pass when `verify` and the file stores one (throws on a mismatch, naming the file and
-  // tensor). Returns whether a checksum was checked.
-  bool read_verified(const TensorInfo& tensor, void* dst, bool verify) const;
 
   // Throws FormatError "<file>: tensor '<name>': checksum mismatch" unless `digest` (of the
   // tensor's bytes as read) is its stored checksum; nothing to check when it stores none.
   void check_digest(const TensorInfo& tensor, uint64_t digest) const;
+  // Checks `length` bytes of the tensor read from byte `offset` against its block checksums
+  // (header().block_bytes; a tensor of one block against its checksum): `offset` on a block edge,
+  // `length` whole blocks or up to the tensor's end. Throws FormatError naming the file, tensor,
+  // block and byte range on a mismatch.
+  void check_blocks(const TensorInfo& tensor, uint64_t offset, const std::byte* data,
+                    uint64_t length) const;
+  // The data checks of a read on bytes obtained otherwise (a mapping): BOOL bytes are 0 or 1.
+  void check_data(const TensorInfo& tensor, const std::byte* data, uint64_t length) const;
 
-  // The verdict on one tensor's bytes, the same a read gives: its stored checksum (true when it
-  // matches, false when the file stores none) and the data checks every read applies (BOOL
+  // The verdict on one tensor's bytes, every check any read makes: its stored checksum (true when
+  // it matches, false when the file stores none), its block checksums, and the data checks (BOOL
   // bytes are 0 or 1, checksum or not); throws FormatError("<file>: tensor '<name>': ...").
   bool verify(std::string_view name) const;
   bool verify(const TensorInfo& tensor) const;
-  // verify() for every tensor; returns how many had a checksum.
+  // verify() for every tensor in one pass over the data section; returns how many had a checksum.
   size_t verify_all() const;
   // Whether a read checks the tensor's bytes beyond its checksum (BOOL tensors).
   static bool has_data_checks(const TensorInfo& tensor);
@@ -112,11 +123,6 @@ class ShardFile {
   // when its size, mtime or ctime differ from when the header was validated (an in-place
   // rewrite, even with the same size and its mtime set back).
   void check_unchanged() const;
-
-  // XXH3-64 of the tensor's bytes as they are in the file now (streamed through pread), with the
-  // data checks of a read. `mapped`: hashed where data() maps them, without a copy, for callers
-  // that opted in to the mapping (truncating the file meanwhile raises SIGBUS).
-  uint64_t compute_checksum(const TensorInfo& tensor, bool mapped = false) const;
 
  private:
   struct Impl;

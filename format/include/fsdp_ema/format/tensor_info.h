@@ -21,6 +21,9 @@ struct TensorInfo {
   std::optional<uint64_t> checksum;  // XXH3-64 of the bytes when stored ("fsdp_ema_checksums")
   uint64_t data_offset = 0;          // absolute byte offset in the file (naturally aligned in ours)
   uint64_t nbytes = 0;               // numel(shape) * dtype_size(dtype)
+  // XXH3-64 of each block of the bytes ("fsdp_ema_block_checksums", checksum.h): stored for a
+  // tensor of more than one block of its file's block size; empty otherwise.
+  std::vector<uint64_t> block_checksums;
 };
 
 // One written (or read) shard file: everything the index needs from it.

@@ -7,6 +7,8 @@
 #include <map>
 #include <string>
 
+#include "fsdp_ema/format/checksum.h"
+
 namespace fsdp_ema::format {
 
 // Fills `length` bytes of a tensor's data, starting at byte `offset` of that tensor, into `dst`.
@@ -28,6 +30,12 @@ struct WriteOptions {
   // copy device memory straight into them. Default: page-aligned operator new.
   std::function<void*(size_t bytes)> allocate_buffer;
   std::function<void(void* buffer)> free_buffer;
+
+  // Block checksums (checksum.h): every tensor larger than this many bytes is also hashed per
+  // block of it, so that a read of part of it verifies only what it reads. 0: none (what writers
+  // before the extension wrote; readers then verify a partial read by hashing the whole piece).
+  // A power of two in [kMinChecksumBlockBytes, kMaxChecksumBlockBytes] otherwise.
+  uint64_t checksum_block_bytes = kChecksumBlockBytes;
 
   // Shard files only: the writing rank and the number of ranks (stored in the metadata).
   int64_t rank = 0;
