@@ -235,6 +235,70 @@ TEST_F(ShardCorruption, InconsistentFsdpEmaMetadataIsRefused) {
   EXPECT_EQ(f.tensor("a").global_shape, Shape{4});
 }
 
+// The block-checksum extension (#33): both keys or neither, a power-of-two block size in range,
+// exactly the tensors of more than one block listed, 16 lowercase hex digits per block; a
+// consistent set opens, and a wrong block is a mismatch naming the block.
+TEST_F(ShardCorruption, InconsistentBlockChecksumsAreRefused) {
+  const std::string tensors =
+      R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+      R"("b":{"dtype":"F32","shape":[32],"data_offsets":[8,136]})";
+  const std::vector<std::byte> ab(128, std::byte{0xab});
+  auto hex = [](uint64_t v) { return format_checksum(v).substr(8); };
+  const std::string sum_a = format_checksum(checksum_of(ab.data(), 8));
+  const std::string sum_b = format_checksum(checksum_of(ab.data(), 128));
+  const std::string block = hex(checksum_of(ab.data(), 64));  // both blocks of b are alike
+  auto file = [&](const std::string& extra) {
+    return "{\"__metadata__\":{"
+           R"("fsdp_ema_format_version":"1","fsdp_ema_rank":"0","fsdp_ema_world_size":"1",)"
+           R"("DCP_SHARDING_INFO":"{\"a\":{\"saved_offsets\":[0]},\"b\":{\"saved_offsets\":[0]}}",)"
+           R"("fsdp_ema_global_shapes":"{\"a\":[2],\"b\":[32]}",)"
+           R"("fsdp_ema_checksums":"{\"a\":\")" +
+           sum_a + R"(\",\"b\":\")" + sum_b + "\\\"}\"" + extra + "}," + tensors + "}";
+  };
+  struct Case {
+    std::string extra;
+    const char* message;
+  };
+  const Case cases[] = {
+      {R"(,"fsdp_ema_checksum_block_bytes":"64")",
+       "fsdp_ema_checksum_block_bytes without fsdp_ema_block_checksums"},
+      {R"(,"fsdp_ema_block_checksums":"{}")",
+       "fsdp_ema_block_checksums without fsdp_ema_checksum_block_bytes"},
+      {R"(,"fsdp_ema_checksum_block_bytes":"100","fsdp_ema_block_checksums":"{}")",
+       "is not a power of two in [64, 16777216]"},
+      {R"(,"fsdp_ema_checksum_block_bytes":"32","fsdp_ema_block_checksums":"{}")",
+       "is not a power of two"},
+      {R"(,"fsdp_ema_checksum_block_bytes":"64","fsdp_ema_block_checksums":"{}")",
+       "has no entry for tensor \"b\""},
+      {R"(,"fsdp_ema_checksum_block_bytes":"64","fsdp_ema_block_checksums":"{\"b\":\")" + block +
+           R"(\"}")",
+       "must be a string of 2 x 16 lowercase hex digits"},
+      {R"(,"fsdp_ema_checksum_block_bytes":"64","fsdp_ema_block_checksums":"{\"b\":\")" + block +
+           block + R"(\",\"a\":\"0000000000000000\"}")",
+       "has an entry for tensor \"a\", which must have none"},
+      {R"(,"fsdp_ema_checksum_block_bytes":"64","fsdp_ema_block_checksums":"{\"b\":\")" + block +
+           "ABCDEF0123456789" + R"(\"}")",
+       "lowercase hex digits"},
+      {R"(,"fsdp_ema_checksum_block_bytes":"64","fsdp_ema_block_checksums":"{\"b\":\")" + block +
+           "0000000000000000" + R"(\"}")",
+       "checksum mismatch in block 1"},
+  };
+  for (const Case& c : cases) {
+    const std::string json = file(c.extra);
+    EXPECT_THAT(open_error(raw_safetensors(json, 136)),
+                AllOf(HasSubstr(bad_path()), HasSubstr(c.message)))
+        << json;
+  }
+  testing::write_bytes(
+      bad_path(),
+      raw_safetensors(file(R"(,"fsdp_ema_checksum_block_bytes":"64","fsdp_ema_block_checksums":"{\"b\":\")" +
+                           block + block + R"(\"}")"),
+                      136));
+  const ShardFile f = ShardFile::open(bad_path());
+  EXPECT_EQ(f.header().block_bytes, 64u);
+  EXPECT_EQ(f.tensor("b").block_checksums.size(), 2u);
+}
+
 TEST_F(ShardCorruption, SpecialFilesAreRefusedWithoutBlocking) {
   ASSERT_EQ(::mkfifo(dir_.file("fifo.safetensors").c_str(), 0644), 0);
   EXPECT_THAT(error_of([&] { ShardFile::open(dir_.file("fifo.safetensors")); }),
