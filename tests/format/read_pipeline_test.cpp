@@ -493,7 +493,7 @@ TEST(StagedReads, ABadBlockIsRefusedBeforeItsBytesAreCopied) {
                 execute_staged(ckpt.plan(std::span(&q, 1), std::span(&bytes, 1)), target, 2,
                                kReadChunkBytes);
               }),
-              HasSubstr("checksum mismatch in block 16"));
+              HasSubstr("checksum mismatch in block 64"));
   EXPECT_EQ(target.copied, 2 * kReadChunkBytes);  // the two chunks before it, nothing after
 }
 

@@ -27,7 +27,9 @@ std::optional<uint64_t> parse_checksum(std::string_view text);
 // larger than one block are also hashed per block of kChecksumBlockBytes (the last block may be
 // shorter), so that a read of part of the tensor verifies only the blocks it touches. A tensor of
 // at most one block has one block, whose checksum is the tensor's own.
-inline constexpr uint64_t kChecksumBlockBytes = uint64_t{1} << 20;
+// 256 KiB: a rank reading its rows of another world size's piece reads at most this much beyond
+// its own bytes at each edge (bench/bench_reshard.py), for 64 header bytes per MiB of data.
+inline constexpr uint64_t kChecksumBlockBytes = uint64_t{256} << 10;
 // Block sizes a reader accepts: powers of two in [kMinChecksumBlockBytes, kMaxChecksumBlockBytes].
 inline constexpr uint64_t kMinChecksumBlockBytes = 64;
 inline constexpr uint64_t kMaxChecksumBlockBytes = uint64_t{16} << 20;
