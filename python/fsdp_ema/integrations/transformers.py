@@ -55,6 +55,7 @@ import fsdp_ema
 
 from .. import _binding
 from .._collective import agreed
+from .._dist import comm_device
 
 __all__ = ["ShardedEMACallback"]
 
@@ -437,7 +438,9 @@ class ShardedEMACallback(TrainerCallback):
                 self._load_checked(c, step, fingerprint)
                 return
         marker = (state.stateful_callbacks or {}).get(self._marker_key())
-        kept = isinstance(marker, dict) and marker.get("global_step") == step
+        # An EMA was kept: the restored trainer_state.json says so, or an ema/ began to be saved.
+        kept = (isinstance(marker, dict) and marker.get("global_step") == step) or any(
+            c.kind == "incomplete" for c in candidates)
         committed = [c for c in candidates if c.kind == "committed"]
         if committed:
             # Committed, but not of the model the Trainer restored (another run's checkpoint of
@@ -454,7 +457,7 @@ class ShardedEMACallback(TrainerCallback):
                    f"EMA): rm -r '{interrupted.folder}'" if interrupted is not None else _NAME_IT)
             raise RuntimeError(
                 f"ShardedEMACallback: the Trainer resumed at step {step} from a checkpoint saved "
-                f"by a run that kept an EMA (its trainer_state.json says so), but no committed "
+                f"by a run that kept an EMA, but no committed "
                 f"EMA of that step was found ({others}): the run was stopped while saving it. "
                 f"If that is the checkpoint the Trainer restored, {fix}")
         warn_user(f"ShardedEMACallback: the Trainer resumed at step {step} from a checkpoint "
@@ -552,8 +555,7 @@ class ShardedEMACallback(TrainerCallback):
         t = (torch.stack([s.to(device) for s in sums]) if sums is not None
              else torch.zeros(2, device=device))
         if torch.distributed.is_initialized():
-            if self.ema is not None and self.ema.process_group is not None:
-                t = t.to(fsdp_ema._dist.comm_device(self.ema.process_group, t.device))
+            t = t.to(comm_device(torch.distributed.group.WORLD, t.device))
             torch.distributed.all_reduce(t)
         if float(t[1]) == 0:
             return {}
