@@ -338,6 +338,7 @@ CheckpointIndex build_index_from_files(const std::string& dir,
   }
   for (int64_t r = 0; r < world_size; ++r) {
     const std::string& name = file_names[static_cast<size_t>(r)];
+    if (name.empty()) continue;  // a rank with no file (see the header)
     if (!detail::path_exists(detail::join_path(dir, name))) {
       throw FormatError(dir + ": missing shard file " + name + " (rank " + std::to_string(r) +
                         " of " + std::to_string(world_size) + " did not finish writing)");
@@ -348,6 +349,7 @@ CheckpointIndex build_index_from_files(const std::string& dir,
   std::vector<ShardDescription> shards(static_cast<size_t>(world_size));
   const auto errors = detail::run_jobs(shards.size(), [&](size_t r) {
     const std::string& name = file_names[r];
+    if (name.empty()) return;
     const std::string path = detail::join_path(dir, name);
     ShardDescription& d = shards[r];
     if (auto known = detail::take_written_shard(path);
@@ -371,6 +373,7 @@ CheckpointIndex build_index_from_files(const std::string& dir,
     d.tensors = h.tensors;
   });
   detail::rethrow_first(errors);
+  std::erase_if(shards, [](const ShardDescription& d) { return d.file.empty(); });
   return build_index(shards, world_size, std::move(metadata));
 }
 

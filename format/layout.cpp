@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
+#include <optional>
 #include <string_view>
 #include <unordered_set>
 #include <vector>
@@ -203,19 +204,34 @@ void remove_checkpoint(const std::string& dir) {
   }
 }
 
+namespace {
+
+// The committed index of `dir`: none without one, or with one that does not parse.
+std::optional<CheckpointIndex> committed_index(const std::string& dir) {
+  const std::string path = detail::join_path(dir, kIndexFileName);
+  if (!detail::path_exists(path)) return std::nullopt;
+  const std::string text = detail::read_small_file(path, kMaxIndexBytes);
+  try {
+    return parse_index_json(text, path);
+  } catch (const FormatError&) {
+    return std::nullopt;
+  }
+}
+
+std::optional<int64_t> committed_world_size(const std::string& dir) {
+  const std::optional<CheckpointIndex> index = committed_index(dir);
+  if (!index) return std::nullopt;
+  return index->world_size;
+}
+
+}  // namespace
+
 std::unordered_set<std::string, detail::NameHash, std::equal_to<>> committed_files(
     const std::string& dir) {
-  const std::string path = detail::join_path(dir, kIndexFileName);
-  if (!detail::path_exists(path)) return {};
-  const std::string text = detail::read_small_file(path, kMaxIndexBytes);
-  CheckpointIndex index;
-  try {
-    index = parse_index_json(text, path);
-  } catch (const FormatError&) {
-    return {};
-  }
+  const std::optional<CheckpointIndex> index = committed_index(dir);
   std::unordered_set<std::string, detail::NameHash, std::equal_to<>> out;
-  for (const IndexTensor& t : index.tensors) {
+  if (!index) return out;
+  for (const IndexTensor& t : index->tensors) {
     for (const IndexPiece& p : t.pieces) out.insert(p.file);
   }
   return out;
@@ -260,6 +276,10 @@ CheckpointIndex commit_directory(const std::string& dir, int64_t world_size, boo
                       " of the " + std::to_string(world_size) + " ranks are present");
   }
   const auto old_files = committed_files(dir);
+  // A rank with no piece in the committed index wrote a file with no tensor, which that commit
+  // removed: a re-commit at the same world size takes it as empty again.
+  const bool recommit_same_world =
+      !old_files.empty() && committed_world_size(dir) == std::optional<int64_t>(world_size);
   std::vector<std::string> names;
   std::vector<std::string> fresh_names;  // what save_shard wrote for each rank
   size_t written = 0;
@@ -272,10 +292,12 @@ CheckpointIndex commit_directory(const std::string& dir, int64_t world_size, boo
     if (listed.contains(fresh_names.back())) {
       names.push_back(fresh_names.back());
       ++written;
+    } else if (old_files.contains(committed)) {
+      names.push_back(committed);  // not written: a re-commit of the committed file
+    } else if (recommit_same_world) {
+      names.emplace_back();  // an empty rank of the committed checkpoint (see above)
     } else {
-      // Not written: a re-commit of the committed file, or (not committed) a missing file that
-      // build_index_from_files reports.
-      names.push_back(old_files.contains(committed) ? committed : fresh_names.back());
+      names.push_back(fresh_names.back());  // missing: build_index_from_files reports it
     }
   }
   if (written > 0) {
@@ -291,9 +313,13 @@ CheckpointIndex commit_directory(const std::string& dir, int64_t world_size, boo
   const CheckpointIndex index = build_index_from_files(dir, names, world_size);
   write_index(dir, index, overwrite, fsync);
 
-  // The new index is durable: files it does not reference belong to nothing loadable now.
-  const std::unordered_set<std::string, detail::NameHash, std::equal_to<>> keep(names.begin(),
-                                                                                names.end());
+  // The new index is durable: files it does not reference belong to nothing loadable now, a
+  // rank's file that holds no tensor included (a rank with nothing to write still writes one for
+  // the commit; left behind, every reader that lists the directory would count it as stray).
+  std::unordered_set<std::string, detail::NameHash, std::equal_to<>> keep;
+  for (const IndexTensor& t : index.tensors) {
+    for (const IndexPiece& p : t.pieces) keep.insert(p.file);
+  }
   bool removed = false;
   for (const std::string& n : listing) {
     if (is_shard_file_name(n) && !keep.contains(n)) {

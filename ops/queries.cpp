@@ -16,6 +16,12 @@ std::string shard_file_name(int64_t rank, int64_t world_size) {
   return format::shard_file_name(rank, world_size);
 }
 
+std::vector<std::string> training_state_names() {
+  return {std::string(format::kTrainingStateDocTensor),
+          std::string(format::kTrainingStateEmaPrefix),
+          std::string(format::kTrainingStateModelPrefix)};
+}
+
 std::vector<int64_t> chunk_rows(int64_t rows, int64_t rank, int64_t world_size) {
   constexpr const char* kOp = "fsdp_ema::chunk_rows: ";
   check_rank(kOp, rank, world_size);

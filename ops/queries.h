@@ -13,6 +13,9 @@ namespace fsdp_ema::ops {
 std::string index_file_name();
 // The name rank `rank` of `world_size` writes its shard file under.
 std::string shard_file_name(int64_t rank, int64_t world_size);
+// A training-state checkpoint's tensor names: its JSON document's tensor, the EMA's prefix and
+// the model's prefix ("meta.training_state", "ema.", "model.").
+std::vector<std::string> training_state_names();
 // [begin, end): the dim-0 rows torch.chunk(tensor, world_size)[rank] holds of `rows` rows.
 std::vector<int64_t> chunk_rows(int64_t rows, int64_t rank, int64_t world_size);
 // JSON: [{"name": "F32", "torch": "float32", "size": 4, "floating": true,

@@ -316,6 +316,9 @@ def test_commit_refuses_a_missing_rank_whose_file_holds_nothing(tmp_path):
     ckpt.save_shard(tmp_path, {}, rank=1, world_size=2)
     assert ckpt.commit(tmp_path, 2) == 2  # tensors indexed
     assert ckpt.info(tmp_path)["world_size"] == 2
+    # Rank 1's file held no tensor: the commit removed it, as every file the index does not name.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fsdp_ema.index.json",
+                                                          ckpt.shard_file_name(0, 2)]
 
 
 @pytest.mark.parametrize("second", [(2, 3), (2, 4)], ids=["overlap-and-gap", "overlap"])

@@ -67,6 +67,7 @@ class Module(pl.LightningModule):
         x, y = batch
         loss = F.mse_loss(self(x), y)
         self.seen[loop].append((x, y, loss.detach().clone(), full_weights(self)))
+        self.log(f"{loop}_loss", loss, sync_dist=True)
 
     def validation_step(self, batch, batch_idx):
         self._eval(batch, "val")
@@ -229,11 +230,16 @@ def test_fit_resumed_from_a_mid_run_checkpoint_equals_the_uninterrupted_fit_bit_
         # Each rank holds its rows only (7 + 5 + 1 rows of 6, 7, 5 columns and the biases).
         assert sum(nbytes) == full and max(nbytes) < full, nbytes
         state = results[0]["callback_state"]
+        binding = state.pop("binding")
         assert state == {"layout": "state_dict", "prefix": "fsdp_ema/"}, state
+        # What ties the EMA to the training state: the step and the model's fingerprint.
+        assert binding["global_step"] == 3 and len(binding["fingerprint"]) == 16, binding
+        assert binding["settings"]["decay"] == 0.875 and binding["settings"]["update_every"] == 2
         # In the distributed checkpoint, written rank by rank: rows 0-3 and 4-6 of inp.weight.
         chunks = results[0]["dcp"]
         assert chunks["state_dict.fsdp_ema/net.inp.weight"] == [[0, 0], [4, 0]], chunks
         assert "state_dict.fsdp_ema/fsdp_ema.step" in chunks
+        assert "state_dict.fsdp_ema/fsdp_ema.binding" in chunks
         assert chunks["state_dict.ema/net.inp.weight"] == [[0, 0], [4, 0]], chunks
     else:
         # DDP: every rank holds the whole EMA, and it is the callback's state (rank 0 writes it).
@@ -244,13 +250,14 @@ def test_fit_resumed_from_a_mid_run_checkpoint_equals_the_uninterrupted_fit_bit_
 
 # --- evaluation with the EMA ----------------------------------------------------------------------
 
-def run_evaluate(rank, world, kind, root):
+def run_evaluate(rank, world, kind, mode, root):
     import warnings
 
     warnings.filterwarnings("ignore")
     lightning_env(rank, world)
     decay = 0.75
-    cb = ShardedEMA(decay, export_dir=os.path.join(root, "export"))
+    cb = ShardedEMA(decay, export_dir=os.path.join(root, "export"), swap_for_validation=mode,
+                    swap_for_test=mode)
     ref = LerpReference(decay)
     module = Module(kind)
     after = {}
@@ -259,14 +266,26 @@ def run_evaluate(rank, world, kind, root):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             after["train"] = full_weights(pl_module)
 
+        def on_validation_start(self, trainer, pl_module):
+            after["val_start"] = full_weights(pl_module)
+
+        def on_validation_epoch_start(self, trainer, pl_module):
+            after["val_epoch_start"] = full_weights(pl_module)
+
+        def on_validation_epoch_end(self, trainer, pl_module):
+            after["val_epoch_end"] = full_weights(pl_module)
+
         def on_validation_end(self, trainer, pl_module):
             after["val"] = full_weights(pl_module)
 
     t = trainer(kind, world, root, [cb, ref, Weights()], max_epochs=1)
     t.fit(module, loader(), loader(seed=2))
+    metrics = {k: float(v) for k, v in t.callback_metrics.items()}
     t.test(module, loader(seed=3), verbose=False)
     after["test"] = full_weights(module)
-    out = {"seen": module.seen, "ref": ref.ref, "after": after, "ema": full_ema(cb.ema)}
+    metrics.update({k: float(v) for k, v in t.callback_metrics.items() if k.startswith("test")})
+    out = {"seen": module.seen, "ref": ref.ref, "after": after, "ema": full_ema(cb.ema),
+           "metrics": metrics, "global_step": t.global_step}
     if rank == 0:
         from safetensors.torch import load_file
 
@@ -274,29 +293,51 @@ def run_evaluate(rank, world, kind, root):
     return out
 
 
-@pytest.mark.parametrize("kind", ["fsdp2", "ddp"])
+@pytest.mark.parametrize("kind,mode", [("fsdp2", True), ("ddp", True), ("fsdp2", "both")])
 def test_validation_and_test_run_with_the_ema_weights_and_give_the_loss_of_a_lerp_replica(
-        pools, tmp_path, kind):
-    results = pools.get(2).run(run_evaluate, kind, str(tmp_path))
+        pools, tmp_path, kind, mode):
+    results = pools.get(2).run(run_evaluate, kind, mode, str(tmp_path))
     for rank, r in enumerate(results):
         ref = r["ref"]
         for name in ref:  # the op's lerp and torch.lerp agree bit for bit at decay 0.75
             assert torch.equal(r["ema"][name], ref[name]), (rank, name)
-        replica = UnevenMLP()
-        replica.load_state_dict({k.removeprefix("net."): v for k, v in ref.items()})
+        ema_replica, raw_replica = UnevenMLP(), UnevenMLP()
+        ema_replica.load_state_dict({k.removeprefix("net."): v for k, v in ref.items()})
+        raw_replica.load_state_dict({k.removeprefix("net."): v
+                                     for k, v in r["after"]["train"].items()})
         for loop in ("val", "test"):
-            assert len(r["seen"][loop]) == 1
-            x, y, loss, weights = r["seen"][loop][0]
-            for name in ref:  # inside the loop the model holds the EMA
-                assert torch.equal(weights[name], ref[name]), (loop, rank, name)
-            with torch.no_grad():
-                expected = F.mse_loss(replica(x), y)
-            torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
-        # The training weights come back bit for bit after validation and test.
+            # True: one pass with the EMA; "both": the training weights', then the EMA's again.
+            passes = [("ema", ema_replica)] if mode is True else [("raw", raw_replica),
+                                                                  ("ema", ema_replica)]
+            assert len(r["seen"][loop]) == len(passes)
+            for (which, replica), (x, y, loss, weights) in zip(passes, r["seen"][loop]):
+                for name in ref:  # what the model holds in the step
+                    want = ref[name] if which == "ema" else r["after"]["train"][name]
+                    assert torch.equal(weights[name], want), (loop, which, rank, name)
+                with torch.no_grad():
+                    expected = F.mse_loss(replica(x), y)
+                torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+            # The logged metrics (the mean over the ranks, sync_dist): "<loop>_loss" of the
+            # weights each pass ran with (both: the training weights' under the raw name, the
+            # EMA's renamed "<loop>_loss_ema").
+            logged = {"ema": f"{loop}_loss" if mode is True else f"{loop}_loss_ema",
+                      "raw": f"{loop}_loss"}
+            for i, (which, _) in enumerate(passes):
+                mean = sum(float(q["seen"][loop][i][2]) for q in results) / len(results)
+                assert r["metrics"][logged[which]] == pytest.approx(mean, rel=1e-6), (
+                    loop, which, r["metrics"])
+            if mode is True:
+                assert f"{loop}_loss_ema" not in r["metrics"]
+        # The training weights come back bit for bit after validation and test, and a callback
+        # after this one sees them at every hook around the loop (the EMA is swapped in at the
+        # first batch and out at the epoch end).
         for name, w in r["after"]["train"].items():
-            assert torch.equal(r["after"]["val"][name], w), (rank, name)
-            assert torch.equal(r["after"]["test"][name], w), (rank, name)
+            for when in ("val_start", "val_epoch_start", "val_epoch_end", "val", "test"):
+                assert torch.equal(r["after"][when][name], w), (rank, when, name)
             assert not torch.equal(w, ref[name])
+        # ema/decay and ema/step logged after each update.
+        assert r["metrics"]["ema/step"] == r["global_step"] == 3, r["metrics"]
+        assert r["metrics"]["ema/decay"] == 0.75, r["metrics"]
     export = results[0]["export"]
     assert sorted(export) == sorted(results[0]["ema"])
     for name, t in export.items():
@@ -384,30 +425,219 @@ def test_ema_equals_lightning_ema_weight_averaging_with_the_same_decay(pools, tm
             torch.testing.assert_close(r["ours"][name], t, rtol=0, atol=1e-6)
 
 
+# --- exports of a submodule ------------------------------------------------------------------
+
+class LlamaModule(pl.LightningModule):
+    """A LightningModule holding a Hugging Face model under ``self.llm``, FSDP2 per layer."""
+
+    def __init__(self):
+        super().__init__()
+        from test_integration_transformers import tiny_llama
+
+        self.llm = tiny_llama()
+
+    def configure_model(self):
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(self.llm, FSDPModule):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.llm.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.llm, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        return self.llm(input_ids=batch[0], labels=batch[0]).loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.llm(input_ids=batch[0], labels=batch[0]).loss, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def token_loader(seed: int = 1):
+    ids = torch.randint(0, 32, (16, 8), generator=torch.Generator().manual_seed(seed))
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=2)
+
+
+def run_export(rank, world, root):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    lightning_env(rank, world)
+    ckpt = os.path.join(root, "ckpt")
+    cb = ShardedEMA(0.5, export_dir=os.path.join(root, "at_end"), export_module="llm")
+    t = trainer("fsdp2", world, root, [cb, pl.callbacks.ModelCheckpoint(dirpath=ckpt)],
+                max_epochs=1, limit_val_batches=0, enable_checkpointing=True)
+    t.fit(LlamaModule(), token_loader())
+    ema = full_ema(cb.ema)
+    # From a saved checkpoint, in another trainer: validate() restores it, then export().
+    again = ShardedEMA(0.5)
+    t = trainer("fsdp2", world, os.path.join(root, "again"), [again], limit_val_batches=1)
+    t.validate(LlamaModule(), token_loader(2), ckpt_path=os.path.join(ckpt, "epoch=0-step=2.ckpt"),
+               verbose=False)
+    files = again.export(os.path.join(root, "from_checkpoint"), module="llm")
+    out = {"ema": ema, "files": files}
+    torch.distributed.barrier()
+    if rank == 0:
+        import transformers
+
+        for name in ("at_end", "from_checkpoint"):
+            path = os.path.join(root, name)
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(path)
+            out[name] = ({k: v.detach().clone() for k, v in loaded.state_dict().items()},
+                         sorted(os.listdir(path)))
+    return out
+
+
+def test_export_of_a_submodule_loads_with_from_pretrained_at_the_end_and_from_a_checkpoint(
+        pools, tmp_path):
+    pytest.importorskip("transformers")
+    r = pools.get(2).run(run_export, str(tmp_path))[0]
+    assert r["files"] == ["config.json", "generation_config.json"]
+    for name in ("at_end", "from_checkpoint"):
+        state, listing = r[name]
+        assert listing == ["config.json", "generation_config.json", "model.safetensors"], listing
+        # The submodule's own names (llm.model.norm.weight -> model.norm.weight), the EMA's values.
+        assert sorted(k for k in state if "rotary" not in k) == sorted(
+            k.removeprefix("llm.") for k in r["ema"]), name
+        for k, t in r["ema"].items():
+            assert torch.equal(state[k.removeprefix("llm.")], t), (name, k)
+
+
 # --- refusals ------------------------------------------------------------------------------------
 
-def run_full_checkpoint(rank, world, root):
+class CountBatches(pl.Callback):
+    def __init__(self):
+        self.batches = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches += 1
+
+
+def run_setup_refusals(rank, world, root):
     import warnings
 
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     warnings.filterwarnings("ignore")
     lightning_env(rank, world)
-    cb = ShardedEMA(0.9)
-    t = trainer("fsdp2", world, root, [cb], max_steps=1, limit_val_batches=0,
-                strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1,
-                                               save_distributed_checkpoint=False))
+    out = {}
+
+    def full_strategy():
+        return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1,
+                                     save_distributed_checkpoint=False)
+
+    # Checkpoints that cannot hold a sharded EMA: refused when fit starts, before any batch.
+    count = CountBatches()
+    t = trainer("fsdp2", world, root, [ShardedEMA(0.9), count, pl.callbacks.ModelCheckpoint(
+        dirpath=os.path.join(root, "full"))], max_epochs=1, limit_val_batches=0,
+        enable_checkpointing=True, strategy=full_strategy())
+    try:
+        t.fit(Module("fsdp2"), loader())
+    except ValueError as e:
+        out["early"] = (str(e), count.batches)
+    # Without a ModelCheckpoint the setting matters only to a save by hand: refused there.
+    t = trainer("fsdp2", world, root, [ShardedEMA(0.9)], max_steps=1, limit_val_batches=0,
+                strategy=full_strategy())
     t.fit(Module("fsdp2"), loader())
     try:
         t.save_checkpoint(os.path.join(root, "full.ckpt"))
     except RuntimeError as e:
-        return str(e)
-    return None
+        out["manual"] = str(e)
+    # A sharding strategy over a model it did not shard (no fully_shard in configure_model).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer("fsdp2", world, root, [ShardedEMA(0.9)], max_steps=1,
+                limit_val_batches=0).fit(Module("ddp"), loader())
+    out["warnings"] = [(str(w.message), w.filename) for w in caught
+                       if "FSDP was asked for" in str(w.message)]
+    return out
 
 
-def test_a_sharded_ema_refuses_a_full_checkpoint_naming_the_setting(pools, tmp_path):
-    for message in pools.get(2).run(run_full_checkpoint, str(tmp_path)):
-        assert message is not None and "save_distributed_checkpoint=True" in message
+def test_checkpoint_settings_that_cannot_hold_a_sharded_ema_are_refused_at_setup(pools,
+                                                                                 tmp_path):
+    for rank, r in enumerate(pools.get(2).run(run_setup_refusals, str(tmp_path))):
+        message, batches = r["early"]
+        assert "save_distributed_checkpoint=True" in message and batches == 0, r["early"]
+        assert "save_distributed_checkpoint=True" in r["manual"], r["manual"]
+        # One warning, from rank 0, at the line that called fit().
+        if rank == 0:
+            assert len(r["warnings"]) == 1 and r["warnings"][0][1] == __file__, r["warnings"]
+            assert "ModelParallelStrategy" in r["warnings"][0][0]
+        else:
+            assert r["warnings"] == []
+
+
+def run_resume_refusals(rank, world, root):
+    """Checkpoints after epochs 0 and 1, then resumes that must be refused (or accepted when
+    asked): changed options, another parameter set, a model that is not the EMA's."""
+    import shutil
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    lightning_env(rank, world)
+    out = {}
+
+    def fit(kind, cb, ckpt_path=None, save=None, epochs=2):
+        callbacks = [cb] + ([pl.callbacks.ModelCheckpoint(dirpath=save, every_n_epochs=1,
+                                                          save_top_k=-1)] if save else [])
+        t = trainer(kind, world, os.path.join(root, "run"), callbacks, max_epochs=epochs,
+                    limit_val_batches=0, enable_checkpointing=bool(save))
+        try:
+            t.fit(Module(kind), loader(), ckpt_path=ckpt_path)
+        except ValueError as e:
+            return str(e)
+        return int(cb.ema.step)
+
+    for kind in ("fsdp2", "ddp"):
+        ckpt = os.path.join(root, kind)
+        fit(kind, ShardedEMA(0.875, **OPTIONS), save=ckpt)
+        first = os.path.join(ckpt, "epoch=0-step=3.ckpt")
+        out[kind] = {
+            "decay": fit(kind, ShardedEMA(0.9, **OPTIONS), first),
+            "decay_allowed": fit(kind, ShardedEMA(0.9, allow_changes={"decay"}, **OPTIONS),
+                                 first),
+            "params": fit(kind, ShardedEMA(0.875, params=lambda n, p: "head" not in n,
+                                           **OPTIONS), first)}
+    # A DDP checkpoint whose model is not the one its EMA was saved beside.
+    replaced = os.path.join(root, "replaced.ckpt")
+    torch.distributed.barrier()
+    if rank == 0:
+        checkpoint = torch.load(os.path.join(root, "ddp", "epoch=0-step=3.ckpt"),
+                                weights_only=False)
+        checkpoint["state_dict"]["net.inp.weight"] += 1e-3
+        torch.save(checkpoint, replaced)
+    # An FSDP2 checkpoint whose rank-1 file comes from the next save.
+    mixed = os.path.join(root, "mixed.ckpt")
+    if rank == 0:
+        shutil.copytree(os.path.join(root, "fsdp2", "epoch=0-step=3.ckpt"), mixed)
+        shutil.copy(os.path.join(root, "fsdp2", "epoch=1-step=6.ckpt", "__1_0.distcp"),
+                    os.path.join(mixed, "__1_0.distcp"))
+    torch.distributed.barrier()
+    out["replaced"] = fit("ddp", ShardedEMA(0.875, **OPTIONS), replaced)
+    out["mixed"] = fit("fsdp2", ShardedEMA(0.875, **OPTIONS), mixed)
+    return out
+
+
+def test_resume_refuses_changed_options_another_parameter_set_and_a_model_not_the_emas(
+        pools, tmp_path):
+    for r in pools.get(2).run(run_resume_refusals, str(tmp_path)):
+        for kind in ("fsdp2", "ddp"):
+            c = r[kind]
+            assert "the EMA's options changed since the checkpoint" in c["decay"], c["decay"]
+            assert "decay: 0.875 when saved, 0.9 now" in c["decay"], c["decay"]
+            assert c["decay_allowed"] == 6  # 3 restored updates + 3 more
+            # The parameter set: one clear error naming the tensors (not DCP's missing key).
+            assert "another set of tensors than the EMA of this model" in c["params"], c
+            assert "only in the checkpoint: ['net.head.bias', 'net.head.weight']" in c["params"]
+        assert "was saved beside other model weights" in r["replaced"], r["replaced"]
+        # Rank 1's file of the next save: the checkpoint mixes two saves, whichever of its
+        # files holds the binding.
+        assert ("is torn" in r["mixed"] or "was saved beside other model weights"
+                in r["mixed"]), r["mixed"]
 
 
 def test_unknown_option_is_refused_when_the_callback_is_made():

@@ -16,9 +16,11 @@ import glob
 import math
 import os
 import shutil
+import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +34,14 @@ pytest.importorskip("accelerate")
 from fsdp_ema.integrations.transformers import ShardedEMACallback  # noqa: E402
 
 TRAIN_ROWS, EVAL_ROWS = 64, 8
+CLI = Path(__file__).resolve().parents[1] / "build" / "bin" / "fsdp-ema"
+
+
+def verify_strict(directory) -> tuple[int, str]:
+    """``fsdp-ema verify --strict`` (a file the index does not list fails it)."""
+    done = subprocess.run([str(CLI), "verify", "--strict", str(directory)], capture_output=True,
+                          text=True, timeout=60)
+    return done.returncode, done.stdout + done.stderr
 
 
 def hf_env(rank: int, world: int) -> None:
@@ -41,6 +51,8 @@ def hf_env(rank: int, world: int) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "29500", "OMP_NUM_THREADS": "1"})
+    # Accelerate sets it in the process once it is given an FSDP plugin: each run starts without.
+    os.environ.pop("ACCELERATE_USE_FSDP", None)
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -197,6 +209,8 @@ def run_resume(rank, world, kind, root):
             dist.barrier()
             if rank == 0:
                 out["checkpoints"] = sorted(os.listdir(straight_dir))
+                out["verify"] = [verify_strict(os.path.join(straight_dir, c, "ema"))
+                                 for c in out["checkpoints"]]
                 out["ema_files"] = {}
                 from safetensors import safe_open
 
@@ -232,11 +246,16 @@ def test_train_resumed_from_a_mid_run_checkpoint_equals_the_uninterrupted_run_bi
                                                                "full_state_dict": 0}
     # save_total_limit=2 removed checkpoint-2, its EMA with it.
     assert results[0]["checkpoints"] == ["checkpoint-4", "checkpoint-6"]
+    # Our own tool trusts our own output: no stray file, every checksum.
+    for code, text in results[0]["verify"]:
+        assert code == 0 and text.startswith("OK:") and "warning" not in text, text
     full_bytes = results[0]["straight"]["full_bytes"]
     nbytes = [r["straight"]["nbytes"] for r in results]
     elements = list(results[0]["ema_files"].values())
-    # One file per rank in checkpoint-4/ema.
-    assert len(elements) == 2 and sum(elements) * 4 == full_bytes, elements
+    # FSDP2: one file per rank in checkpoint-4/ema; DDP: rank 0 writes the replicated EMA and
+    # rank 1's file, which holds no tensor, goes at the commit.
+    assert len(elements) == (2 if kind == "fsdp2" else 1), elements
+    assert sum(elements) * 4 == full_bytes, elements
     if kind == "fsdp2":
         # Each rank holds its rows only, and writes them.
         assert sum(nbytes) == full_bytes and max(nbytes) < full_bytes, nbytes
@@ -247,58 +266,248 @@ def test_train_resumed_from_a_mid_run_checkpoint_equals_the_uninterrupted_run_bi
 
 # --- evaluation with the EMA and the export -------------------------------------------------------
 
-def run_evaluate(rank, world, kind, root):
+class Observer(transformers.TrainerCallback):
+    """After ShardedEMACallback in the list: the weights another callback sees at the events
+    around an evaluation (collective under FSDP2: every rank records at the same events)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.seen.append(("step_end", state.global_step, full_weights(model)))
+
+    def on_log(self, args, state, control, model=None, logs=None, **kwargs):
+        self.seen.append(("log", state.global_step, full_weights(model)))
+
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        self.seen.append(("evaluate", state.global_step, full_weights(model)))
+
+
+def run_evaluate(rank, world, kind, mode, root):
     hf_env(rank, world)
+    if kind == "ddp_env_fsdp":  # what `accelerate launch` with an FSDP config file sets
+        os.environ.update({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"})
     decay = 0.75
-    ref = LerpReference(decay)
+    ref, observer = LerpReference(decay), Observer()
     export = os.path.join(root, "ema_model")
-    cb = ShardedEMACallback(decay, eval_with_ema=True, save_ema_model=export)
+    cb = ShardedEMACallback(decay, eval_with_ema=mode, save_ema_model=export)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        t = make_trainer(kind, os.path.join(root, "out"), [ref, cb], eval_strategy="steps",
-                         eval_steps=3)
+        t = make_trainer(kind, os.path.join(root, "out"), [ref, cb, observer],
+                         eval_strategy="steps", eval_steps=3, logging_steps=3)
         t.train()
-    evals = {h["step"]: h["eval_loss"] for h in t.state.log_history if "eval_loss" in h}
-    out = {"evals": evals, "steps": ref.steps, "before_step": ref.before_step,
+    os.environ.pop("FSDP_VERSION", None)
+    history = t.state.log_history
+    out = {"evals": {h["step"]: h for h in history if "eval_loss" in h},
+           "train_logs": {h["step"]: h for h in history if "loss" in h},
+           "steps": ref.steps, "before_step": ref.before_step, "seen": observer.seen,
            "ema": cb.ema.full_state_dict(rank0_only=False), "is_fsdp": any(
                hasattr(p, "full_tensor") for p in t.model.parameters()),
-           "warnings": [str(w.message) for w in caught
+           "warnings": [(str(w.message), w.filename) for w in caught
                         if "ShardedEMACallback" in str(w.message)]}
     torch.distributed.barrier()
     if rank == 0:
         loaded = transformers.AutoModelForCausalLM.from_pretrained(export)
         out["export"] = {k: v.detach().clone() for k, v in loaded.state_dict().items()}
+        out["export_files"] = sorted(os.listdir(export))
+        ids = Tokens(EVAL_ROWS, 2).ids[:1, :4]
+        out["generated"] = loaded.generate(ids, max_new_tokens=2, do_sample=False).shape
     return out
 
 
-@pytest.mark.parametrize("kind", ["fsdp2", "ddp", "ddp_from_fsdp"])
-def test_eval_with_ema_gives_the_loss_of_a_lerp_replica_and_the_export_loads_with_from_pretrained(
-        pools, tmp_path, kind):
-    results = pools.get(2).run(run_evaluate, kind, str(tmp_path))
+def replica_loss(weights) -> torch.Tensor:
     ids = Tokens(EVAL_ROWS, 2).ids
+    replica = tiny_llama()
+    replica.load_state_dict(weights)
+    with torch.no_grad():
+        return replica(input_ids=ids, labels=ids).loss
+
+
+@pytest.mark.parametrize("kind,mode", [("fsdp2", True), ("ddp", True), ("ddp_from_fsdp", True),
+                                       ("ddp_env_fsdp", True), ("fsdp2", "both")])
+def test_eval_with_ema_gives_the_loss_of_a_lerp_replica_and_the_export_loads_with_from_pretrained(
+        pools, tmp_path, kind, mode):
+    results = pools.get(2).run(run_evaluate, kind, mode, str(tmp_path))
     for rank, r in enumerate(results):
         assert r["is_fsdp"] == (kind == "fsdp2")
-        fsdp_warning = [w for w in r["warnings"] if "ask for FSDP" in w]
-        # An FSDP config that the Trainer turned into DDP (the CPU) is reported.
-        assert len(fsdp_warning) == (1 if kind == "ddp_from_fsdp" else 0), r["warnings"]
+        fsdp_warning = [(w, f) for w, f in r["warnings"] if "FSDP was asked for" in w]
+        # An FSDP request that became DDP (the Trainer's arguments on a CPU, or Accelerate's
+        # environment) is reported, once, by rank 0, at the line that called train().
+        if kind in ("ddp_from_fsdp", "ddp_env_fsdp") and rank == 0:
+            assert len(fsdp_warning) == 1 and fsdp_warning[0][1] == __file__, r["warnings"]
+            assert ("ACCELERATE_USE_FSDP=true" in fsdp_warning[0][0]) == (kind == "ddp_env_fsdp")
+        else:
+            assert fsdp_warning == [], r["warnings"]
         assert sorted(r["evals"]) == [3, 6]
-        for step, loss in r["evals"].items():
-            ref, weights = r["steps"][step]
-            replica = tiny_llama()
-            replica.load_state_dict(ref)
-            with torch.no_grad():
-                expected = replica(input_ids=ids, labels=ids).loss
-            torch.testing.assert_close(torch.tensor(loss), expected, rtol=1e-5, atol=0)
+        for step, logs in r["evals"].items():
+            ema, weights = r["steps"][step]
+            if mode is True:  # the evaluation ran with the EMA weights
+                torch.testing.assert_close(torch.tensor(logs["eval_loss"]), replica_loss(ema),
+                                           rtol=1e-5, atol=0)
+                assert "eval_loss_ema" not in logs
+            else:  # both: the training weights' loss, and the EMA's beside it
+                torch.testing.assert_close(torch.tensor(logs["eval_loss"]),
+                                           replica_loss(weights), rtol=1e-5, atol=0)
+                torch.testing.assert_close(torch.tensor(logs["eval_loss_ema"]),
+                                           replica_loss(ema), rtol=1e-5, atol=0)
             # The next step starts from the training weights, bit for bit.
             if step in r["before_step"]:
                 for name, w in weights.items():
                     assert torch.equal(r["before_step"][step][name], w), (rank, step, name)
-        ref = r["steps"][6][0]
-        for name, t in ref.items():  # the op's lerp and torch.lerp agree at decay 0.75
+        # A callback after this one never sees the EMA weights: not at the step end that
+        # schedules an evaluation, nor in the evaluation's logs, nor at its end.
+        assert {e for e, _, _ in r["seen"]} == {"step_end", "log", "evaluate"}
+        for event, step, seen in r["seen"]:
+            for name, w in r["steps"][step][1].items():
+                assert torch.equal(seen[name], w), (rank, event, step, name)
+        # ema/decay and ema/step in the Trainer's training logs (log_history).
+        assert sorted(r["train_logs"]) == [3, 6]
+        for step, logs in r["train_logs"].items():
+            assert logs["ema/step"] == step and logs["ema/decay"] == 0.75, logs
+        ema = r["steps"][6][0]
+        for name, t in ema.items():  # the op's lerp and torch.lerp agree at decay 0.75
             assert torch.equal(r["ema"][name], t), (rank, name)
     export = results[0]["export"]
     for name, t in results[0]["ema"].items():
         assert torch.equal(export[name], t), name
+    assert results[0]["export_files"] == ["config.json", "generation_config.json",
+                                          "model.safetensors"]
+    assert results[0]["generated"] == (1, 6)
+
+
+# --- resume: the EMA of the checkpoint the Trainer restored, or a refusal naming both -------------
+
+def run_resume_refusals(rank, world, root):
+    """Run A (6 steps, a checkpoint every 2), run B (other data, a checkpoint at step 4), then
+    resumes from A's checkpoint-4 in ways that must be refused, or accepted when asked."""
+    a, b, c = (os.path.join(root, n) for n in "abc")
+    a4 = os.path.join(a, "checkpoint-4")
+    out = {}
+
+    def train(output_dir, cb, resume=None, data_seed=1, **kwargs):
+        hf_env(rank, world)
+        options = dict(save_strategy="steps", save_steps=2, gradient_accumulation_steps=1)
+        options.update(kwargs)
+        t = make_trainer("plain", output_dir, [cb], **options)
+        t.train_dataset = Tokens(TRAIN_ROWS, data_seed)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                t.train(resume_from_checkpoint=resume)
+            except (ValueError, RuntimeError) as e:
+                return {"error": str(e)}
+        return {"ema": cb.ema.full_state_dict(rank0_only=False), "step": int(cb.ema.step),
+                "warnings": [str(w.message) for w in caught if "strict_resume" in str(w.message)]}
+
+    def callback(decay=0.875, **kwargs):
+        return ShardedEMACallback(decay, warmup=True, **kwargs)
+
+    out["a"] = train(a, callback())
+    out["b"] = train(b, callback(), data_seed=3, max_steps=4)
+    # B's output_dir holds B's checkpoint-4; the Trainer restores A's.
+    out["other_run"] = train(b, callback(), resume=a4, save_strategy="no")
+    out["other_run_named"] = train(b, callback(resume_from=a4), resume=a4, save_strategy="no")
+    out["nowhere"] = train(c, callback(), resume=a4, save_strategy="no")
+    out["decay"] = train(a, callback(0.9), resume=a4, save_strategy="no")
+    out["decay_allowed"] = train(a, callback(0.9, allow_changes={"decay"}), resume=a4,
+                                 save_strategy="no")
+    frozen = {"params": lambda name, p: "embed" not in name}
+    out["params"] = train(a, callback(**frozen), resume=a4, save_strategy="no")
+    out["params_lax"] = train(a, callback(strict_resume=False, **frozen), resume=a4,
+                              save_strategy="no")
+    return out
+
+
+def test_resume_takes_the_ema_of_the_restored_checkpoint_and_refuses_others_naming_both(
+        pools, tmp_path):
+    for rank, r in enumerate(pools.get(2).run(run_resume_refusals, str(tmp_path))):
+        a4, b4 = tmp_path / "a" / "checkpoint-4", tmp_path / "b" / "checkpoint-4"
+        # Finding 1: B's checkpoint-4 holds the EMA of another run: refused, naming it and the
+        # model the Trainer restored, and saying what to pass.
+        message = r["other_run"]["error"]
+        assert f"{b4}/ema was saved beside other model weights" in message, message
+        assert "than the model the Trainer restored" in message, message
+        assert "pass ShardedEMACallback(resume_from=" in message, message
+        # Named, A's EMA comes back: the resumed run equals A's uninterrupted one.
+        for name, t in r["a"]["ema"].items():
+            assert torch.equal(r["other_run_named"]["ema"][name], t), name
+        assert r["other_run_named"]["step"] == r["a"]["step"] == 6
+        message = r["nowhere"]["error"]
+        assert "no committed EMA of that step was found" in message, message
+        assert "pass ShardedEMACallback(resume_from=" in message, message
+        # Finding 5: a changed option is refused, naming it, unless allowed.
+        message = r["decay"]["error"]
+        assert f"the EMA's options changed since {a4}/ema was saved: decay: 0.875 when saved, " \
+               f"0.9 now" in message and "allow_changes={'decay'}" in message, message
+        assert r["decay_allowed"]["step"] == 6
+        message = r["params"]["error"]
+        assert "another set of tensors than the EMA of this model" in message, message
+        assert "only in the checkpoint: ['model.embed_tokens.weight']" in message, message
+        # strict_resume=False: resumed, with one warning (rank 0) naming what differs.
+        assert r["params_lax"]["step"] == 6
+        assert len(r["params_lax"]["warnings"]) == (1 if rank == 0 else 0), r["params_lax"]
+        if rank == 0:
+            assert "model.embed_tokens.weight" in r["params_lax"]["warnings"][0]
+        assert "model.embed_tokens.weight" not in r["params_lax"]["ema"]
+
+
+def run_best_async(rank, world, root):
+    """async_save + load_best_model_at_end + save_total_limit=1: the Trainer deletes the last
+    checkpoint at the end unless it is the best; the EMA's background save must not bring it
+    back. Then train(resume_from_checkpoint=True) continues from what is left."""
+    hf_env(rank, world)
+    out_dir = os.path.join(root, "out")
+    # The evaluation loss rises on these tokens: the first checkpoint stays the best, and the
+    # Trainer deletes the last one at the end.
+    options = dict(save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
+                   save_total_limit=1, load_best_model_at_end=True,
+                   metric_for_best_model="eval_loss", greater_is_better=False,
+                   gradient_accumulation_steps=1)
+    cb = ShardedEMACallback(0.875, async_save=True)
+    t = make_trainer("plain", out_dir, [cb], **options)
+    t.train()
+    torch.distributed.barrier()
+    result = {"best": t.state.best_model_checkpoint, "left": sorted(os.listdir(out_dir)),
+              "limit": t.args.save_total_limit}
+    result["contents"] = {d: sorted(os.listdir(os.path.join(out_dir, d))) for d in result["left"]}
+    torch.distributed.barrier()
+    hf_env(rank, world)
+    cb = ShardedEMACallback(0.875)
+    t = make_trainer("plain", out_dir, [cb], **dict(options, max_steps=8))
+    t.train(resume_from_checkpoint=True)
+    result["resumed_step"] = int(cb.ema.step)
+    return result
+
+
+def test_async_save_with_load_best_model_at_end_never_brings_a_deleted_checkpoint_back(
+        pools, tmp_path):
+    for r in pools.get(2).run(run_best_async, str(tmp_path)):
+        best = os.path.basename(r["best"])
+        # One checkpoint left (save_total_limit=1), the best, whole with its committed EMA.
+        assert r["left"] == [best] and best != "checkpoint-6", r
+        assert {"trainer_state.json", "model.safetensors", "ema"} <= set(r["contents"][best])
+        assert r["limit"] == 1  # the callback put the Trainer's setting back
+        assert r["resumed_step"] == 8, r  # resumed from the best checkpoint, with its EMA
+
+
+def run_save_on_each_node(rank, world, root):
+    hf_env(rank, world)
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # two nodes of one rank each
+    try:
+        t = make_trainer("plain", os.path.join(root, "out"), [ShardedEMACallback(0.9)],
+                         save_on_each_node=True)
+        t.train()
+    except ValueError as e:
+        return str(e), t.state.global_step
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    return None, None
+
+
+def test_save_on_each_node_over_several_nodes_is_refused_before_training(pools, tmp_path):
+    for message, step in pools.get(2).run(run_save_on_each_node, str(tmp_path)):
+        assert message is not None and "save_on_each_node=False" in message, message
+        assert step == 0
 
 
 # --- peft: the EMA adapter ------------------------------------------------------------------------
@@ -372,13 +581,17 @@ def run_accelerate_loop(rank, world, root):
     resumed = train(ShardedEMACallback(0.875, warmup=True), (3, 6), load=state)
     return {name: (cb.ema.full_state_dict(rank0_only=False), int(cb.ema.step))
             for name, cb in (("straight", straight), ("first", first), ("resumed", resumed))} | {
-        "files": sorted(os.listdir(state))}
+        "files": sorted(os.listdir(state)),
+        "verify": verify_strict(os.path.join(state, "ema")) if rank == 0 else None}
 
 
 def test_accelerate_loop_saves_and_resumes_the_ema_with_save_state_and_load_state(pools,
                                                                                   tmp_path):
     for r in pools.get(2).run(run_accelerate_loop, str(tmp_path)):
         assert "ema" in r["files"]
+        if r["verify"] is not None:
+            code, text = r["verify"]
+            assert code == 0 and text.startswith("OK:") and "warning" not in text, text
         (straight, s_step), (first, f_step), (resumed, r_step) = (
             r["straight"], r["first"], r["resumed"])
         assert (s_step, f_step, r_step) == (6, 3, 6)

@@ -276,3 +276,34 @@ def test_check_torch_accepts_the_build_torch_and_names_a_bad_record(tmp_path):
     record.write_text("{not json")
     with pytest.raises(ImportError, match=re.escape(str(record))):
         _library.check_torch(str(lib))
+
+
+def _configure(build: Path, *args: str) -> subprocess.CompletedProcess:
+    return _check(_run(["cmake", "-S", ROOT, "-B", build, "-G", "Ninja",
+                        f"-DPython3_EXECUTABLE={sys.executable}",
+                        "-DFSDP_EMA_BUILD_TESTS=OFF", "-DFSDP_EMA_BUILD_BENCH=OFF",
+                        "-DFSDP_EMA_BUILD_TOOLS=OFF", "-DFSDP_EMA_BUILD_PACKAGING_TESTS=OFF",
+                        *args], cwd=ROOT, env=_build_env(), timeout=300))
+
+
+def test_the_cpu_only_switch_the_readme_names_leaves_the_gpu_kernels_out(tmp_path):
+    """README's `-Ccmake.define.FSDP_EMA_CUDA=OFF` (scikit-build-core passes it to CMake as
+    -DFSDP_EMA_CUDA=OFF): the configure leaves the CUDA kernels out even where a toolkit and a
+    CUDA torch are found, which AUTO (the default) compiles."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "pip install --no-build-isolation -Ccmake.define.FSDP_EMA_CUDA=OFF ." in readme
+    off = _configure(tmp_path / "off", "-DFSDP_EMA_CUDA=OFF")
+    assert re.search(r"fsdp_ema: torch \S+, CUDA kernels: OFF", off.stdout), off.stdout
+    ninja = (tmp_path / "off" / "build.ninja").read_text()
+    assert "nvcc" not in ninja and "_cuda.cu" not in ninja
+    # AUTO, the default: the development build's, when it was configured so, else a new one.
+    toolkit = shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
+    want = "ON" if toolkit and torch.version.cuda else "OFF"
+    auto = Path(os.environ.get("FSDP_EMA_BUILD", ROOT / "build"))
+    cache = auto / "CMakeCache.txt"
+    if not (cache.is_file() and "FSDP_EMA_CUDA:STRING=AUTO" in cache.read_text()
+            and (auto / "build.ninja").is_file()):
+        auto = tmp_path / "auto"
+        configured = _configure(auto)
+        assert re.search(rf"fsdp_ema: torch \S+, CUDA kernels: {want}", configured.stdout)
+    assert ("_cuda.cu" in (auto / "build.ninja").read_text()) == (want == "ON")

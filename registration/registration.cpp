@@ -107,6 +107,8 @@ TORCH_LIBRARY(fsdp_ema, m) {
   m.def("index_file_name() -> str");
   // The name rank `rank` of `world_size` writes its shard file under.
   m.def("shard_file_name(int rank, int world_size) -> str");
+  // A training state's document tensor and its EMA and model prefixes (format/names.h).
+  m.def("training_state_names() -> str[]");
   // [begin, end): the dim-0 rows torch.chunk gives rank `rank` of `world_size`.
   m.def("chunk_rows(int rows, int rank, int world_size) -> int[]");
   // JSON: the dtype table (names, torch names, sizes, roles).
@@ -164,6 +166,7 @@ TORCH_LIBRARY_IMPL(fsdp_ema, CompositeExplicitAutograd, m) {
   m.impl("committed_checkpoints", &ops::committed_checkpoints);
   m.impl("remove_checkpoint", &ops::remove_checkpoint);
   m.impl("index_file_name", &ops::index_file_name);
+  m.impl("training_state_names", &ops::training_state_names);
   m.impl("shard_file_name", &ops::shard_file_name);
   m.impl("chunk_rows", &ops::chunk_rows);
   m.impl("dtypes", &ops::dtypes);

@@ -158,11 +158,33 @@ std::optional<fmt::DType> parse_cast_dtype(const std::string& s) {
   return d;
 }
 
+// What `export` writes without --what: a training-state checkpoint's EMA (its model when it holds
+// no EMA), named without the prefix; every tensor of any other checkpoint, names as stored.
+std::string default_export_selection(const std::string& dir) {
+  const fmt::CheckpointDir ckpt = fmt::CheckpointDir::open(dir);
+  const fmt::CheckpointIndex& index = ckpt.index();
+  if (index.find(fmt::kTrainingStateDocTensor) == nullptr) return "all";
+  const bool has_ema = std::any_of(
+      index.tensors.begin(), index.tensors.end(),
+      [](const fmt::IndexTensor& t) { return t.name.starts_with(fmt::kTrainingStateEmaPrefix); });
+  return has_ema ? "ema" : "model";
+}
+
 int cmd_export(const std::string& dir, const std::string& out, const std::string& dtype,
-               const std::string& what, uint64_t max_file_size, bool overwrite, bool no_verify,
+               std::string what, uint64_t max_file_size, bool overwrite, bool no_verify,
                bool quiet) {
   fmt::ExportOptions opts;
-  if (!what.empty()) opts.select_prefix = what + ".";  // "ema" or "model" (checked by the parser)
+  if (what.empty()) {
+    what = default_export_selection(dir);
+    if (what != "all" && !quiet) {
+      std::printf(
+          "%s is a training-state checkpoint: exporting its %s (--what %s; --what model, "
+          "ema or all for the others)\n",
+          printable(dir).c_str(), what == "ema" ? "EMA" : "model", what.c_str());
+    }
+  }
+  if (what == "ema") opts.select_prefix = std::string(fmt::kTrainingStateEmaPrefix);
+  if (what == "model") opts.select_prefix = std::string(fmt::kTrainingStateModelPrefix);
   if (!dtype.empty()) opts.dtype = parse_cast_dtype(dtype);  // validated by the CLI parser
   opts.max_file_bytes = max_file_size;
   opts.overwrite = overwrite;
@@ -235,9 +257,11 @@ int main(int argc, char** argv) {
           },
           cast_dtype_spellings("|")));
   exp->add_option("--what", what,
-                  "Training-state checkpoints: export the 'ema.' or 'model.' tensors, named "
-                  "without that prefix (default: every tensor, names as stored)")
-      ->check(CLI::IsMember({"ema", "model"}));
+                  "ema, model or all: the 'ema.' or 'model.' tensors of a training-state "
+                  "checkpoint, named without that prefix, or every tensor, names as stored "
+                  "(default: ema for a training state, its model if it holds no EMA; all for "
+                  "any other checkpoint)")
+      ->check(CLI::IsMember({"ema", "model", "all"}));
   exp->add_option("--max-file-size", max_file_size,
                   "Largest tensor data per file, e.g. 5GB, 500MB, 2GiB; 0 = one file (default 5GB)")
       ->transform(CLI::AsSizeValue(true));

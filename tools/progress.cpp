@@ -42,6 +42,7 @@ void Progress::update(uint64_t done, uint64_t total, std::string_view detail) {
   if (mode_ == Mode::kQuiet) return;
   if (mode_ == Mode::kLines && done >= total) return;  // finish() prints the last line
   const auto now = std::chrono::steady_clock::now();
+  if (now - start_ < kQuietFor) return;
   const int decile = total == 0 ? 10 : static_cast<int>(done * 10 / std::max<uint64_t>(total, 1));
   if (mode_ == Mode::kBar) {
     if (drawn_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
@@ -55,6 +56,7 @@ void Progress::update(uint64_t done, uint64_t total, std::string_view detail) {
 
 void Progress::finish(uint64_t done, uint64_t total) {
   if (mode_ == Mode::kQuiet) return;
+  if (!drawn_ && std::chrono::steady_clock::now() - start_ < kQuietFor) return;
   draw(done, total, {}, true);
 }
 

@@ -20,11 +20,15 @@ class Progress {
   static Mode pick_mode(std::FILE* out, bool quiet);
 
   Progress(std::FILE* out, Mode mode, std::string label);
-  // Reports `done` of `total` bytes; cheap to call often (redraws at most 10 times a second, a
-  // line at most every 5 seconds or 10 percent).
+  // Reports `done` of `total` bytes; cheap to call often. Nothing is shown before the work has
+  // run for `quiet_for` (short work prints no progress at all); then it redraws at most 10 times
+  // a second, a line at most every 5 seconds or 10 percent.
   void update(uint64_t done, uint64_t total, std::string_view detail);
-  // Final state and newline (bar mode).
+  // Final state and newline (bar mode), when the work took at least `quiet_for`.
   void finish(uint64_t done, uint64_t total);
+
+  // How long work may take before progress is shown.
+  static constexpr std::chrono::milliseconds kQuietFor{1000};
 
  private:
   void draw(uint64_t done, uint64_t total, std::string_view detail, bool final);

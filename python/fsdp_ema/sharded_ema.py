@@ -540,7 +540,8 @@ class ShardedEMA:
     @torch.no_grad()
     def export(self, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
                max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-               bucket_bytes: int = DEFAULT_BUCKET_BYTES, overwrite: bool = False) -> int:
+               bucket_bytes: int = DEFAULT_BUCKET_BYTES, overwrite: bool = False,
+               prefix: str | None = None) -> int:
         """Writes the full EMA weights as a consolidated Hugging Face safetensors directory:
         ``path/model.safetensors``, or ``model-0000k-of-0000n.safetensors`` files plus
         ``model.safetensors.index.json`` when the tensor data exceeds ``max_file_bytes``.
@@ -554,6 +555,9 @@ class ShardedEMA:
         files staged in a hidden directory in ``path``, fsync'd and renamed into place, the
         index last; weight files of an earlier export in ``path`` are replaced only with
         ``overwrite=True``. A failure raises on every rank.
+
+        ``prefix`` (e.g. ``"net."``): only the tensors whose names start with it, written without
+        it (a submodule's weights under the names the submodule itself gives them).
         """
         path = os.fspath(path)
         what = f"ShardedEMA.export({path!r})"
@@ -564,9 +568,35 @@ class ShardedEMA:
             raise ValueError(f"{what}: max_file_bytes must be a positive integer, got "
                              f"{max_file_bytes}")
         parts = self._full_plan(bucket_bytes, "export")
+        names = None
+        if prefix:
+            parts = [p for p in parts if p.fqn.startswith(prefix) and len(p.fqn) > len(prefix)]
+            if not parts:
+                raise ValueError(f"{what}: no tensor name starts with {prefix!r} (the names are "
+                                 f"{_list_names(list(self._shapes), 4)})")
+            names = {p.fqn: p.fqn[len(prefix):] for p in parts}
         return _export(parts, path, dtype=dtype, max_file_bytes=int(max_file_bytes),
                        bucket_bytes=bucket_bytes, overwrite=overwrite, group=self._group,
-                       device=self._device, what=what)
+                       device=self._device, what=what, names=names)
+
+    @torch.no_grad()
+    def model_fingerprint(self) -> str:
+        """A fingerprint (16 hex digits) of the model weights this EMA averages, as they are now:
+        equal for bit-equal weights at any world size and sharding, different (up to a ~2^-62
+        chance) for any other. Each rank hashes the pieces of them it would save (as
+        ``save_shard_weights`` writes them) with their positions in the full tensors, and one
+        ``all_reduce`` of two integers combines the ranks: no rank gathers a tensor. Collective
+        (FSDP1 units: one all_to_all each, as a save). What the trainer integrations record with
+        every EMA they save, to prove on resume that the restored model is the one it was saved
+        with (``fsdp_ema._binding``)."""
+        from ._binding import fingerprint
+
+        self.synchronize()
+        rank, world = self._rank_world()
+        pieces: dict[str, Any] = {}
+        for slot, t in zip(self._slots, self._refresh()):
+            pieces.update(slot.pieces(t.detach(), rank, world))
+        return fingerprint(pieces, group=self._group, device=self._device)
 
     # --- checkpoint directories -------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from . import _dtypes
 from . import checkpoint as _ckpt
+from ._binding import settings
 from ._collective import LoadTarget, agreed, load_collective, save_collective
 from ._collective import rank_world as _rank_world
 from ._layouts import layout_of
@@ -38,15 +39,17 @@ from ._layouts import layout_of
 __all__ = ["save_training_state", "load_training_state", "latest_checkpoint",
            "read_training_state_json", "META_TENSOR", "INDEX_NAME", "SIDECAR_NAME"]
 
-#: The uint8 tensor (rank 0's file) holding the UTF-8 JSON document of the non-tensor state.
-META_TENSOR = "meta.training_state"
+# The uint8 tensor (rank 0's file) holding the UTF-8 JSON document of the non-tensor state, and
+# the prefixes of the EMA's and the model's tensors: format/'s names (fsdp_ema/format/names.h),
+# which `fsdp-ema export` reads too.
+META_TENSOR, EMA_PREFIX, MODEL_PREFIX = torch.ops.fsdp_ema.training_state_names()
 #: Human-readable copy of that JSON, written beside the shard files before the commit.
 SIDECAR_NAME = "training_state.json"
 INDEX_NAME = torch.ops.fsdp_ema.index_file_name()  # format/'s name (fsdp_ema/format/names.h)
 FORMAT_NAME = "fsdp_ema.training_state"
 FORMAT_VERSION = 1
 
-MODEL_PREFIX, OPTIM_PREFIX, EMA_PREFIX, RNG_PREFIX = "model.", "optim.state.", "ema.", "rng."
+OPTIM_PREFIX, RNG_PREFIX = "optim.state.", "rng."
 
 
 # --- JSON for non-tensor values -------------------------------------------------------------------
@@ -355,7 +358,7 @@ def _ema_pieces(ema, ema_sd: Mapping[str, Any], rank: int,
     # The host's count when known: int() of a device step would wait for all the work queued on
     # the stream (an async save would block on the training).
     return {"step": ema._step_count() if step_key in ema_sd else None, "decay": ema.decay,
-            "tensors": sorted(names)}
+            "settings": settings(ema), "tensors": sorted(names)}
 
 
 class _Save:

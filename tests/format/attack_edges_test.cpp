@@ -163,6 +163,38 @@ TEST_F(CommitOverwrite, RecommittingTheCommittedFilesKeepsThem) {
   expect_values(model_);
 }
 
+TEST_F(CommitOverwrite, ARanksFileWithNoTensorGoesAtTheCommitAndReCommitsAndOverwritesWork) {
+  // Rank 0 holds everything (a replicated model: rank 0 writes it), rank 1 writes a file with no
+  // tensor, as every rank must for the commit.
+  TempDir fresh;
+  const std::string dir = fresh.subdir("c");
+  auto save = [&](const std::string& name, int64_t r, std::vector<TensorToWrite> tensors) {
+    WriteOptions o;
+    o.rank = r;
+    o.world_size = 2;
+    write_shard_file(dir + "/" + name, std::move(tensors), o);
+  };
+  save(shard_file_name(0, 2), 0, testing::local_shards(model_, 0, 1));
+  save(shard_file_name(1, 2), 1, {});
+  commit_directory(dir, 2, /*overwrite=*/false, true);
+  EXPECT_THAT(testing::list_names(dir), ElementsAre("fsdp_ema.index.json", shard_file_name(0, 2)));
+  auto expect_model = [&] {
+    const CheckpointDir ckpt = CheckpointDir::open(dir);
+    EXPECT_TRUE(ckpt.stray_files().empty());
+    for (const auto& t : model_) EXPECT_EQ(full(ckpt, t.name), t.data) << t.name;
+  };
+  expect_model();
+  commit_directory(dir, 2, /*overwrite=*/true, true);  // a re-commit: rank 1 is empty again
+  expect_model();
+  // An overwrite: both ranks write again (rank 0 under the alternate name), rank 1 empty again.
+  save(shard_file_name_to_write(dir, 0, 2), 0, testing::local_shards(model_, 0, 1));
+  save(shard_file_name_to_write(dir, 1, 2), 1, {});
+  commit_directory(dir, 2, /*overwrite=*/true, true);
+  EXPECT_THAT(testing::list_names(dir),
+              ElementsAre("fsdp_ema.index.json", alternate_shard_file_name(0, 2)));
+  expect_model();
+}
+
 TEST_F(CommitOverwrite, StrayShardFilesOfAnotherWorldSizeGoAtTheCommit) {
   TempDir fresh;
   const std::string other = fresh.subdir("c");

@@ -94,7 +94,17 @@ expect 0 '^weight +BF16 +\[3, 4\] +24 ' 'total: 2 tensors, 30 bytes' -- "$CLI" i
 if "$CLI" inspect "$WORK/ts_ema" | grep -Eq '(ema|model|optim|meta)\.'; then
   echo "FAILED: --what left prefixed or unselected tensors"; failures=$((failures + 1))
 fi
-expect 0 'exported 1,?117 ' -- "$CLI" export "$TS" "$WORK/ts_all"
+expect 0 'exported 1,?117 ' -- "$CLI" export --what all "$TS" "$WORK/ts_all"
+# Without --what a training state exports its EMA, names without the prefix; the small export
+# prints no progress (only work that takes a while does), just the summary.
+expect 0 'training-state checkpoint: exporting its EMA' 'exported 60 ' \
+  -- "$CLI" export "$TS" "$WORK/ts_default"
+expect 0 '^weight +F32 +\[3, 4\] +48 ' 'total: 2 tensors, 60 bytes' -- "$CLI" inspect "$WORK/ts_default"
+if "$CLI" export "$TS" "$WORK/ts_default2" 2>&1 >/dev/null | grep -q .; then
+  echo "FAILED: a small export printed progress on stderr"; failures=$((failures + 1))
+else
+  echo "ok: a small export prints no progress"
+fi
 expect 1 'no tensor name starts with "ema\."' -- "$CLI" export --what ema "$WORK/ckpt" "$WORK/ts_none"
 expect 2 'opt not in' -- "$CLI" export --what opt "$TS" "$WORK/ts_bad"
 

@@ -6,28 +6,44 @@ The callback only translates the trainer's events into ``fsdp_ema`` calls:
 
 - ``on_train_begin`` (the trainer has wrapped the model): the EMA is made from the model it hands
   over, shard by shard (FSDP is read from the model, not from the arguments); on a resumed run
-  the EMA and its step come back from ``checkpoint-N/ema/``;
+  the EMA comes back from the checkpoint whose model the Trainer restored, proven by the step
+  and the model fingerprint recorded beside it (``_common.ResumeChecks``);
 - ``on_step_end`` (after the optimizer step; once per accumulated step): ``update()``;
-- ``on_save`` (every rank, with no barrier before it): ``fsdp_ema.save_training_state`` of the EMA
-  into ``checkpoint-N/ema/`` (one file per rank, committed by rank 0 once every rank's file is
-  written; the trainer's ``save_total_limit`` rotation removes it with the checkpoint);
-- evaluation during training with ``eval_with_ema=True``: ``swap()`` around it;
+- ``on_save``: the EMA into ``checkpoint-N/ema/`` (``fsdp_ema.save_training_state``, one file per
+  rank, committed by rank 0 once every rank's file is written); the checkpoint rotation
+  (``save_total_limit``) runs after that commit, so the previous checkpoint stays until the new
+  one holds its EMA;
+- evaluation during training with ``eval_with_ema``: the EMA weights from the evaluation's first
+  forward to its end (or, with ``"both"``, a second forward of each evaluation batch with them);
+- ``on_log``: ``ema/decay`` and ``ema/step`` in the trainer's logs;
 - ``on_train_end``: optionally the EMA weights as a directory ``from_pretrained`` loads.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import os
-import warnings
-from collections.abc import Iterator
+import re
+import shutil
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import HeldSwap, check_options, missing_framework
+from ._common import (
+    HeldSwap,
+    ResumeChecks,
+    check_metric_name,
+    check_options,
+    logged_values,
+    missing_framework,
+    pretrained_model,
+    warn_not_sharded,
+    warn_user,
+    write_hf_metadata,
+)
 
 try:
     from transformers import TrainerCallback
@@ -37,10 +53,18 @@ except ImportError as _e:
 
 import fsdp_ema
 
+from .. import _binding
+from .._collective import agreed
+from .._dist import comm_device
+
 __all__ = ["ShardedEMACallback"]
 
 #: The trainer's state file in every checkpoint folder (transformers.trainer.TRAINER_STATE_NAME).
 TRAINER_STATE_NAME = "trainer_state.json"
+#: The key of the binding in the EMA checkpoint's ``extra``.
+BINDING_KEY = "fsdp_ema.binding"
+_NAME_IT = ("pass ShardedEMACallback(resume_from=<the checkpoint folder given to "
+            "train(resume_from_checkpoint=...)>)")
 
 
 def is_fsdp(model: nn.Module) -> bool:
@@ -58,14 +82,66 @@ def _is_peft(model: nn.Module) -> bool:
     return any(isinstance(m, PeftModel) for m in model.modules())
 
 
-def _pretrained_config(model: nn.Module):
-    """The ``PretrainedConfig`` of the first ``PreTrainedModel`` in ``model`` (None if none)."""
-    from transformers import PreTrainedModel
-
-    for m in model.modules():
-        if isinstance(m, PreTrainedModel):
-            return m.config
+def fsdp_asked_by(args=None, accelerator=None) -> str | None:
+    """What asked for FSDP: the ``TrainingArguments``, an Accelerate plugin, or the environment
+    that ``accelerate launch`` sets from a config file with ``distributed_type: FSDP``; None if
+    nothing did."""
+    if args is not None and (getattr(args, "fsdp", None)
+                             or getattr(args, "fsdp_plugin_args", None) is not None):
+        return "TrainingArguments(fsdp=..., fsdp_config=...)"
+    if accelerator is not None and getattr(accelerator.state, "fsdp_plugin", None) is not None:
+        return "the Accelerator's FSDP plugin"
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1"):
+        return ("ACCELERATE_USE_FSDP=true in the environment, as `accelerate launch` sets it from "
+                "a config with distributed_type: FSDP")
     return None
+
+
+def _rank_world() -> tuple[int, int]:
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _agree(fn, ema, what: str):
+    """``fn()`` on every rank with the failure agreement of the saves and loads."""
+    return agreed(fn, group=ema.process_group, device=torch.device("cpu"), what=what)
+
+
+class _Candidate:
+    """A checkpoint folder the EMA of a resumed run may come from, and what its ``ema/`` holds:
+    ``"absent"``, ``"incomplete"`` (files but no commit) or ``"committed"`` (then ``doc``, the
+    training state's document, and ``binding``)."""
+
+    def __init__(self, folder: str, subdir: str):
+        self.folder, self.ema_dir = folder, os.path.join(folder, subdir)
+        self.doc: dict | None = None
+        self.binding: _binding.Binding | None = None
+        if not os.path.isdir(self.ema_dir):
+            self.kind = "absent"
+        elif not torch.ops.fsdp_ema.is_committed(self.ema_dir):
+            self.kind = "incomplete"
+        else:
+            self.kind = "committed"
+            self.doc = fsdp_ema.training_state.read_training_state_json(self.ema_dir)
+            extra = self.doc.get("extra")
+            self.binding = _binding.Binding.from_json(
+                extra.get(BINDING_KEY) if isinstance(extra, dict) else None)
+            if self.binding is not None:
+                saved = (self.doc.get("ema") or {}).get("settings")
+                self.binding = _binding.Binding(self.binding.global_step,
+                                                self.binding.fingerprint,
+                                                dict(saved) if isinstance(saved, dict) else {})
+
+    def describe(self) -> str:
+        if self.kind == "absent":
+            return f"{self.folder} has no {os.path.basename(self.ema_dir)}/"
+        if self.kind == "incomplete":
+            return f"{self.ema_dir} was never committed (a save stopped before its commit)"
+        if self.binding is None:
+            return f"{self.ema_dir} records no global step and model fingerprint"
+        return (f"{self.ema_dir} was saved at step {self.binding.global_step} beside model "
+                f"weights {self.binding.fingerprint}")
 
 
 class ShardedEMACallback(TrainerCallback):
@@ -74,19 +150,33 @@ class ShardedEMACallback(TrainerCallback):
 
     Args:
         decay: the EMA decay (``fsdp_ema.ShardedEMA``'s; the upper bound of a warmup).
-        eval_with_ema: evaluations during training run with the EMA weights; the training
-            weights come back bit for bit before anything else (a checkpoint) reads them.
+        eval_with_ema: ``False`` (the default): evaluations during training see the training
+            weights; ``True``: they run with the EMA weights, swapped in at the evaluation's first
+            forward and out at its logs (the training weights come back bit for bit before
+            anything else, a checkpoint included, reads them); ``"both"``: every evaluation batch
+            also goes through the EMA weights, and the mean of the model's own loss over them is
+            logged as ``ema_metric_name`` of the evaluation's loss (``eval_loss_ema``).
+        ema_metric_name: the name of the EMA's metric, from the raw one's (``"{name}_ema"``).
         save_ema_model: at the end of training, write the EMA weights there: a directory that
             ``AutoModel*.from_pretrained`` loads (``ShardedEMA.export`` plus the model's
-            ``config.json``), or, for a peft model, the EMA adapter that
-            ``PeftModel.from_pretrained(base, path)`` loads (``fsdp_ema.export_peft_adapter``).
+            ``config.json`` and ``generation_config.json``), or, for a peft model, the EMA
+            adapter that ``PeftModel.from_pretrained(base, path)`` loads
+            (``fsdp_ema.export_peft_adapter``).
         save_ema_dtype: casts the weights of that export.
         async_save: the EMA is staged in host memory in ``on_save`` and written and committed in
-            the background (``fsdp_ema.save_training_state(..., async_=True)``); the next save,
-            a resume and the end of training wait for it.
+            the background (``fsdp_ema.save_training_state(..., async_=True)``); the rotation
+            waits for the commit, the next save, a resume and the end of training wait for it.
         subdir: the EMA's folder inside each ``checkpoint-N/``.
-        resume_from: the checkpoint folder to take the EMA from on a resumed run, when it is
-            neither ``args.resume_from_checkpoint`` nor ``output_dir/checkpoint-<global_step>``.
+        resume_from: the checkpoint folder the EMA of a resumed run comes from when it is
+            neither ``args.resume_from_checkpoint`` nor ``output_dir/checkpoint-<global_step>``
+            (the Trainer does not tell callbacks which folder ``train(resume_from_checkpoint=...)``
+            restored; the EMA's recorded model fingerprint proves it is that one).
+        strict_resume, allow_changes: a resume refuses an EMA saved with other options (decay,
+            warmup, schedule, update_every, start_step, dtype, params, buffers), with another
+            parameter set, or beside other model weights than the Trainer restored, naming the
+            difference; ``allow_changes={"decay"}`` accepts a change of those options,
+            ``strict_resume=False`` resumes whatever differs (with a warning).
+        log: add ``ema/decay`` and ``ema/step`` to the Trainer's training logs.
         compile: ``True`` (or a dict of ``torch.compile`` arguments) compiles ``update()`` with
             ``fullgraph=True``.
         **options: every other ``fsdp_ema.ShardedEMA`` option, as it is (``warmup``,
@@ -97,24 +187,42 @@ class ShardedEMACallback(TrainerCallback):
     ``accelerator.save_state(dir)`` / ``load_state(dir)`` then save and load ``dir/ema`` too.
     """
 
-    def __init__(self, decay: float = 0.9999, *, eval_with_ema: bool = False,
+    def __init__(self, decay: float = 0.9999, *, eval_with_ema: bool | str = False,
+                 ema_metric_name: str = "{name}_ema",
                  save_ema_model: str | os.PathLike | None = None,
                  save_ema_dtype: torch.dtype | None = None, async_save: bool = False,
                  subdir: str = "ema", resume_from: str | os.PathLike | None = None,
-                 compile: bool | dict = False, **options: Any):
-        check_options(type(self).__name__, decay, options)
+                 strict_resume: bool = True, allow_changes: Collection[str] = (),
+                 log: bool = True, compile: bool | dict = False, **options: Any):
+        what = type(self).__name__
+        check_options(what, decay, options)
         if not subdir or os.sep in subdir or subdir in (".", ".."):
-            raise ValueError(f"ShardedEMACallback: subdir must be a folder name, got {subdir!r}")
+            raise ValueError(f"{what}: subdir must be a folder name, got {subdir!r}")
+        if eval_with_ema not in (False, True, "both"):
+            raise ValueError(f"{what}: eval_with_ema must be False, True or 'both', got "
+                             f"{eval_with_ema!r}")
         self.decay, self.options = decay, options
         self.eval_with_ema = eval_with_ema
+        self.ema_metric_name = check_metric_name(what, ema_metric_name)
         self.save_ema_model, self.save_ema_dtype = save_ema_model, save_ema_dtype
         self.async_save, self.subdir, self.resume_from = async_save, subdir, resume_from
-        self.compile = compile
+        self.checks = ResumeChecks(what, strict_resume, allow_changes)
+        self.log, self.compile = log, compile
         self.ema: fsdp_ema.ShardedEMA | None = None
         self._update = None
         self._swap = HeldSwap()
-        self._handle = None  # the async save in flight
-        self._warned_multi_eval = False
+        self._handle = None          # the async save in flight
+        self._after_commit = None    # what waits for its commit (the rotation)
+        self._args = None
+        self._limit: int | None = None  # save_total_limit, which the callback applies
+        self._control = None         # the Trainer's TrainerControl, from the last event
+        self._session = False        # an evaluation with the EMA weights is under way
+        self._eval_on_start = False
+        self._rerun = False          # the "both" mode's EMA forward is running
+        self._hooks: list[Any] = []
+        self._ema_loss: list[torch.Tensor] | None = None
+        self._ema_metrics: dict[str, float] = {}
+        self._warned_no_loss = False
 
     # --- the EMA, for the Trainer and for loops of your own ---------------------------------------
 
@@ -124,6 +232,10 @@ class ShardedEMACallback(TrainerCallback):
         ``accelerator``, ``accelerator.save_state(dir)`` also saves the EMA into ``dir/ema`` and
         ``accelerator.load_state(dir)`` restores it."""
         self.wait()
+        if accelerator is not None and not is_fsdp(model):
+            asked = fsdp_asked_by(accelerator=accelerator)
+            if asked is not None:
+                warn_not_sharded(type(self).__name__, asked)
         self.ema = fsdp_ema.ShardedEMA(model, self.decay, **self.options)
         self._update = self.ema.update
         if self.compile:
@@ -132,7 +244,9 @@ class ShardedEMACallback(TrainerCallback):
         if accelerator is not None:
             accelerator.register_save_state_pre_hook(
                 lambda models, weights, output_dir: self.save(output_dir))
-            accelerator.register_load_state_pre_hook(lambda models, input_dir: self.load(input_dir))
+            accelerator.register_load_state_pre_hook(
+                lambda models, input_dir: self._load_checked(_Candidate(input_dir, self.subdir),
+                                                             None))
         return self.ema
 
     def _ema(self, what: str) -> fsdp_ema.ShardedEMA:
@@ -153,133 +267,377 @@ class ShardedEMACallback(TrainerCallback):
             yield model
 
     def save(self, checkpoint_dir: str | os.PathLike, *, global_step: int | None = None) -> None:
-        """Saves the EMA and its step into ``checkpoint_dir/<subdir>`` (collective; a previous
+        """Saves the EMA, its step and what binds it to the training state (``global_step`` and
+        the model's fingerprint now) into ``checkpoint_dir/<subdir>`` (collective; a previous
         save there is replaced). Asynchronous with ``async_save``."""
-        ema = self._ema("save")
         self.wait()
-        extra = {} if global_step is None else {"global_step": int(global_step)}
+        self._save(checkpoint_dir, global_step)
+
+    def _save(self, checkpoint_dir: str | os.PathLike, global_step: int | None) -> None:
+        ema = self._ema("save")
+        binding = _binding.bind(ema, global_step)
         result = fsdp_ema.save_training_state(
             os.path.join(os.fspath(checkpoint_dir), self.subdir), ema=ema, rng=False,
-            extra=extra, overwrite=True, async_=self.async_save)
+            extra={BINDING_KEY: binding.to_json()}, overwrite=True, async_=self.async_save)
         if self.async_save:
             self._handle = result
 
     def load(self, checkpoint_dir: str | os.PathLike) -> dict:
         """Restores the EMA and its step from ``checkpoint_dir/<subdir>`` (collective, at any
-        world size); returns what ``save`` stored beside it."""
+        world size), after the checks of a resume (options and tensor names; ``strict_resume``,
+        ``allow_changes``); returns what ``save`` stored beside it."""
+        return self._load_checked(_Candidate(os.fspath(checkpoint_dir), self.subdir), None)
+
+    def _load_checked(self, candidate: _Candidate, global_step: int | None,
+                      fingerprint: str | None = None) -> dict:
         ema = self._ema("load")
         self.wait()
-        return fsdp_ema.load_training_state(
-            os.path.join(os.fspath(checkpoint_dir), self.subdir), ema=ema, rng=False)
+        if candidate.kind != "committed":
+            raise FileNotFoundError(f"{type(self).__name__}: no EMA to load: "
+                                    f"{candidate.describe()}")
+        self.checks.check(
+            ema, candidate.binding, global_step=global_step, fingerprint=fingerprint,
+            saved_names=(candidate.doc.get("ema") or {}).get("tensors", []),
+            where=candidate.ema_dir,
+            restored="the model the Trainer restored",
+            step_hint=f"it belongs to another checkpoint; {_NAME_IT}",
+            weights_hint=f"it belongs to another training state (another run's checkpoint of "
+                         f"the same step?); {_NAME_IT}")
+        return fsdp_ema.load_training_state(candidate.ema_dir, ema=ema, rng=False,
+                                            strict=self.checks.strict)
 
     def wait(self) -> None:
-        """Waits for the async save in flight (raising its error on every rank)."""
+        """Waits for the async save in flight (raising its error on every rank), then runs what
+        waited for its commit (the checkpoint rotation)."""
+        self._wait(rotate=True)
+
+    def _wait(self, rotate: bool) -> None:
+        # The rotation that waits for an async commit runs only before the Trainer starts its
+        # next checkpoint: once that exists (on_save) it would count as the most recent one, and
+        # the one just committed could go before the new one holds its EMA. That next
+        # checkpoint's own rotation does the work then.
         handle, self._handle = self._handle, None
+        after, self._after_commit = self._after_commit, None
         if handle is not None:
             handle.result()
+        if after is not None and rotate:
+            after()
 
     def save_model(self, path: str | os.PathLike) -> None:
         """Writes the EMA weights as a model directory (collective; rank 0 writes): for a peft
         model the EMA adapter (``PeftModel.from_pretrained``), else the consolidated safetensors
-        of the EMA plus the model's ``config.json`` (``AutoModel*.from_pretrained``)."""
+        of the EMA plus the model's ``config.json`` and ``generation_config.json``
+        (``AutoModel*.from_pretrained``, ``generate()``)."""
         ema = self._ema("save_model")
         path = os.fspath(path)
         if _is_peft(ema.model):
             fsdp_ema.export_peft_adapter(ema, path, dtype=self.save_ema_dtype)
             return
         ema.export(path, dtype=self.save_ema_dtype, overwrite=True)
-        config = _pretrained_config(ema.model)
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        if config is not None and rank == 0:
-            config.save_pretrained(path)
+        pretrained = pretrained_model(ema.model)
+        if pretrained is not None:
+            write_hf_metadata(pretrained, path)
 
     # --- the Trainer's events ---------------------------------------------------------------------
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             raise RuntimeError("ShardedEMACallback: the trainer handed over no model")
-        if getattr(args, "fsdp_plugin_args", None) is not None and not is_fsdp(model):
-            warnings.warn(
-                "ShardedEMACallback: the TrainingArguments ask for FSDP, but the model the "
-                "Trainer trains is not sharded (Accelerate dropped the FSDP plugin, as it does "
-                "on the CPU): every rank keeps the whole EMA", RuntimeWarning, stacklevel=2)
+        self._control, self._args = control, args
+        self._check_settings(args)
+        if not is_fsdp(model):
+            asked = fsdp_asked_by(args)
+            if asked is not None:
+                warn_not_sharded(type(self).__name__, asked)
         self.attach(model)
-        if state.global_step > 0:  # a resumed run: the EMA of its checkpoint
+        if state.global_step > 0:  # a resumed run: the EMA of the checkpoint the Trainer restored
             self._resume(args, state)
+        self._take_over_rotation(args)  # after a resume that may refuse: args untouched then
+        self._remove_hooks()  # a train() before this one that raised
+        if self.eval_with_ema:
+            # Before FSDP's own pre-forward hook (prepend): the EMA goes into the shards before
+            # they are gathered.
+            self._hooks = [model.register_forward_pre_hook(self._pre_forward, prepend=True)]
+            if self.eval_with_ema == "both":
+                self._hooks.append(model.register_forward_hook(self._post_forward,
+                                                               with_kwargs=True))
+            self._eval_on_start = bool(getattr(args, "eval_on_start", False))
+
+    def _remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _check_settings(self, args) -> None:
+        _, world = _rank_world()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if getattr(args, "save_on_each_node", False) and local_world < world:
+            raise ValueError(
+                "ShardedEMACallback: save_on_each_node=True saves each node's checkpoints on "
+                "its own disk, but the EMA is one checkpoint of every rank's shards in "
+                "checkpoint-N/ema, committed by rank 0: use an output_dir every node sees, "
+                "with save_on_each_node=False")
+
+    def _take_over_rotation(self, args) -> None:
+        # The Trainer rotates checkpoints inside its own save, before on_save: the previous
+        # checkpoint would go before the new one holds its EMA. The callback runs the Trainer's
+        # rotation itself once the EMA is committed (and puts the setting back at the end).
+        if args.save_total_limit is not None and args.save_total_limit > 0:
+            self._limit = args.save_total_limit
+            args.save_total_limit = None
+        elif args.save_total_limit is not None:
+            self._limit = None
+        # else: a second train() after one that stopped early keeps the limit taken over
+
+    def _rotate(self, args, state) -> None:
+        if self._limit is None or not args.should_save:
+            return
+        from transformers.trainer_utils import rotate_checkpoints
+
+        rotate_checkpoints(output_dir=args.output_dir, save_total_limit=self._limit,
+                           best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
+
+    def _end_of_training_rotation(self, args, state) -> None:
+        """What the Trainer does at the end of training with ``save_total_limit=1`` and a best
+        checkpoint (it removes every other one), done once the last EMA is committed."""
+        if self._limit != 1 or state.best_model_checkpoint is None or not args.should_save:
+            return
+        from transformers.trainer_utils import sort_checkpoints
+
+        best = state.best_model_checkpoint
+        for checkpoint in sort_checkpoints(output_dir=args.output_dir,
+                                           best_model_checkpoint=best):
+            if os.path.exists(best) and not os.path.samefile(checkpoint, best):
+                shutil.rmtree(checkpoint, ignore_errors=True)
+
+    def _marker_key(self) -> str:
+        return f"fsdp_ema:{self.subdir}"
+
+    def _mark(self, state) -> None:
+        # In every trainer_state.json the Trainer writes from now on: this run keeps an EMA in
+        # <subdir>/ (a key that names no callback class, so the Trainer's callback restore
+        # skips it).
+        if isinstance(state.stateful_callbacks, dict):
+            state.stateful_callbacks[self._marker_key()] = {"global_step": state.global_step,
+                                                            "ema": self.subdir}
 
     def _resume(self, args, state) -> None:
-        candidates = [self.resume_from, getattr(args, "resume_from_checkpoint", None),
-                      os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")]
-        checkpoint = None
+        step = state.global_step
+        folders = []
+        for c in (self.resume_from, getattr(args, "resume_from_checkpoint", None),
+                  os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")):
+            if isinstance(c, (str, os.PathLike)) and os.path.abspath(c) not in folders:
+                folders.append(os.path.abspath(c))
+        ema = self._ema("resume")
+        candidates = _agree(lambda: [_Candidate(f, self.subdir) for f in folders if
+                                     os.path.isdir(f)], ema, "ShardedEMACallback resume")
+        fingerprint = ema.model_fingerprint()
         for c in candidates:
-            if isinstance(c, (str, os.PathLike)) and _checkpoint_step(c) == state.global_step:
-                checkpoint = os.fspath(c)
-                break
-        if checkpoint is None:
-            raise FileNotFoundError(
-                f"ShardedEMACallback: training resumes at step {state.global_step}, but none of "
-                f"{[os.fspath(c) for c in candidates if c]} is a checkpoint of that step; pass "
-                f"ShardedEMACallback(resume_from=<the checkpoint folder>)")
-        if not os.path.isdir(os.path.join(checkpoint, self.subdir)):
-            warnings.warn(f"ShardedEMACallback: {checkpoint} holds no EMA ({self.subdir}/); the "
-                          f"EMA starts from the restored weights", RuntimeWarning, stacklevel=3)
+            if (c.kind == "committed" and c.binding is not None
+                    and c.binding.global_step == step and c.binding.fingerprint == fingerprint):
+                self._load_checked(c, step, fingerprint)
+                return
+        marker = (state.stateful_callbacks or {}).get(self._marker_key())
+        # An EMA was kept: the restored trainer_state.json says so, or an ema/ began to be saved.
+        kept = (isinstance(marker, dict) and marker.get("global_step") == step) or any(
+            c.kind == "incomplete" for c in candidates)
+        committed = [c for c in candidates if c.kind == "committed"]
+        if committed:
+            # Committed, but not of the model the Trainer restored (another run's checkpoint of
+            # the same step, say): refused, naming both, unless strict_resume=False.
+            self._load_checked(committed[0], step, fingerprint)
             return
-        extra = self.load(checkpoint)
-        if extra.get("global_step", state.global_step) != state.global_step:
-            raise RuntimeError(f"ShardedEMACallback: {checkpoint}/{self.subdir} was saved at "
-                               f"step {extra['global_step']}, the trainer resumes at step "
-                               f"{state.global_step}")
+        others = "; ".join(c.describe() for c in candidates) or (
+            f"none of {folders} exists")
+        if kept:
+            interrupted = next((c for c in candidates if c.kind != "committed"), None)
+            previous = _previous_checkpoint(args.output_dir, step)
+            fix = (f"remove it and resume again (the Trainer then takes the checkpoint before it"
+                   f"{', ' + previous if previous else ''}, which holds model, optimizer and "
+                   f"EMA): rm -r '{interrupted.folder}'" if interrupted is not None else _NAME_IT)
+            raise RuntimeError(
+                f"ShardedEMACallback: the Trainer resumed at step {step} from a checkpoint saved "
+                f"by a run that kept an EMA, but no committed "
+                f"EMA of that step was found ({others}): the run was stopped while saving it. "
+                f"If that is the checkpoint the Trainer restored, {fix}")
+        warn_user(f"ShardedEMACallback: the Trainer resumed at step {step} from a checkpoint "
+                  f"saved without this callback ({others}); the EMA starts from the restored "
+                  f"weights")
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._control = control
+        self._end_eval()
 
     def on_step_end(self, args, state, control, **kwargs):
+        self._control = control
         self.update()
-        if control.should_save:
-            # The trainer may now remove older checkpoints (save_total_limit): none may still be
-            # written to.
+        self._mark(state)
+        if control.should_save:  # the Trainer saves next: the save in flight lands first
             self.wait()
-        if self.eval_with_ema and control.should_evaluate:
-            self._swap_in()
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self._control = control
+        self._end_eval()
 
     def on_epoch_end(self, args, state, control, **kwargs):
+        self._control = control
+        self._end_eval()
+        self._mark(state)
         if control.should_save:
             self.wait()
-        if self.eval_with_ema and control.should_evaluate:
-            self._swap_in()
 
-    def _swap_in(self) -> None:
-        if self.ema is not None:
+    # --- evaluation with the EMA weights ----------------------------------------------------------
+
+    def _evaluating(self) -> bool:
+        control = self._control
+        return self._session or self._eval_on_start or bool(control is not None
+                                                            and control.should_evaluate)
+
+    def _pre_forward(self, module, args):
+        if self._rerun:
+            return
+        if module.training:
+            self._swap.exit()  # never a training step on the EMA weights
+            return
+        if self.eval_with_ema is True and self._evaluating() and self.ema is not None:
+            self._session = True
             self._swap.enter(self.ema)
 
-    def _swap_out(self) -> None:
+    def _post_forward(self, module, args, kwargs, output):
+        if (self.eval_with_ema != "both" or self._rerun or module.training
+                or not self._evaluating() or self.ema is None):
+            return
+        self._session = True
+        self._rerun = True
+        # The model's own mean loss over the batch: the Trainer divides by the tokens of every
+        # rank's batch (num_items_in_batch) and scales back after the forward, out of reach here.
+        kwargs = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
+        try:
+            with torch.no_grad(), self.ema.swap():
+                out = module(*args, **kwargs)
+        finally:
+            self._rerun = False
+        loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+        if loss is None:
+            if not self._warned_no_loss:
+                self._warned_no_loss = True
+                warn_user("ShardedEMACallback(eval_with_ema='both'): the model returned no loss "
+                          "(no labels in the evaluation batches?): no EMA metric is logged")
+            return
+        first = next((v for v in list(args) + list(kwargs.values())
+                      if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+        n = first.shape[0] if first is not None else 1
+        loss = loss.detach().float().mean() * n
+        if self._ema_loss is None:
+            self._ema_loss = [loss, torch.tensor(float(n), device=loss.device)]
+        else:
+            self._ema_loss[0] += loss
+            self._ema_loss[1] += n
+
+    def _end_eval(self) -> None:
         self._swap.exit()
+        self._session = False
+        self._eval_on_start = False
+
+    def _eval_prefix(self, logs: Mapping[str, Any]) -> str | None:
+        """The metric prefix of an evaluation's logs (``"eval"``, ``"eval_<dataset>"``)."""
+        for key in logs:
+            m = re.fullmatch(r"(.+)_runtime", key)
+            if m and m.group(1) != "train" and f"{m.group(1)}_samples_per_second" in logs:
+                return m.group(1)
+        return None
+
+    def _ema_metric(self, prefix: str) -> dict[str, float]:
+        """Collective: the EMA's mean loss over this evaluation's batches, all ranks."""
+        sums = self._ema_loss
+        self._ema_loss = None
+        device = sums[0].device if sums is not None else torch.device("cpu")
+        t = (torch.stack([s.to(device) for s in sums]) if sums is not None
+             else torch.zeros(2, device=device))
+        if torch.distributed.is_initialized():
+            t = t.to(comm_device(torch.distributed.group.WORLD, t.device))
+            torch.distributed.all_reduce(t)
+        if float(t[1]) == 0:
+            return {}
+        return {self.ema_metric_name.format(name=f"{prefix}_loss"): float(t[0] / t[1])}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self._control = control
+        if logs is None:
+            return
+        prefix = self._eval_prefix(logs) if self.eval_with_ema else None
+        added: dict[str, float] = {}
+        if prefix is not None:
+            # The evaluation is over (its logs are the first event after it): the training
+            # weights come back before any other callback can read them.
+            self._swap.exit()
+            self._eval_on_start = False
+            if self.eval_with_ema == "both":
+                added = self._ema_metrics = self._ema_metric(prefix)
+        elif self.log and self.ema is not None and "loss" in logs:
+            added = logged_values(self.ema)
+        if added:
+            logs.update(added)
+            last = state.log_history[-1] if state.log_history else None
+            if isinstance(last, dict) and all(last.get(k) == v for k, v in logs.items()
+                                              if k not in added):
+                last.update(added)
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        if not self._swap.active:
-            return
-        # The evaluation is over; the trainer may save next, which must see the training weights.
-        self._swap_out()
-        if metrics and "eval_runtime" not in metrics and not self._warned_multi_eval:
-            self._warned_multi_eval = True
-            warnings.warn("ShardedEMACallback(eval_with_ema=True): with several eval datasets, "
-                          "only the first is evaluated with the EMA weights (the trainer gives "
-                          "callbacks no event between them); evaluate the others in "
-                          "`with callback.swap(): trainer.evaluate(...)`", RuntimeWarning,
-                          stacklevel=2)
+        self._control = control
+        self._swap.exit()
+        if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+            self.wait()  # a new best is saved right after this event
+        if metrics is not None and self._ema_metrics:
+            metrics.update(self._ema_metrics)  # for metric_for_best_model
+            self._ema_metrics = {}
+
+    # --- saves ------------------------------------------------------------------------------------
 
     def on_save(self, args, state, control, **kwargs):
+        self._control = control
+        self._end_eval()
         checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        self.save(checkpoint, global_step=state.global_step)
+        ema = self._ema("on_save")
+        self._wait(rotate=False)
+
+        def exists() -> None:
+            # The writer of the Trainer's files has written the folder by its on_save (the
+            # others reach theirs with no barrier): the EMA never creates or revives one.
+            if args.should_save and not os.path.isfile(os.path.join(checkpoint,
+                                                                    TRAINER_STATE_NAME)):
+                raise FileNotFoundError(f"{checkpoint}/{TRAINER_STATE_NAME} is missing: the "
+                                        f"Trainer's checkpoint is not there to hold the EMA")
+
+        _agree(exists, ema, f"ShardedEMACallback.on_save({checkpoint!r})")
+        self._save(checkpoint, state.global_step)
+        rotate = functools.partial(self._rotate, args, state)
+        if self._handle is not None:
+            self._after_commit = rotate  # once the background commit is done
+        else:
+            rotate()
 
     def on_train_end(self, args, state, control, **kwargs):
-        self._swap_out()
+        self._control = control
+        self._end_eval()
+        self._remove_hooks()
         self.wait()
+        if self._limit is not None:
+            self._end_of_training_rotation(args, state)
+            args.save_total_limit, self._limit = self._limit, None
         if self.save_ema_model is not None and self.ema is not None:
             self.save_model(self.save_ema_model)
 
 
-def _checkpoint_step(path: str | os.PathLike) -> int | None:
-    """The ``global_step`` in ``path/trainer_state.json``, or None without one."""
+def _previous_checkpoint(output_dir: str, step: int) -> str | None:
+    """The last ``checkpoint-<k>`` folder in ``output_dir`` with ``k < step``, or None."""
+    best = None
     try:
-        with open(os.path.join(os.fspath(path), TRAINER_STATE_NAME), encoding="utf-8") as f:
-            return json.load(f).get("global_step")
-    except (OSError, ValueError):
+        names = os.listdir(output_dir)
+    except OSError:
         return None
+    for name in names:
+        m = re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name)
+        if m and int(m.group(1)) < step and (best is None or int(m.group(1)) > best[0]):
+            best = (int(m.group(1)), os.path.join(output_dir, name))
+    return best[1] if best else None

@@ -86,9 +86,10 @@ uint64_t save_shard_to_dir(const std::string& dir, std::vector<TensorToWrite> te
 // rank's file (the names shard_file_name_to_write chose; with none of those written, the committed
 // files again: a re-commit), writes it atomically (replacing a committed one only with
 // `overwrite`, else FormatError "checkpoint already committed"), then removes the shard files that
-// the new index does not reference (the replaced checkpoint's, or those of an earlier save at
-// another world size), so that DCP's reader, which reads every *.safetensors file, sees this
-// checkpoint only. Some ranks' new files without the others' is an error naming the missing ones;
+// the new index does not reference (the replaced checkpoint's, those of an earlier save at
+// another world size, and the files of ranks that had no tensor to write), so that DCP's reader,
+// which reads every *.safetensors file, sees this checkpoint only and `fsdp-ema verify --strict`
+// passes. Some ranks' new files without the others' is an error naming the missing ones;
 // the committed checkpoint is then left as it was.
 CheckpointIndex commit_directory(const std::string& dir, int64_t world_size, bool overwrite,
                                  bool fsync);

@@ -1,0 +1,336 @@
+"""Kills during the trainer integrations' saves (#34): every rank SIGKILLs itself at a named point
+of one save (a kill point patched into the run, never a timed kill), and a fresh run resumes.
+After every kill, some checkpoint holds model, optimizer and EMA together, and the resume either
+continues with all three from one checkpoint, bit for bit the uninterrupted run's, or refuses with
+a message that says what to do; doing it then resumes bit for bit too.
+
+The ranks are fork servers (``dist_utils.ForkRanks``): a killed rank costs a fork, not an
+interpreter. Hugging Face: DDP over 2 gloo ranks, a checkpoint every 2 steps, ``save_total_limit=1``
+(the previous checkpoint is the one a rotation would remove), killed in the save of step 4.
+Lightning: ``ModelParallelStrategy`` (FSDP2) over 2 gloo ranks, killed in the save after epoch 1,
+with the checkpoint overwritten in place (``filename="last"``) and with the recipe that keeps the
+previous one (versioned names, ``save_last="link"``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+
+import pytest
+import torch
+from dist_utils import ForkRanks
+
+import fsdp_ema
+
+transformers = pytest.importorskip("transformers")
+pl = pytest.importorskip("lightning.pytorch")
+
+from fsdp_ema.integrations.lightning import ShardedEMA  # noqa: E402
+from fsdp_ema.integrations.transformers import ShardedEMACallback  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    r = ForkRanks(2, preload=("transformers", "accelerate", "lightning.pytorch",
+                              "test_integration_kills"))
+    yield r
+    r.close()
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def local_state(optimizer) -> dict:
+    """This rank's optimizer state tensors (DTensors: their local shards)."""
+    out = {}
+    for i, s in optimizer.state_dict()["state"].items():
+        for k, v in s.items():
+            if isinstance(v, torch.Tensor):
+                out[f"{i}.{k}"] = (v._local_tensor if hasattr(v, "_local_tensor") else v).clone()
+    return out
+
+
+def assert_same(got: dict, want: dict, what: str) -> None:
+    assert got["step"] == want["step"] and got["global_step"] == want["global_step"], (what, got)
+    for part in ("ema", "model", "optim"):
+        assert sorted(got[part]) == sorted(want[part]), (what, part)
+        for name, t in want[part].items():
+            assert torch.equal(got[part][name], t), (what, part, name)
+
+
+# --- Hugging Face Trainer -------------------------------------------------------------------------
+
+HF_STEPS, HF_KILL_STEP = 6, 4
+
+
+def hf_setup(rank, world, root, max_steps, cb):
+    from test_integration_transformers import Tokens, hf_env, tiny_llama
+
+    hf_env(rank, world)
+    args = transformers.TrainingArguments(
+        output_dir=os.path.join(root, "out"), use_cpu=True, per_device_train_batch_size=2,
+        max_steps=max_steps, learning_rate=1e-2, report_to=[], disable_tqdm=True,
+        save_strategy="steps", save_steps=2, save_total_limit=1, logging_steps=100, seed=0)
+    return transformers.Trainer(model=tiny_llama(), args=args, train_dataset=Tokens(64, 1),
+                                callbacks=[cb])
+
+
+def hf_callback(async_save=False):
+    return ShardedEMACallback(0.875, warmup=fsdp_ema.Warmup(power=0.75), async_save=async_save)
+
+
+def hf_result(trainer, cb) -> dict:
+    from test_integration_transformers import full_weights
+
+    return {"ema": cb.ema.full_state_dict(rank0_only=False), "step": int(cb.ema.step),
+            "global_step": trainer.state.global_step, "model": full_weights(trainer.model),
+            "optim": local_state(trainer.optimizer)}
+
+
+def hf_killed_run(rank, world, root, point):
+    """Trains to HF_STEPS, every rank killing itself at ``point`` of the save of step 4."""
+    cb = hf_callback(async_save=point == "async_ema_files")
+    trainer = hf_setup(rank, world, root, HF_STEPS, cb)
+    at_kill = f"checkpoint-{HF_KILL_STEP}"
+    if point == "trainer_files":  # the Trainer's model, optimizer and RNG files, no state yet
+        real = transformers.Trainer._save_rng_state
+
+        def save_rng(self, output_dir):
+            real(self, output_dir)
+            if at_kill in output_dir:
+                die()
+        transformers.Trainer._save_rng_state = save_rng
+    elif point == "before_ema":  # the Trainer's checkpoint complete, no ema/ yet
+        real_on_save = ShardedEMACallback.on_save
+
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == HF_KILL_STEP:
+                die()
+            return real_on_save(self, args, state, control, **kwargs)
+        ShardedEMACallback.on_save = on_save
+    elif point in ("ema_files", "async_ema_files"):  # every rank's EMA file, not committed
+        real_save_shard = fsdp_ema.checkpoint.save_shard
+
+        def save_shard(directory, *args, **kwargs):
+            out = real_save_shard(directory, *args, **kwargs)
+            if at_kill in os.fspath(directory):
+                die()
+            return out
+        fsdp_ema.checkpoint.save_shard = save_shard
+    elif point == "before_rotation":  # the EMA committed, the previous checkpoint not removed
+        real_rotate = ShardedEMACallback._rotate
+
+        def rotate(self, args, state):
+            if state.global_step == HF_KILL_STEP:
+                die()
+            return real_rotate(self, args, state)
+        ShardedEMACallback._rotate = rotate
+    trainer.train()
+    return hf_result(trainer, cb)
+
+
+def complete_hf_checkpoints(out: str) -> list[str]:
+    """The checkpoints that hold model, optimizer, trainer state and a committed EMA."""
+    found = []
+    for name in sorted(os.listdir(out)):
+        d = os.path.join(out, name)
+        if all(os.path.isfile(os.path.join(d, f)) for f in (
+                "model.safetensors", "optimizer.pt", "trainer_state.json")) and (
+                torch.ops.fsdp_ema.is_committed(os.path.join(d, "ema"))):
+            found.append(name)
+    return found
+
+
+def hf_resume(rank, world, root):
+    """``train(resume_from_checkpoint=True)``; on a refusal, what it says to do, then again."""
+    refusal = None
+    try:
+        cb = hf_callback()
+        trainer = hf_setup(rank, world, root, HF_STEPS, cb)
+        trainer.train(resume_from_checkpoint=True)
+        return {"refusal": None, **hf_result(trainer, cb)}
+    except (RuntimeError, FileNotFoundError) as e:
+        refusal = f"{type(e).__name__}: {e}"
+    command = re.search(r"rm -r '([^']+)'", refusal)
+    interrupted = (command.group(1) if command else
+                   os.path.join(root, "out", f"checkpoint-{HF_KILL_STEP}"))
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(interrupted)
+    torch.distributed.barrier()
+    cb = hf_callback()
+    trainer = hf_setup(rank, world, root, HF_STEPS, cb)
+    trainer.train(resume_from_checkpoint=True)
+    return {"refusal": refusal, "removed": interrupted, **hf_result(trainer, cb)}
+
+
+def hf_straight(rank, world, root):
+    cb = hf_callback()
+    trainer = hf_setup(rank, world, root, HF_STEPS, cb)
+    trainer.train()
+    return hf_result(trainer, cb)
+
+
+# point -> what the resume does: "resumes" (from checkpoint-4), "ours" (the callback refuses with
+# the command), "trainer" (the Trainer itself refuses: its state file is missing)
+HF_CASES = {"trainer_files": "trainer", "before_ema": "ours", "ema_files": "ours",
+            "async_ema_files": "ours", "before_rotation": "resumes"}
+
+
+def test_hf_kill_in_each_window_of_a_save_resumes_bit_for_bit_or_says_what_to_do(ranks,
+                                                                                 tmp_path):
+    reference = [r[1] for r in ranks.run(hf_straight, str(tmp_path / "straight"))]
+    for point, expect in HF_CASES.items():
+        root = str(tmp_path / point)
+        killed = ranks.run(hf_killed_run, root, point)
+        assert killed == [("killed", None)] * 2, (point, killed)
+        out = os.path.join(root, "out")
+        # The previous checkpoint is still there, whole, whatever the window (the rotation runs
+        # only once the new one holds its EMA); past the commit the new one is whole too.
+        complete = complete_hf_checkpoints(out)
+        assert complete == (["checkpoint-2", "checkpoint-4"] if expect == "resumes"
+                            else ["checkpoint-2"]), (point, sorted(os.listdir(out)))
+        results = ranks.run(hf_resume, root)
+        for rank, (status, r) in enumerate(results):
+            assert status == "ok", (point, r)
+            if expect == "resumes":
+                assert r["refusal"] is None, (point, r["refusal"])
+            elif expect == "ours":
+                assert "the run was stopped while saving it" in r["refusal"], r["refusal"]
+                assert r["removed"] == os.path.join(out, f"checkpoint-{HF_KILL_STEP}"), r
+            else:
+                assert r["refusal"].startswith("FileNotFoundError") and (
+                    "trainer_state.json" in r["refusal"]), r["refusal"]
+            assert_same(r, reference[rank], point)
+        # The resumed run rotated as the Trainer would have: the last checkpoint only.
+        assert os.listdir(out) == [f"checkpoint-{HF_STEPS}"], (point, os.listdir(out))
+
+
+# --- Lightning ------------------------------------------------------------------------------------
+
+PL_EPOCHS = 3
+
+
+def pl_setup(rank, world, root, recipe, cb):
+    from test_integration_lightning import lightning_env, trainer
+
+    lightning_env(rank, world)
+    if recipe == "overwrite":  # the checkpoint docs/INTEGRATIONS.md warns about
+        save = pl.callbacks.ModelCheckpoint(dirpath=root, filename="last", every_n_epochs=1,
+                                            enable_version_counter=False)
+    else:
+        save = pl.callbacks.ModelCheckpoint(dirpath=root, filename="{epoch}-{step}",
+                                            monitor="step", mode="max", save_top_k=2,
+                                            save_last="link")
+    return trainer("fsdp2", world, root, [cb, save], max_epochs=PL_EPOCHS, limit_val_batches=0,
+                   enable_checkpointing=True)
+
+
+def pl_callback():
+    return ShardedEMA(0.875, warmup=fsdp_ema.Warmup(power=0.75))
+
+
+def pl_result(trainer, module, cb) -> dict:
+    from test_integration_lightning import full_ema, full_weights
+
+    return {"ema": full_ema(cb.ema), "step": int(cb.ema.step), "global_step": trainer.global_step,
+            "model": full_weights(module), "optim": local_state(trainer.optimizers[0])}
+
+
+def pl_killed_run(rank, world, root, recipe, point):
+    """Fits PL_EPOCHS epochs, every rank killing itself at ``point`` of the second save."""
+    import warnings
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from lightning.pytorch.strategies import model_parallel as mp
+    from test_integration_lightning import Module, loader
+
+    warnings.filterwarnings("ignore")
+    saves = {"n": 0}
+    real_dcp_save = mp._distributed_checkpoint_save
+    real_save = ModelParallelStrategy.save_checkpoint
+    real_write = dcp_fs._FileSystemWriter.write_data
+
+    def dcp_save(state, path):
+        saves["n"] += 1
+        if saves["n"] == 2 and point == "before_data":
+            die()
+        real_dcp_save(state, path)
+        if saves["n"] == 2 and point == "before_meta":  # data and .metadata, no meta.pt
+            die()
+
+    def write_data(self, plan, planner):
+        fut = real_write(self, plan, planner)
+        fut.wait()
+        if saves["n"] == 2 and point == "before_metadata":  # every rank's data file written
+            die()
+        return fut
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None):
+        real_save(self, checkpoint, filepath, storage_options)
+        if saves["n"] == 2 and point == "after_meta":
+            die()
+
+    mp._distributed_checkpoint_save = dcp_save
+    dcp_fs._FileSystemWriter.write_data = write_data
+    ModelParallelStrategy.save_checkpoint = save_checkpoint
+    cb, module = pl_callback(), Module("fsdp2")
+    trainer = pl_setup(rank, world, root, recipe, cb)
+    trainer.fit(module, loader())
+    return pl_result(trainer, module, cb)
+
+
+def pl_resume(rank, world, root, recipe):
+    import warnings
+
+    from test_integration_lightning import Module, loader
+
+    warnings.filterwarnings("ignore")
+    cb, module = pl_callback(), Module("fsdp2")
+    trainer = pl_setup(rank, world, root, recipe, cb)
+    try:
+        trainer.fit(module, loader(), ckpt_path=os.path.join(root, "last.ckpt"))
+    except ValueError as e:
+        return {"refusal": str(e)}
+    return {"refusal": None, **pl_result(trainer, module, cb)}
+
+
+def pl_straight(rank, world, root):
+    import warnings
+
+    from test_integration_lightning import Module, loader
+
+    warnings.filterwarnings("ignore")
+    cb, module = pl_callback(), Module("fsdp2")
+    trainer = pl_setup(rank, world, root, "overwrite", cb)
+    trainer.fit(module, loader())
+    return pl_result(trainer, module, cb)
+
+
+# (recipe, point) -> "resumes" or "torn" (the callback refuses: the checkpoint mixes two saves)
+PL_CASES = {("overwrite", "before_data"): "resumes", ("overwrite", "before_metadata"): "torn",
+            ("overwrite", "before_meta"): "torn", ("overwrite", "after_meta"): "resumes",
+            ("versioned", "before_meta"): "resumes"}
+
+
+def test_lightning_kill_in_each_window_of_a_save_resumes_bit_for_bit_or_refuses_a_torn_one(
+        ranks, tmp_path):
+    reference = [r[1] for r in ranks.run(pl_straight, str(tmp_path / "straight"))]
+    for (recipe, point), expect in PL_CASES.items():
+        root = str(tmp_path / f"{recipe}-{point}")
+        killed = ranks.run(pl_killed_run, root, recipe, point)
+        assert killed == [("killed", None)] * 2, (recipe, point, killed)
+        results = ranks.run(pl_resume, root, recipe)
+        for rank, (status, r) in enumerate(results):
+            assert status == "ok", (recipe, point, r)
+            if expect == "torn":
+                assert "is torn" in r["refusal"] and "save_last='link'" in r["refusal"], r
+                assert "global step 6" in r["refusal"] and "step 3" in r["refusal"], r
+            else:
+                assert r["refusal"] is None, (recipe, point, r["refusal"])
+                assert_same(r, reference[rank], f"{recipe}-{point}")
