@@ -254,9 +254,15 @@ CheckpointIndex commit_directory(const std::string& dir, int64_t world_size, boo
                       ": checkpoint already committed (the index exists; pass overwrite=true to "
                       "replace it)");
   }
-  // Every rank needs a file (plain or ".b") of this world size: refused before any per-rank work
-  // when the listing cannot hold them (a world_size of 10**6 costs one listing, not 10**6 names
-  // and stats).
+  const auto old_files = committed_files(dir);
+  // A rank with no piece in the committed index wrote a file with no tensor, which that commit
+  // removed: a re-commit at the same world size takes it as empty again.
+  const bool recommit_same_world =
+      !old_files.empty() && committed_world_size(dir) == std::optional<int64_t>(world_size);
+  // Every rank needs a file (plain or ".b") of this world size, unless a re-commit at the
+  // committed world size (whose index bounds it) takes a removed empty rank as empty: refused
+  // before any per-rank work when the listing cannot hold them (a world_size of 10**6 costs one
+  // listing, not 10**6 names and stats).
   const std::vector<std::string> listing = detail::list_dir(dir);
   std::unordered_set<std::string_view, detail::NameHash, std::equal_to<>> listed;
   std::unordered_set<int64_t> ranks_present;
@@ -267,7 +273,7 @@ CheckpointIndex commit_directory(const std::string& dir, int64_t world_size, boo
       ranks_present.insert(parsed->rank);
     }
   }
-  if (static_cast<int64_t>(ranks_present.size()) < world_size) {
+  if (!recommit_same_world && static_cast<int64_t>(ranks_present.size()) < world_size) {
     int64_t missing = 0;
     while (ranks_present.contains(missing)) ++missing;
     throw FormatError(dir + ": missing shard file " + shard_file_name(missing, world_size) +
@@ -275,11 +281,6 @@ CheckpointIndex commit_directory(const std::string& dir, int64_t world_size, boo
                       " did not finish writing); files of " + std::to_string(ranks_present.size()) +
                       " of the " + std::to_string(world_size) + " ranks are present");
   }
-  const auto old_files = committed_files(dir);
-  // A rank with no piece in the committed index wrote a file with no tensor, which that commit
-  // removed: a re-commit at the same world size takes it as empty again.
-  const bool recommit_same_world =
-      !old_files.empty() && committed_world_size(dir) == std::optional<int64_t>(world_size);
   std::vector<std::string> names;
   std::vector<std::string> fresh_names;  // what save_shard wrote for each rank
   size_t written = 0;
