@@ -111,8 +111,8 @@ void for_each_run(const StoredPiece& p, const Box& ib, std::span<const int64_t> 
       const int64_t i = d < k ? idx[d] : 0;
       s += static_cast<uint64_t>(ib.offsets[d] - p.offsets[d] + i) *
            static_cast<uint64_t>(sstride[d]);
-      q += static_cast<uint64_t>(ib.offsets[d] - box_off[d] + i) *
-           static_cast<uint64_t>(dstride[d]);
+      q +=
+          static_cast<uint64_t>(ib.offsets[d] - box_off[d] + i) * static_cast<uint64_t>(dstride[d]);
     }
     emit(Run{s * esz, run, dst_offset + q * esz});
     size_t d = k;
@@ -310,8 +310,8 @@ ReadPlan plan_reads(std::span<const ReadRequest> requests, std::span<const uint6
         runs.push_back(Run{0, p.info->nbytes, q.dst_offset});
       } else {
         if (p.offsets[0] + p.info->shape[0] <= off[0]) continue;
-        const auto ib = intersect(want, Box{Shape(p.offsets.begin(), p.offsets.end()),
-                                            p.info->shape});
+        const auto ib =
+            intersect(want, Box{Shape(p.offsets.begin(), p.offsets.end()), p.info->shape});
         if (!ib) continue;
         for_each_run(p, *ib, off, shape, esz, q.dst_offset,
                      [&](const Run& r) { runs.push_back(r); });

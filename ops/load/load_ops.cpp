@@ -21,7 +21,8 @@ constexpr const char* kLoadInto = "fsdp_ema::load_into_: ";
 
 }  // namespace
 
-// --- load_tensors ---------------------------------------------------------------------------------
+// --- load_tensors
+// ---------------------------------------------------------------------------------
 
 std::vector<at::Tensor> load_tensors(c10::string_view directory,
                                      const std::vector<std::string>& names, int64_t rank,
@@ -84,7 +85,8 @@ std::vector<at::Tensor> load_tensors_meta(const at::Tensor& target, at::TensorLi
   });
 }
 
-// --- load_shard -----------------------------------------------------------------------------------
+// --- load_shard
+// -----------------------------------------------------------------------------------
 
 namespace {
 
@@ -141,7 +143,8 @@ ShardContents load_shard_meta(const at::Tensor& target, c10::string_view path, b
   });
 }
 
-// --- load_into_ -----------------------------------------------------------------------------------
+// --- load_into_
+// -----------------------------------------------------------------------------------
 
 namespace {
 
@@ -189,7 +192,8 @@ void load_into_meta(c10::string_view directory, const std::vector<std::string>& 
   plan_into(kLoadInto, *dir, names, out, rank, world_size, true);
 }
 
-// --- OpenCheckpoint -------------------------------------------------------------------------------
+// --- OpenCheckpoint
+// -------------------------------------------------------------------------------
 
 OpenCheckpoint::OpenCheckpoint(const std::string& directory)
     : dir_(open_dir("fsdp_ema::open_checkpoint: ", directory)) {}
@@ -222,8 +226,7 @@ std::vector<at::Tensor> OpenCheckpoint::load(const std::vector<std::string>& nam
   check_rank(kOp, rank, world_size);
   return translate_errors(kOp, [&] {
     dir_->check_unchanged();
-    return read_fresh(dir_, plan_rows(*dir_, names, rank, world_size), verify, std::nullopt,
-                      false);
+    return read_fresh(dir_, plan_rows(*dir_, names, rank, world_size), verify, std::nullopt, false);
   });
 }
 
@@ -234,8 +237,7 @@ std::vector<at::Tensor> OpenCheckpoint::load_boxes(const std::vector<std::string
   constexpr const char* kOp = "fsdp_ema::OpenCheckpoint.load_boxes: ";
   return translate_errors(kOp, [&] {
     dir_->check_unchanged();
-    return read_fresh(dir_, plan_boxes(*dir_, names, offsets, shapes), verify, std::nullopt,
-                      false);
+    return read_fresh(dir_, plan_boxes(*dir_, names, offsets, shapes), verify, std::nullopt, false);
   });
 }
 

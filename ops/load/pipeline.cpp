@@ -54,12 +54,14 @@ LoadPlan plan_boxes(const format::CheckpointDir& dir, const std::vector<std::str
     const size_t ti = dir.index_of(name);
     const size_t ndim = dir.tensors()[ti].shape.size();
     if (offsets.size() < at + ndim || shapes.size() < at + ndim) {
-      throw format::FormatError(dir.path() + ": tensor '" + name + "' has " +
-                                std::to_string(ndim) + " dimensions, but offsets and shapes hold " +
-                                "only " + std::to_string(offsets.size()) + " and " +
+      throw format::FormatError(dir.path() + ": tensor '" + name + "' has " + std::to_string(ndim) +
+                                " dimensions, but offsets and shapes hold " + "only " +
+                                std::to_string(offsets.size()) + " and " +
                                 std::to_string(shapes.size()) + " entries in all");
     }
-    LoadItem item{ti, {}, {offsets.begin() + at, offsets.begin() + at + ndim},
+    LoadItem item{ti,
+                  {},
+                  {offsets.begin() + at, offsets.begin() + at + ndim},
                   {shapes.begin() + at, shapes.begin() + at + ndim}};
     at += ndim;
     plan.push_back(std::move(item));
@@ -406,9 +408,8 @@ std::vector<at::Tensor> read_file(const std::shared_ptr<const format::ShardFile>
   };
   if (device.is_cuda()) {
     for (size_t i = 0; i < infos.size(); ++i) {
-      out[i] = at::empty(shape_of(infos[i]), at::TensorOptions()
-                                                 .dtype(to_scalar_type(infos[i].dtype))
-                                                 .device(device));
+      out[i] = at::empty(shape_of(infos[i]),
+                         at::TensorOptions().dtype(to_scalar_type(infos[i].dtype)).device(device));
     }
     stage_to_device(format::plan_file_reads(*file, verify), out);
     return out;

@@ -150,8 +150,8 @@ TEST(ReadPipeline, ReshardedReadsEqualTheReferenceAndReadOnlyTheirBlocks) {
               for (size_t i = 0; i < model.size(); ++i) {
                 const RowRange rows = tensor_rows(model[i].shape, r, readers);
                 EXPECT_EQ(got[i], rows_of(model[i], rows))
-                    << model[i].name << " block " << block << " writers " << writers
-                    << " readers " << readers << " rank " << r;
+                    << model[i].name << " block " << block << " writers " << writers << " readers "
+                    << readers << " rank " << r;
                 own += got[i].size();
                 edges += 2 * ckpt.tensors()[ckpt.index_of(model[i].name)].pieces.size();
               }
@@ -260,8 +260,7 @@ TEST(ReadPipeline, FileChangedInPlaceDuringReadsNeverYieldsChangedBytes) {
         const int64_t r = trial % readers;
         try {
           const auto got = read_rank(ckpt, model, r, readers, 2, true);
-          (got[0] == rows_of(model[0], tensor_rows(model[0].shape, r, readers)) ? right
-                                                                                 : wrong)++;
+          (got[0] == rows_of(model[0], tensor_rows(model[0].shape, r, readers)) ? right : wrong)++;
         } catch (const FormatError&) {
           ++refused;
         }
@@ -286,9 +285,8 @@ TEST(ReadPipeline, CheckPassReadsAndVerifiesWithoutWriting) {
   const ReadPlan plan = ckpt.plan(std::span(&q, 1), std::span(&bytes, 1));
   std::byte* none = nullptr;
   execute_reads(plan, std::span(&none, 1));  // fine: nothing to write, nothing wrong
-  flip_byte(dir.file(shard_file_name(1, 2)), ShardFile::open(dir.file(shard_file_name(1, 2)))
-                                                 .tensor("w")
-                                                 .data_offset);
+  flip_byte(dir.file(shard_file_name(1, 2)),
+            ShardFile::open(dir.file(shard_file_name(1, 2))).tensor("w").data_offset);
   EXPECT_THAT(error_of([&] { execute_reads(plan, std::span(&none, 1)); }),
               HasSubstr("checksum mismatch"));
 }

@@ -239,9 +239,8 @@ TEST_F(ShardCorruption, InconsistentFsdpEmaMetadataIsRefused) {
 // exactly the tensors of more than one block listed, 16 lowercase hex digits per block; a
 // consistent set opens, and a wrong block is a mismatch naming the block.
 TEST_F(ShardCorruption, InconsistentBlockChecksumsAreRefused) {
-  const std::string tensors =
-      R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-      R"("b":{"dtype":"F32","shape":[32],"data_offsets":[8,136]})";
+  const std::string tensors = R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                              R"("b":{"dtype":"F32","shape":[32],"data_offsets":[8,136]})";
   const std::vector<std::byte> ab(128, std::byte{0xab});
   auto hex = [](uint64_t v) { return format_checksum(v).substr(8); };
   const std::string sum_a = format_checksum(checksum_of(ab.data(), 8));
@@ -291,9 +290,10 @@ TEST_F(ShardCorruption, InconsistentBlockChecksumsAreRefused) {
   }
   testing::write_bytes(
       bad_path(),
-      raw_safetensors(file(R"(,"fsdp_ema_checksum_block_bytes":"64","fsdp_ema_block_checksums":"{\"b\":\")" +
-                           block + block + R"(\"}")"),
-                      136));
+      raw_safetensors(
+          file(R"(,"fsdp_ema_checksum_block_bytes":"64","fsdp_ema_block_checksums":"{\"b\":\")" +
+               block + block + R"(\"}")"),
+          136));
   const ShardFile f = ShardFile::open(bad_path());
   EXPECT_EQ(f.header().block_bytes, 64u);
   EXPECT_EQ(f.tensor("b").block_checksums.size(), 2u);

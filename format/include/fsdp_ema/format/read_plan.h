@@ -88,8 +88,8 @@ class ReadSession;
 struct ReadPlan {
   std::vector<ReadUnit> units;
   std::vector<Placement> placements;
-  uint64_t read_bytes = 0;    // what the units read
-  uint64_t placed_bytes = 0;  // what lands in destinations
+  uint64_t read_bytes = 0;               // what the units read
+  uint64_t placed_bytes = 0;             // what lands in destinations
   std::shared_ptr<ReadSession> session;  // kStream units' state
 };
 
