@@ -21,7 +21,7 @@ Rows:
 The model: ``--layers`` transformer-like blocks (LayerNorms, qkv, proj, fc1, fc2: 12 parameters a
 block) of width ``--hidden``, each block and the root a fully_shard unit. Defaults: 12 blocks of
 width 418 = 144 parameters, 25.2M elements, 12.6M a rank at 2 ranks. Methods run round-robin
-(a barrier before each call), ``--repeat`` rounds after ``--warmup``; the figures are each rank's
+(a barrier before each call, the order alternating), ``--repeat`` rounds after ``--warmup``; the figures are each rank's
 min and median, the slowest rank's shown.
 
     python bench/bench_teacher.py                   # 2 ranks, 1 thread each, CPU
@@ -165,10 +165,12 @@ def rank_main(rank: int, init_file: str, args, queue) -> None:
                 dist.barrier()
                 fn()
         times = {name: [] for name in fns}
-        for _ in range(args.repeat):
-            for name, fn in fns.items():
+        for r in range(args.repeat):
+            # Alternate which goes first: whatever the first call of a round pays (caches, the
+            # other ranks' timing), both pay it alike.
+            for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
                 dist.barrier()
-                times[name].append(timed(fn))
+                times[name].append(timed(fns[name]))
             step[0] += 1
         stats = torch.tensor([[min(t), statistics.median(t)] for t in times.values()],
                              dtype=torch.float64)

@@ -486,7 +486,7 @@ def test_resumed_mid_run_the_teacher_is_bit_for_bit_the_straight_runs(pools, tmp
             assert torch.equal(t, r_teacher[n]), n
 
 
-# --- gradients, reshard_after_forward, compile, LoRA ----------------------------------------------
+# --- gradients, reshard_after_forward, compile, LoRA, tied weights ----------------------------------------------
 
 class Block(nn.Module):
     def __init__(self):
@@ -495,6 +495,17 @@ class Block(nn.Module):
 
     def forward(self, x):
         return x + torch.tanh(self.fc(x))
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(9, 4)
+        self.head = nn.Linear(4, 9, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)))
 
 
 class LoRALinear(nn.Module):
@@ -615,6 +626,25 @@ def run_gradients_reshard_compile_lora(rank, world):
                          == local(student_params[n]).untyped_storage().data_ptr())
     adapters = sum(local(p).numel() * 4 for n, p in lora.named_parameters() if "lora" in n)
     out["lora"] = dict(diffs=lora_diffs, shared=shared, nbytes=ema.nbytes, adapters=adapters)
+    # Tied weights (an embedding and its output layer): one EMA tensor, one teacher parameter in
+    # both modules.
+    torch.manual_seed(0)
+    tied = Tied()
+    fully_shard([tied.emb, tied.head], mesh=mesh)  # one unit over both (a list of modules)
+    fully_shard(tied, mesh=mesh)
+    ema = ShardedEMA(tied, decay=0.5)
+    teacher = ema.module()
+    opt = torch.optim.SGD(tied.parameters(), lr=0.5)
+    ids = torch.tensor([[1, 4, 8], [0, 2, 3]])
+    tied(ids).square().mean().backward()
+    opt.step()
+    ema.update()
+    with torch.no_grad(), ema.swap():
+        want = tied(ids)
+    with torch.no_grad():
+        got = teacher(ids)
+    out["tied"] = dict(diff=(got - want).abs().max().item(), names=sorted(ema.shapes),
+                       same=teacher.head.weight is teacher.emb.weight)
     return out
 
 
@@ -631,6 +661,8 @@ def test_gradients_never_reach_the_teacher_and_reshard_compile_lora_follow_the_e
         assert max(lora["diffs"]) == 0.0, lora["diffs"]
         assert all(lora["shared"].values()) and len(lora["shared"]) == 8, lora["shared"]
         assert lora["nbytes"] == lora["adapters"]
+        tied = res["tied"]
+        assert tied["diff"] == 0.0 and tied["same"] and tied["names"] == ["emb.weight"], tied
 
 
 # --- bad inputs ----------------------------------------------------------------------------------
