@@ -895,6 +895,18 @@ def test_cosine_momentum_is_dinos_schedule_on_the_device_and_resumes_by_step():
     assert len(held) == len(index) == 7
     assert all(t.data_ptr() == ema._ema[index[n]].data_ptr() for n, t in held)
     assert not any(p.requires_grad for p in teacher.parameters()) and not teacher.training
+    # torch.compile(model) at the root: the teacher is compiled alike (here: the eager backend).
+    compiled = torch.compile(nn.Sequential(nn.Linear(4, 3), nn.Tanh()), backend="eager")
+    ema = ShardedEMA(compiled, decay=0.5)
+    teacher = ema.module(compile={"backend": "eager"})
+    with torch.no_grad():
+        compiled._orig_mod[0].weight.mul_(2.0)
+    ema.update()
+    x = torch.randn(2, 4)
+    with torch.no_grad(), ema.swap():
+        want = compiled(x)
+    assert type(teacher).__name__ == "OptimizedModule" and torch.equal(teacher(x), want)
+    assert sorted(n for n, _ in teacher._orig_mod.named_parameters()) == sorted(ema.shapes)
     # A power-function EMA's teacher runs its profile 0.
     power = fsdp_ema.ShardedPowerEMA(bn, sigma_rels=(0.05, 0.1))
     teacher = power.module()

@@ -140,13 +140,12 @@ class _Clone:
         if _is_ddp(m):
             return self._clone(m.module, prefix)
         if isinstance(m, self._optimized):
-            inner = self._clone(m._orig_mod, prefix)
-            if not self.of:  # nothing cloned before it: the root
-                self.wrap_compiled = True
-            else:
+            if self.of:  # a module was cloned before it: it is below the root
                 raise ValueError("ShardedEMA.module(): a torch.compile'd submodule "
                                  "(OptimizedModule) below the root is not supported; compile it "
                                  "with module.compile() instead, which the teacher mirrors")
+            self.wrap_compiled = True
+            inner = self._clone(m._orig_mod, prefix)
             self.of[id(m)] = inner
             return inner
         cls = _original_class(m)
