@@ -326,8 +326,7 @@ class TeacherBuilder:
     def build(self) -> nn.Module:
         from torch.distributed.fsdp import FSDPModule
 
-        self._check()
-        ema = self.ema
+        ema = self.ema  # module() ran _check() and the mesh check
         ema._check_selection("ShardedEMA.module")
         live = self._resolve()
         slot_of = {id(t): i for i, t in enumerate(live)}
@@ -345,8 +344,6 @@ class TeacherBuilder:
                 managed[(id(info.module), info.param_name)] = fp
                 for sm, sn in zip(info.shared_modules, info.shared_param_names):
                     managed[(id(sm), sn)] = fp
-        if self.mesh is not None:
-            self._check_mesh(units)
 
         def student_param(module, name, p):
             fp = managed.get((id(module), name))
@@ -382,13 +379,14 @@ class TeacherBuilder:
                 if b is None:
                     continue
                 i = slot_index(b)
+                # A DTensor buffer (rare: tensor parallelism) is the teacher's own copy too.
                 new._buffers[name] = (ema._ema[i] if i is not None and not is_dtensor(b)
                                       else b.detach().clone())
 
         teacher = clone.root
         if fsdp2:
             self._shard(clone, units, ignored)
-            self._point(clone, units, managed, slot_index, live)
+            self._point(clone, managed, slot_index)
         teacher.requires_grad_(False)
         teacher.eval()
         if self.compile is not False:
@@ -489,7 +487,7 @@ class TeacherBuilder:
         if self.reshard_after_forward is not True:
             _ReshardWhenStale(clone.root, self.ema, clone.forward_methods)
 
-    def _point(self, clone: _Clone, units: list[_Unit], managed, slot_index, live) -> None:
+    def _point(self, clone: _Clone, managed, slot_index) -> None:
         """Every sharded parameter of the teacher over the EMA's tensor (or the student's shard
         where the EMA does not keep it): FSDP2's padded buffer and the DTensor's local tensor."""
         from torch.distributed.fsdp import FSDPModule
