@@ -26,6 +26,7 @@ from ._apply import load_model_weights  # noqa: E402
 from ._async import SaveHandle, init_async_groups  # noqa: E402
 from ._peft import export_merged, export_peft_adapter  # noqa: E402
 from ._shutdown import destroy_process_group  # noqa: E402
+from .momentum import CosineMomentum  # noqa: E402
 from .posthoc import posthoc, posthoc_plan  # noqa: E402
 from .power_ema import PowerEMA, ShardedPowerEMA  # noqa: E402
 from .sharded_ema import ShardedEMA, Warmup  # noqa: E402
@@ -39,7 +40,7 @@ torch.fx.node.has_side_effect(torch.ops.fsdp_ema.save_shard.default)
 torch.fx.node.has_side_effect(torch.ops.fsdp_ema.commit_checkpoint.after)
 
 __all__ = ["update_", "update_multi_", "load_library", "library_path", "checkpoint", "ShardedEMA",
-           "Warmup", "PowerEMA", "ShardedPowerEMA", "posthoc", "posthoc_plan",
+           "Warmup", "CosineMomentum", "PowerEMA", "ShardedPowerEMA", "posthoc", "posthoc_plan",
            "save_training_state", "load_training_state", "latest_checkpoint", "load_model_weights",
            "export_peft_adapter", "export_merged", "SaveHandle", "init_async_groups",
            "destroy_process_group"]

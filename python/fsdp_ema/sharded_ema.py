@@ -449,6 +449,39 @@ class ShardedEMA:
         for slot in self._slots:
             slot.reshard()
 
+    # --- the EMA as a module (a teacher) ----------------------------------------------------------
+
+    def module(self, *, mp_policy=None, reshard_after_forward: bool | int = True, mesh=None,
+               compile: bool | dict = True) -> nn.Module:
+        """The EMA as a model that runs: the student's structure with the EMA's own tensors as its
+        parameters (no second copy), sharded like the student, ``requires_grad=False``, in
+        ``eval()`` mode; ``update()`` is the whole teacher update. A self-distillation teacher
+        (DINO, iBOT, I-JEPA, BYOL, MoCo, data2vec): see docs/SELF_DISTILLATION.md.
+
+        FSDP2: the student's ``fully_shard`` units over the student's meshes, built on the meta
+        device, their sharded parameters pointed at the EMA (uneven rows, HSDP and TP x FSDP
+        meshes included). DDP and plain models: parameters over the EMA's tensors. FSDP1 models
+        and an EMA in host memory (``device="cpu"``) are refused. Parameters the EMA does not
+        keep (``params="trainable"``) are the student's own; buffers the EMA keeps are the
+        EMA's, the others the teacher's own (copied from the student's once).
+
+        Args:
+            mp_policy: FSDP2: the units' MixedPrecisionPolicy (default: each student unit's).
+            reshard_after_forward: FSDP2: as ``fully_shard``'s (True: every unit, the root too,
+                frees its gathered parameters after each forward).
+            mesh: optional check: the mesh the teacher should run on, which must be the one the
+                student's units (and so the EMA's shards) are on.
+            compile: True: modules the student compiled (``nn.Module.compile``, or
+                ``torch.compile(model)`` at the root) are compiled alike, with torch.compile's
+                defaults; a dict: with those arguments; False: none.
+
+        Built once per set of arguments; later calls return the same module.
+        """
+        from ._teacher import module
+
+        return module(self, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+                      mesh=mesh, compile=compile)
+
     # --- state dicts ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,582 @@
+"""The EMA as a module that runs: ``ShardedEMA.module()``, the teacher of self-distillation (DINO,
+iBOT, I-JEPA, BYOL, MoCo, data2vec), whose parameters are the EMA's own tensors.
+
+The teacher is the student's module tree cloned onto the meta device (classes, attributes and
+hooks; no tensor data), then, for FSDP2, sharded with the student's own ``fully_shard`` units
+(mesh, MixedPrecisionPolicy, placements; nothing is allocated, the parameters being meta), and
+then pointed at the EMA. FSDP2 keeps, for each sharded parameter, a padded 1-D tensor that its
+all-gather reads (``FSDPParam._sharded_param_data``) and a DTensor whose local tensor is the
+unpadded rows of it; both become views of the EMA's tensor, whose storage is grown in place to the
+padded size where the rows are uneven (a row block at most, as FSDP2 pads its own shards). So
+``ShardedEMA.update()`` is the whole teacher update, and the next forward's all-gather reads the
+new values. Plain and DDP models: each parameter is an ``nn.Parameter`` over the EMA's tensor.
+
+Parameters the EMA does not keep (``params="trainable"``: a LoRA model's frozen base) are the
+student's own tensors (FSDP2: its padded shards). Buffers the EMA keeps are the EMA's tensors;
+the others are the teacher's own, copied from the student's once.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._layouts import is_dtensor
+from ._slots import _WRAPPER_ATTRS, _Flat, _is_ddp, _join
+
+# Attributes of a module's __dict__ that belong to the wrappers around it, not to the module:
+# FSDP2's markers for dynamo and nn.Module.compile's compiled call (bound to the student).
+_DROPPED_ATTRS = frozenset({"_is_fsdp_managed_module", "_fsdp_use_orig_params",
+                            "_compiled_call_impl"})
+_COMPOSABLE_STATE = "__composable_api_state_key"  # fully_shard's state and registry keys
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
+               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
+_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+
+
+def _code_file(fn: Any) -> str:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    return code.co_filename.replace(os.sep, "/") if code is not None else ""
+
+
+def _from_fsdp(fn: Any) -> bool:
+    """A hook or method that FSDP2 installed (its pre/post-forward hooks, state-dict hooks,
+    ``register_fsdp_forward_method``'s wrapper): the teacher's own units install their own."""
+    return "torch/distributed/fsdp/" in _code_file(fn)
+
+
+def _original_class(module: nn.Module) -> type:
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    if issubclass(cls, FSDPModule):  # fully_shard's FSDP<cls>: the class it was made from
+        cls = cls.__mro__[getattr(cls, "_orig_cls_mro_index", 2)]
+    return cls
+
+
+# --- the student's FSDP2 units ------------------------------------------------------------------
+
+class _Unit:
+    """One of the student's ``fully_shard`` units: its modules, its MixedPrecisionPolicy, and its
+    one parameter group (mesh, offload policy, FSDPParams), if it has parameters."""
+
+    def __init__(self, state, name: str):
+        self.state, self.name = state, name
+        self.modules = list(state._modules)
+        groups = list(getattr(state, "_fsdp_param_groups", None) or
+                      ([state._fsdp_param_group] if state._fsdp_param_group else []))
+        if len(groups) > 1:
+            raise ValueError(f"ShardedEMA.module(): the FSDP2 unit {name or '<root>'!r} shards its "
+                             f"parameters over {len(groups)} meshes (shard_placement_fn with "
+                             f"ShardPlacementResult); a teacher of it is not supported")
+        self.group = groups[0] if groups else None
+        self.params = list(self.group.fsdp_params) if self.group else []
+        self.mp_policy = state._mp_policy
+        if self.group is not None and getattr(self.group.mesh_info, "is_spmd_mesh", False):
+            raise ValueError(f"ShardedEMA.module(): the FSDP2 unit {name or '<root>'!r} was made "
+                             f"with dp_mesh_dims (an SPMD mesh); a teacher of it is not supported")
+
+    @property
+    def mesh(self):
+        return self.group.mesh_info.mesh if self.group is not None else None
+
+
+def _units(model: nn.Module, names: dict[int, str]) -> list[_Unit]:
+    """The student's FSDP2 units, children before parents (the order fully_shard needs)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    seen, units = set(), []
+    for module in reversed(list(model.modules())):
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            if id(state) not in seen:
+                seen.add(id(state))
+                units.append(_Unit(state, names.get(id(module), "")))
+    return units
+
+
+# --- cloning the structure onto the meta device --------------------------------------------------
+
+class _Clone:
+    """The student's module tree, module by module, with meta placeholders for its parameters.
+
+    Each module is an instance of its own class (FSDP2's ``FSDP<cls>`` stripped, DDP unwrapped)
+    made without ``__init__``: its ``__dict__`` is the student module's, shallow (plain attributes
+    are shared), except the children (cloned), the parameters (meta placeholders, replaced later),
+    the buffers (set later) and what belongs to wrappers: FSDP2's state, hooks and forward-method
+    wrappers, and ``nn.Module.compile``'s compiled call. Other hooks are kept (tensor parallelism's
+    input/output redistribution hooks, the user's), bound methods of student modules rebound to
+    their clones. Modules the student compiled are recorded, to be compiled again.
+    """
+
+    def __init__(self, root: nn.Module, placeholder: Callable[[nn.Module, str, Any], nn.Parameter]):
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        self._placeholder = placeholder
+        self._optimized = OptimizedModule
+        self.of: dict[int, nn.Module] = {}           # id(student module) -> clone
+        self.student: dict[int, nn.Module] = {}      # id(clone) -> student module
+        self.names: dict[int, str] = {}              # id(student module) -> clean name
+        self.params: dict[int, nn.Parameter] = {}    # id(student parameter) -> placeholder
+        self.forward_methods: list[tuple[nn.Module, str]] = []  # register_fsdp_forward_method
+        self.compiled: list[nn.Module] = []          # clones of modules nn.Module.compile'd
+        self.wrap_compiled = False                   # the root was torch.compile(model)
+        self.root = self._clone(root, "")
+
+    def _clone(self, m: nn.Module, prefix: str) -> nn.Module:
+        if id(m) in self.of:
+            return self.of[id(m)]
+        if _is_ddp(m):
+            return self._clone(m.module, prefix)
+        if isinstance(m, self._optimized):
+            if self.of:  # a module was cloned before it: it is below the root
+                raise ValueError("ShardedEMA.module(): a torch.compile'd submodule "
+                                 "(OptimizedModule) below the root is not supported; compile it "
+                                 "with module.compile() instead, which the teacher mirrors")
+            self.wrap_compiled = True
+            inner = self._clone(m._orig_mod, prefix)
+            self.of[id(m)] = inner
+            return inner
+        cls = _original_class(m)
+        new = object.__new__(cls)
+        self.of[id(m)] = new
+        self.student[id(new)] = m
+        self.names[id(m)] = prefix
+        state = {}
+        for key, value in m.__dict__.items():
+            if key in _DROPPED_ATTRS or key.startswith(_COMPOSABLE_STATE):
+                continue
+            if isinstance(value, types.MethodType) and isinstance(value.__self__, nn.Module):
+                if _from_fsdp(value):  # register_fsdp_forward_method's wrapper: redone later
+                    self.forward_methods.append((new, key))
+                    continue
+                value = types.MethodType(value.__func__, self._rebind(value.__self__))
+            state[key] = value
+        new.__dict__.update(state)
+        if "_compiled_call_impl" in m.__dict__ and m.__dict__["_compiled_call_impl"] is not None:
+            new._compiled_call_impl = None
+            self.compiled.append(new)
+        for key in _HOOK_DICTS:
+            hooks = getattr(m, key, None)
+            if hooks is not None:
+                setattr(new, key, type(hooks)(
+                    (i, self._rebind_hook(h)) for i, h in hooks.items() if not _from_fsdp(h)))
+        for key in _HOOK_FLAGS:
+            flags = getattr(m, key, None)
+            if flags is not None:
+                setattr(new, key, type(flags)(
+                    (i, v) for i, v in flags.items()
+                    if any(i in getattr(new, d) for d in _HOOK_DICTS)))
+        new._parameters = {name: None if p is None else self._param(m, name, p)
+                           for name, p in m._parameters.items()}
+        new._buffers = dict(m._buffers)  # replaced by the builder
+        new._non_persistent_buffers_set = set(m._non_persistent_buffers_set)
+        children = {}
+        for name, child in m._modules.items():
+            if child is None:
+                children[name] = None
+                continue
+            skip = name in _WRAPPER_ATTRS or (name == "module" and _is_ddp(m))
+            children[name] = self._clone(child, prefix if skip else _join(prefix, name))
+        new._modules = children
+        return new
+
+    def _param(self, module: nn.Module, name: str, p) -> nn.Parameter:
+        if id(p) not in self.params:
+            self.params[id(p)] = self._placeholder(module, name, p)
+        return self.params[id(p)]
+
+    def _rebind(self, obj: nn.Module) -> Any:
+        # A module of the student seen before its clone exists (a hook bound to a later sibling)
+        # keeps pointing at the student: never the case for hooks bound to their own module.
+        return self.of.get(id(obj), obj)
+
+    def _rebind_hook(self, hook: Any) -> Any:
+        if isinstance(hook, types.MethodType) and isinstance(hook.__self__, nn.Module):
+            return types.MethodType(hook.__func__, self._rebind(hook.__self__))
+        return hook
+
+    def modules(self) -> Iterator[tuple[nn.Module, nn.Module]]:
+        """(student module, clone) pairs."""
+        for student in self.student.values():
+            yield student, self.of[id(student)]
+
+
+# --- the builder ---------------------------------------------------------------------------------
+
+def _meta_like(p, dtype: torch.dtype, spec=None) -> nn.Parameter:
+    """A meta placeholder of ``p``'s global shape in ``dtype``; a meta DTensor over ``spec``'s mesh
+    and placements for a parameter that is a DTensor before FSDP2 shards it (tensor parallel)."""
+    shape = torch.Size(p.shape)
+    if spec is None:
+        return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, _ = compute_local_shape_and_global_offset(shape, spec.mesh, spec.placements)
+    stride = torch.empty(shape, device="meta").stride()
+    meta_spec = DTensorSpec(spec.mesh, tuple(spec.placements),
+                            tensor_meta=TensorMeta(shape, stride, dtype))
+    local = torch.empty(local_shape, dtype=dtype, device="meta")
+    return nn.Parameter(DTensor(local, meta_spec, requires_grad=False), requires_grad=False)
+
+
+def _grow_to(t: torch.Tensor, numel: int, what: str) -> torch.Tensor:
+    """A 1-D view of ``numel`` elements from the start of ``t``'s storage, which is grown in place
+    (same storage object, so every view of ``t`` stays valid) where it is smaller: FSDP2's padded
+    shard, whose first ``t.numel()`` elements are ``t`` itself."""
+    storage = t.untyped_storage()
+    need = numel * t.element_size()
+    if storage.nbytes() < need:
+        if t.storage_offset() != 0 or not t.is_contiguous():
+            raise RuntimeError(f"ShardedEMA.module(): the EMA of {what} is not the start of its "
+                               f"own storage; cannot pad it in place")
+        storage.resize_(need)
+        # The padding is all-gathered and dropped; zeros keep the gathered buffer deterministic.
+        t.as_strided((numel,), (1,), 0)[t.numel():].zero_()
+    return t.as_strided((numel,), (1,), 0)
+
+
+def module(ema, *, mp_policy=None, reshard_after_forward: bool | int = True, mesh=None,
+           compile: bool | dict = True) -> nn.Module:
+    """``ShardedEMA.module()``: built once per set of arguments, then the same module (a training
+    step may ask for it every time)."""
+    builder = TeacherBuilder(ema, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+                             mesh=mesh, compile=compile)
+    builder._check()
+    if mesh is not None:
+        from torch.distributed.fsdp import FSDPModule
+
+        model = ema.model
+        names = {id(m): n for m, n in _named(model)}
+        builder._check_mesh(_units(model, names) if any(
+            isinstance(m, FSDPModule) for m in model.modules()) else [])
+    key = (mp_policy, reshard_after_forward, repr(compile))
+    built = ema.__dict__.setdefault("_teachers", {})
+    if key not in built:
+        built[key] = builder.build()
+    else:
+        builder._resolve()  # what update() checks too: a model resharded or reshaped since
+    return built[key]
+
+
+class TeacherBuilder:
+    """Builds ``ShardedEMA.module()`` (see the module docstring)."""
+
+    def __init__(self, ema, *, mp_policy, reshard_after_forward, mesh, compile):
+        self.ema = ema
+        self.mp_policy, self.reshard_after_forward = mp_policy, reshard_after_forward
+        self.mesh, self.compile = mesh, compile
+
+    # --- checks, before anything is built --------------------------------------------------------
+
+    def _check(self) -> None:
+        ema = self.ema
+        if ema._host is not None:
+            raise ValueError("ShardedEMA.module(): this EMA lives in host memory (device='cpu'), "
+                             "where the model's device cannot run it; make the EMA beside the "
+                             "weights (device=None) to run it as a teacher")
+        if ema._swapped:
+            raise RuntimeError("ShardedEMA.module() inside swap(): the model holds the EMA "
+                               "weights there; make the teacher outside the swap() block")
+        if any(isinstance(slot, _Flat) for slot in ema._slots):
+            raise ValueError(
+                "ShardedEMA.module(): FSDP1 (FullyShardedDataParallel) models are not supported: "
+                "an FSDP1 teacher would be its own FullyShardedDataParallel, which materializes "
+                "each unit unsharded on every rank when it is built and lays its FlatParameters "
+                "out by dtype; shard the student with FSDP2 (torch.distributed.fsdp.fully_shard), "
+                "or evaluate with ema.swap()")
+        if not (isinstance(self.reshard_after_forward, bool) or (
+                isinstance(self.reshard_after_forward, int) and self.reshard_after_forward > 1)):
+            raise ValueError(f"ShardedEMA.module(): reshard_after_forward must be a bool or an "
+                             f"int > 1, got {self.reshard_after_forward!r}")
+        if not (isinstance(self.compile, bool) or isinstance(self.compile, dict)):
+            raise TypeError(f"ShardedEMA.module(): compile must be a bool or a dict of "
+                            f"torch.compile arguments, got {self.compile!r}")
+        if self.mp_policy is not None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            if not isinstance(self.mp_policy, MixedPrecisionPolicy):
+                raise TypeError(f"ShardedEMA.module(): mp_policy must be a MixedPrecisionPolicy, "
+                                f"got {self.mp_policy!r}")
+
+    def _resolve(self) -> list[torch.Tensor]:
+        """The model's tensors as the EMA keeps them, checked: refreshed (a model resharded since
+        the EMA was made raises), and each found again in the model."""
+        try:
+            return list(self.ema._refresh())
+        except (KeyError, AttributeError) as e:
+            raise RuntimeError(f"ShardedEMA.module(): the model changed since the EMA was made "
+                               f"({type(e).__name__}: {e}); make a new ShardedEMA of it") from None
+
+    # --- build ------------------------------------------------------------------------------------
+
+    def build(self) -> nn.Module:
+        from torch.distributed.fsdp import FSDPModule
+
+        ema = self.ema  # module() ran _check() and the mesh check
+        ema._check_selection("ShardedEMA.module")
+        live = self._resolve()
+        slot_of = {id(t): i for i, t in enumerate(live)}
+        model = ema.model
+        fsdp2 = any(isinstance(m, FSDPModule) for m in model.modules())
+
+        # The student's FSDPParams by (module, name) (shared parameters under every owner): the
+        # sharded DTensor even while FSDP2 holds the unsharded one in the module.
+        managed: dict[tuple[int, str], Any] = {}
+        names = {id(m): n for m, n in _named(model)}
+        units = _units(model, names) if fsdp2 else []
+        for unit in units:
+            for fp in unit.params:
+                info = fp._module_info
+                managed[(id(info.module), info.param_name)] = fp
+                for sm, sn in zip(info.shared_modules, info.shared_param_names):
+                    managed[(id(sm), sn)] = fp
+
+        def student_param(module, name, p):
+            fp = managed.get((id(module), name))
+            return fp.sharded_param if fp is not None else p
+
+        def slot_index(p) -> int | None:
+            return slot_of.get(id(p._local_tensor if is_dtensor(p) else p))
+
+        def placeholder(module, name, p):
+            fp = managed.get((id(module), name))
+            sp = student_param(module, name, p)
+            i = slot_index(sp)
+            dtype = ema._ema[i].dtype if i is not None else sp.dtype
+            spec = fp._unsharded_dtensor_spec if fp is not None and fp.is_dtensor else None
+            return _meta_like(sp, dtype, spec)
+
+        clone = _Clone(model, placeholder)
+        self._check_same_model(clone, student_param, slot_index, live)
+
+        # Parameters FSDP2 does not manage (plain, DDP; DTensors outside any unit) and buffers get
+        # their tensors now: they are the EMA's, or the student's own.
+        ignored: set[nn.Parameter] = set()
+        done: dict[int, nn.Parameter] = {}
+        for student, new in clone.modules():
+            for name, p in student._parameters.items():
+                if p is None or (id(student), name) in managed:
+                    continue
+                if id(p) not in done:
+                    done[id(p)] = self._unmanaged(p, slot_index(p))
+                new._parameters[name] = done[id(p)]
+                ignored.add(done[id(p)])
+            for name, b in student._buffers.items():
+                if b is None:
+                    continue
+                i = slot_index(b)
+                # A DTensor buffer (rare: tensor parallelism) is the teacher's own copy too.
+                new._buffers[name] = (ema._ema[i] if i is not None and not is_dtensor(b)
+                                      else b.detach().clone())
+
+        teacher = clone.root
+        if fsdp2:
+            self._shard(clone, units, ignored)
+            self._point(clone, managed, slot_index)
+        teacher.requires_grad_(False)
+        teacher.eval()
+        if self.compile is not False:
+            options = self.compile if isinstance(self.compile, dict) else {}
+            for m in clone.compiled:
+                m.compile(**options)
+            if clone.wrap_compiled:
+                teacher = torch.compile(teacher, **options)
+        return teacher
+
+    def _unmanaged(self, p, i: int | None) -> nn.Parameter:
+        """A parameter FSDP2 does not shard: over the EMA's tensor, or the student's own tensor
+        where the EMA does not keep it."""
+        from ._slots import dtensor_view
+
+        if i is None:
+            data = p.detach()
+        elif is_dtensor(p):
+            data = dtensor_view(self.ema._ema[i], p.device_mesh, p.placements, p.shape, p.stride())
+        else:
+            data = self.ema._ema[i]
+        return nn.Parameter(data, requires_grad=False)
+
+    def _check_mesh(self, units: list[_Unit]) -> None:
+        meshes = [(u.name, u.mesh) for u in units if u.mesh is not None]
+        if not meshes:
+            raise ValueError(f"ShardedEMA.module(mesh={self.mesh}): the model is not sharded with "
+                             f"FSDP2, so the EMA was made on no mesh; leave mesh out")
+        for name, m in meshes:
+            if m != self.mesh:
+                raise ValueError(
+                    f"ShardedEMA.module(mesh={self.mesh}): the EMA was made on the student's mesh "
+                    f"{m} (FSDP2 unit {name or '<root>'!r}) and holds its shards; a teacher on "
+                    f"another mesh would need other shards. Leave mesh out, or make the EMA of a "
+                    f"model sharded on that mesh")
+
+    def _check_same_model(self, clone: _Clone, student_param, slot_index, live) -> None:
+        """Every parameter the EMA selects is one the EMA keeps, and every tensor the EMA keeps is
+        in the model: otherwise the model changed since the EMA was made."""
+        ema = self.ema
+        select = (None if ema.params == "all" else
+                  (lambda fqn, p: bool(p.requires_grad)) if ema.params == "trainable" else
+                  ema.params)
+        found = set()
+        for student, _ in clone.modules():
+            prefix = clone.names[id(student)]
+            for name, p in student._parameters.items():
+                if p is None:
+                    continue
+                sp = student_param(student, name, p)
+                i = slot_index(sp)
+                fqn = _join(prefix, name)
+                if i is None and (select is None or select(fqn, sp)):
+                    raise RuntimeError(
+                        f"ShardedEMA.module(): the model has a parameter {fqn!r} "
+                        f"({list(sp.shape)}) that the EMA does not keep: the model changed since "
+                        f"the EMA was made; make a new ShardedEMA of it")
+                if i is not None:
+                    found.add(i)
+            for b in student._buffers.values():
+                i = slot_index(b) if b is not None else None
+                if i is not None:
+                    found.add(i)
+        lost = [ema._slots[i].describe() for i in range(len(live)) if i not in found]
+        if lost:
+            raise RuntimeError(f"ShardedEMA.module(): the EMA keeps {', '.join(lost[:4])}, which "
+                               f"the model no longer holds: the model changed since the EMA was "
+                               f"made; make a new ShardedEMA of it")
+
+    def _shard(self, clone: _Clone, units: list[_Unit], ignored: set[nn.Parameter]) -> None:
+        """The student's fully_shard units, applied to the clone (children first)."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        from torch.distributed.tensor import Shard
+
+        for unit in units:
+            modules = [clone.of[id(m)] for m in unit.modules]
+            kwargs: dict[str, Any] = dict(reshard_after_forward=self.reshard_after_forward,
+                                          mp_policy=self.mp_policy or unit.mp_policy)
+            if unit.group is not None:
+                kwargs["mesh"] = unit.mesh
+                if isinstance(unit.group.offload_policy, CPUOffloadPolicy):
+                    # The EMA is not pinned: FSDP2 would pin a copy of it.
+                    kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+                placements = {}
+                for fp in unit.params:
+                    info = fp._module_info
+                    placeholder = clone.of[id(info.module)]._parameters[info.param_name]
+                    placements[id(placeholder)] = fp.fsdp_placement
+                if any(p != Shard(0) for p in placements.values()):
+                    kwargs["shard_placement_fn"] = lambda p, pl=placements: pl.get(id(p))
+            if ignored:
+                kwargs["ignored_params"] = ignored
+            fully_shard(modules if len(modules) > 1 else modules[0], **kwargs)
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        for module, name in clone.forward_methods:
+            register_fsdp_forward_method(module, name)
+        if self.reshard_after_forward is not True:
+            _ReshardWhenStale(clone.root, self.ema, clone.forward_methods)
+
+    def _point(self, clone: _Clone, managed, slot_index) -> None:
+        """Every sharded parameter of the teacher over the EMA's tensor (or the student's shard
+        where the EMA does not keep it): FSDP2's padded buffer and the DTensor's local tensor."""
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
+
+        ema = self.ema
+        for module in clone.root.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            state = module._get_fsdp_state()
+            for group in list(getattr(state, "_fsdp_param_groups", None) or
+                              ([state._fsdp_param_group] if state._fsdp_param_group else [])):
+                for fp in group.fsdp_params:
+                    info = fp._module_info
+                    student = clone.student[id(info.module)]
+                    sfp = managed[(id(student), info.param_name)]
+                    fqn = _join(clone.names[id(student)], info.param_name)
+                    if (fp.sharded_size != sfp.sharded_size
+                            or fp.padded_sharded_param_size != sfp.padded_sharded_param_size
+                            or fp.fsdp_placement != sfp.fsdp_placement):
+                        raise RuntimeError(
+                            f"ShardedEMA.module(): the teacher's {fqn!r} is sharded as "
+                            f"{list(fp.sharded_size)} of {list(fp.padded_sharded_param_size)} "
+                            f"({fp.fsdp_placement}) but the student's as "
+                            f"{list(sfp.sharded_size)} of {list(sfp.padded_sharded_param_size)} "
+                            f"({sfp.fsdp_placement})")
+                    i = slot_index(sfp.sharded_param)
+                    padded = fp.padded_sharded_param_size.numel()
+                    if i is None:  # not kept (a frozen base weight): the student's own shard
+                        local, data = sfp._sharded_local_tensor, sfp._sharded_param_data
+                    else:
+                        slot = ema._slots[i]
+                        spec = fp._sharding_spec
+                        if slot.mesh != spec.mesh or tuple(slot.placements) != tuple(
+                                spec.placements):
+                            raise RuntimeError(
+                                f"ShardedEMA.module(): the EMA of {fqn!r} was made on mesh "
+                                f"{slot.mesh} with placements {slot.placements}, the model is "
+                                f"sharded on {spec.mesh} with {tuple(spec.placements)} now; make "
+                                f"a new ShardedEMA for the new sharding")
+                        local = ema._ema[i]
+                        if local.shape != fp.sharded_size:
+                            raise RuntimeError(
+                                f"ShardedEMA.module(): the EMA of {fqn!r} has a local shard of "
+                                f"shape {list(local.shape)}, the teacher's is "
+                                f"{list(fp.sharded_size)}")
+                        data = _grow_to(local, padded, repr(fqn))
+                    fp._sharded_param_data = data
+                    param = nn.Parameter(_from_local_no_grad(local, fp._sharding_spec),
+                                         requires_grad=False)
+                    # nn.Parameter detached the DTensor (a new local tensor object over the same
+                    # memory); the local tensor is the EMA's tensor itself, as FSDP2 sets it.
+                    param._local_tensor = local
+                    fp.sharded_param = param
+                    fp._setattr_on_modules(param)
+
+
+class _ReshardWhenStale:
+    """With ``reshard_after_forward`` other than True the teacher keeps gathered parameters
+    between forwards, which would not see an ``update()`` (or a load) of the EMA since: before a
+    forward, if any EMA tensor was written since the last one (its version counter moved), every
+    unit is resharded so that the forward gathers the new values."""
+
+    def __init__(self, root: nn.Module, ema, forward_methods):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.ema = ema
+        self.units = [m for m in root.modules() if isinstance(m, FSDPModule)]
+        self.seen: list[int] | None = None
+        root.register_forward_pre_hook(lambda module, args: self(), prepend=True)
+        for module, name in forward_methods:
+            method = getattr(module, name)
+
+            @functools.wraps(method)
+            def checked(*args, _method=method, **kwargs):
+                self()
+                return _method(*args, **kwargs)
+
+            setattr(module, name, checked)
+
+    def __call__(self) -> None:
+        versions = [t._version for t in self.ema._ema]
+        if versions != self.seen:
+            for m in self.units:
+                m.reshard()
+            self.seen = versions
+
+
+def _named(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    from ._slots import _modules
+
+    return [(m, n) for n, m in _modules(model)]

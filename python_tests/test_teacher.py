@@ -1,0 +1,928 @@
+"""``ShardedEMA.module()``: the EMA as a teacher that runs (#36), on 2 gloo ranks: FSDP2 on a 1-D
+mesh, HSDP and TP x FSDP on 2-D meshes, DDP and plain models; and ``CosineMomentum``.
+
+References, independent of fsdp_ema: a float64 EMA of the student's gathered weights
+(``full_tensor()`` after every step), loaded into an unsharded copy of the model; and DINOv3's
+by-hand teacher (a deepcopy of the student before sharding, ``fully_shard``-ed alike, updated
+with ``torch._foreach_mul_`` + ``torch._foreach_add_`` over the DTensor parameters, as
+``dinov3/train/ssl_meta_arch.py``'s ``update_ema`` does).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import PoolManager
+from torch import nn
+
+import fsdp_ema
+from fsdp_ema import CosineMomentum, ShardedEMA
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 6
+SCHEDULE = dict(base=0.8, final=1.0, total_steps=8)  # large moves: a stale teacher shows
+
+
+class Backbone(nn.Module):
+    """Uneven rows over 2 ranks everywhere (7, 9, 11 and 1 rows: rank 1 holds fewer, or none of
+    ``gate``), a BatchNorm (buffers) and a second forward method, as DINOv3's
+    ``get_intermediate_layers``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 7, 3, padding=1)
+        self.proj = nn.Linear(7, 9)
+        self.bn = nn.BatchNorm1d(9)
+        self.head = nn.Linear(9, 11)
+        self.gate = nn.Linear(9, 1)
+
+    def _features(self, x):
+        return self.bn(self.proj(self.conv(x).relu().mean((2, 3))))
+
+    def features(self, x):  # registered with FSDP2 as a forward method: not called by forward
+        return self._features(x)
+
+    def forward(self, x):
+        f = self._features(x)
+        return self.head(F.gelu(f)) * torch.sigmoid(self.gate(f))
+
+
+class TPNet(nn.Module):
+    """For tensor parallelism: even columns (torch's TP infers wrong shapes for uneven ones)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(7, 6)
+        self.out = nn.Linear(6, 5)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.inp(x)))
+
+
+def make(layout: str, **ema_options):
+    """The student (sharded as ``layout`` says), an unsharded copy of its initial weights, its
+    EMA and its teacher."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    torch.manual_seed(0)
+    model = TPNet() if layout == "tp" else Backbone()
+    plain = copy.deepcopy(model)
+    world = dist.get_world_size()
+    if layout == "fsdp2":
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in (model.conv, model.proj, model.head):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        register_fsdp_forward_method(model, "features")
+    elif layout == "hsdp":  # a 2-D (replicate, shard) mesh
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model.proj, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif layout == "tp":  # a 2-D (dp, tp) mesh: FSDP over TP-sharded (colwise, rowwise) layers
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"inp": ColwiseParallel(), "out": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+    elif layout == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    elif layout != "plain":
+        raise ValueError(layout)
+    ema = ShardedEMA(model, schedule=CosineMomentum(**SCHEDULE), **ema_options)
+    return model, plain, ema
+
+
+def inner(model):
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+
+
+def batch(layout: str, rank: int, step: int) -> torch.Tensor:
+    # Each rank its own data, but the ranks of a tensor-parallel group see the same inputs.
+    g = torch.Generator().manual_seed(1000 * (0 if layout == "tp" else rank) + step)
+    return torch.randn(8, 7, generator=g) if layout == "tp" else torch.randn(8, 3, 6, 6,
+                                                                            generator=g)
+
+
+def ema_index(ema: ShardedEMA) -> dict[str, int]:
+    return {fqn: i for i, slot in enumerate(ema._slots) for fqn, _ in slot.names()}
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+# --- the teacher against a float64 EMA of the gathered weights ------------------------------------
+
+def run_matches_reference(rank, world, layout):
+    """Trains the student; after every step, the teacher's forward against an unsharded copy
+    holding a float64 EMA of the gathered weights (rounded to float32)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*sequential all_gather.*")
+    model, plain, ema = make(layout)
+    teacher = ema.module()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    ref = {n: full(p).double() for n, p in inner(model).named_parameters()}
+    ref_buf = {n: full(b).double() if b.is_floating_point() else full(b)
+               for n, b in inner(model).named_buffers()}
+    probe = batch(layout, rank, 999)
+    out, weight_err, stale = [], [], []
+    for step in range(STEPS):
+        loss = model(batch(layout, rank, step)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            before = teacher(probe).clone()
+        ema.update()
+        d = ema.decay_at(step)
+        for n, p in inner(model).named_parameters():
+            ref[n] = ref[n] + (1 - d) * (full(p).double() - ref[n])
+        for n, b in inner(model).named_buffers():
+            ref_buf[n] = (ref_buf[n] + (1 - d) * (full(b).double() - ref_buf[n])
+                          if b.is_floating_point() else full(b))
+        with torch.no_grad():
+            for n, p in plain.named_parameters():
+                p.copy_(ref[n])
+            for n, b in plain.named_buffers():
+                b.copy_(ref_buf[n])
+            plain.eval()
+            got, want = teacher(probe), plain(probe)
+        out.append((got - want).abs().max().item())
+        stale.append((got - before).abs().max().item())  # the update reached the forward
+        teacher_full = {n: full(p).double() for n, p in teacher.named_parameters()}
+        weight_err.append(max((teacher_full[n] - ref[n]).abs().max().item() for n in ref))
+    index = ema_index(ema)
+    shares, same_object = [], []
+    for n, p in teacher.named_parameters():
+        e = ema._ema[index[n]]
+        shares.append(local(p).untyped_storage().data_ptr() == e.untyped_storage().data_ptr()
+                      and local(p).data_ptr() == e.data_ptr())
+        same_object.append(local(p) is e)
+    for n, b in teacher.named_buffers():
+        e = ema._ema[index[n]]
+        shares.append(b.untyped_storage().data_ptr() == e.untyped_storage().data_ptr())
+    features = None
+    if layout == "fsdp2":  # the registered forward method gathers the EMA too
+        with torch.no_grad():
+            features = (teacher.features(probe) - plain.features(probe)).abs().max().item()
+    return dict(out=out, weights=weight_err, stale=stale, shares=shares, same_object=same_object,
+                requires_grad=[p.requires_grad for p in teacher.parameters()],
+                training=teacher.training, features=features, kind=type(teacher).__name__,
+                placements=[str(getattr(p, "placements", "")) for p in teacher.parameters()],
+                cached=ema.module() is teacher)
+
+
+@pytest.fixture(scope="module")
+def pools():
+    manager = PoolManager()
+    yield manager
+    manager.close()
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "hsdp", "tp", "plain", "ddp"])
+def test_teacher_forward_equals_an_unsharded_copy_holding_a_float64_ema(pools, layout):
+    for res in pools.get(2).run(run_matches_reference, layout):
+        # fp32 rounding: the EMA's float32 lerp against the float64 reference, rounded once.
+        assert max(res["out"]) < 5e-7, res["out"]
+        assert max(res["weights"]) < 2e-7, res["weights"]
+        assert min(res["stale"]) > 1e-3, res["stale"]   # every update() moved the forward
+        assert all(res["shares"]) and res["shares"], layout
+        assert not any(res["requires_grad"]) and res["training"] is False
+        assert res["cached"]
+        if layout in ("fsdp2", "hsdp", "tp"):
+            assert all(res["same_object"]), layout  # the DTensors' local tensors are the EMA's
+            assert res["kind"].startswith("FSDP")
+        else:
+            assert res["kind"] in ("Backbone", "TPNet")
+        if layout == "fsdp2":
+            assert res["features"] < 5e-7
+        if layout == "hsdp":
+            assert "Replicate(), Shard(dim=0)" in res["placements"][0]
+        if layout == "tp":
+            assert "_StridedShard" in res["placements"][0]
+
+
+# --- storage and memory ---------------------------------------------------------------------------
+
+class EvenNet(nn.Module):
+    """Every row count even: FSDP2 pads nothing at 2 ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(self.bn(self.a(x)))
+
+
+def allocations_during(fn) -> tuple[list[int], object]:
+    """The CPU allocations (bytes, in order) ``fn()`` makes, seen by torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        value = fn()
+    sizes = [e.cpu_memory_usage for e in prof.events()
+             if e.name == "[memory]" and e.cpu_memory_usage > 0]
+    return sizes, value
+
+
+def run_memory(rank, world):
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    warnings.filterwarnings("ignore")
+    out = {}
+    for name, cls in (("even", EvenNet), ("uneven", Backbone)):
+        torch.manual_seed(0)
+        model = cls()
+        full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        mesh = init_device_mesh("cpu", (world,))
+        for m in model.children():
+            if isinstance(m, nn.Linear | nn.Conv2d):
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        ema = ShardedEMA(model, decay=0.9)
+        storages_before = sum(t.untyped_storage().nbytes() for t in ema._ema)
+        sd = ema.state_dict()  # taken before: its DTensors stay views of the (grown) EMA
+        sizes, teacher = allocations_during(ema.module)
+        index = ema_index(ema)
+        sd_valid = all(local(v).data_ptr() == ema._ema[index[n]].data_ptr()
+                       and torch.equal(local(v), ema._ema[index[n]])
+                       for n, v in sd.items() if n in index)
+        # What the teacher holds: the storages of its tensors, each counted once.
+        held = {}
+        for t in [*teacher.parameters(), *teacher.buffers()]:
+            s = local(t).untyped_storage()
+            held[s.data_ptr()] = s.nbytes()
+        ema_storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in ema._ema}
+        # FSDP2's padding of this rank's shards: the rows rank 0 holds, less this rank's.
+        padding = 0
+        for m in teacher.modules():
+            if isinstance(m, FSDPModule):
+                for g in m._get_fsdp_state()._fsdp_param_groups:
+                    for fp in g.fsdp_params:
+                        padding += (fp.padded_sharded_param_size.numel()
+                                    - fp.sharded_size.numel()) * 4
+        padded_shards = [fp.padded_sharded_param_size.numel() * 4
+                         for m in teacher.modules() if isinstance(m, FSDPModule)
+                         for g in m._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params
+                         if fp.padded_sharded_param_size != fp.sharded_size]
+        out[name] = dict(sizes=sizes, full_bytes=full_bytes, ema_nbytes=ema.nbytes,
+                         held=held, ema_storages=ema_storages, padding=padding,
+                         grown=sum(ema_storages.values()) - storages_before,
+                         padded_shards=padded_shards, sd_valid=sd_valid)
+    return out
+
+
+def test_teacher_storage_is_the_ema_and_building_it_allocates_no_model(pools):
+    for rank, res in enumerate(pools.get(2).run(run_memory)):
+        even, uneven = res["even"], res["uneven"]
+        for r in (even, uneven):
+            # Every storage the teacher's parameters and buffers use is one of the EMA's.
+            assert set(r["held"]) == set(r["ema_storages"]), rank
+            assert sum(r["held"].values()) == r["ema_nbytes"] + r["padding"], rank
+            assert r["grown"] == r["padding"] and r["sd_valid"], rank
+        # Even rows: building the teacher allocates nothing (meta clone, meta fully_shard,
+        # pointers set); the teacher holds no byte beyond the EMA.
+        assert even["sizes"] == [] and even["padding"] == 0, (rank, even["sizes"])
+        # Uneven rows: the only allocations are the EMA's storages grown in place to FSDP2's
+        # padded shard size (one shard at a time), never a full tensor, let alone the model.
+        assert sorted(uneven["sizes"]) == sorted(uneven["padded_shards"]), (rank, uneven)
+        assert sum(uneven["sizes"]) < uneven["full_bytes"] / 1.5, rank
+        if rank == 1:
+            assert uneven["padding"] > 0
+
+
+# --- DINO: against DINOv3's by-hand teacher, and resumed mid-run ---------------------------------
+
+CENTER_MOMENTUM, T_STUDENT, T_TEACHER = 0.9, 0.1, 0.04
+
+
+def crops(rank: int, step: int) -> list[torch.Tensor]:
+    """Multi-crop from random tensors: 2 global crops (6x6) and 2 local ones (3x3)."""
+    g = torch.Generator().manual_seed(7919 * rank + step)
+    image = torch.randn(4, 3, 8, 8, generator=g)
+    out = []
+    for size in (6, 6, 3, 3):
+        i, j = (int(v) for v in torch.randint(0, 8 - size + 1, (2,), generator=g))
+        out.append(image[:, :, i:i + size, j:j + size] + 0.1 * torch.randn(
+            4, 3, size, size, generator=g))
+    return out
+
+
+def dino_loss(student_out, teacher_out, center):
+    teacher_p = [F.softmax((t - center) / T_TEACHER, dim=-1) for t in teacher_out]
+    terms = [-(tp * F.log_softmax(s / T_STUDENT, dim=-1)).sum(-1).mean()
+             for iq, tp in enumerate(teacher_p) for v, s in enumerate(student_out) if v != iq]
+    return sum(terms) / len(terms)
+
+
+def new_center(center, teacher_out):
+    import torch.distributed as dist
+
+    mean = torch.cat(teacher_out).mean(0, keepdim=True)
+    dist.all_reduce(mean)
+    return center * CENTER_MOMENTUM + mean / dist.get_world_size() * (1 - CENTER_MOMENTUM)
+
+
+def dino_student():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = Backbone()
+    unsharded = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+
+    def shard(m):
+        for layer in (m.conv, m.proj, m.head):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        fully_shard(m, mesh=mesh, reshard_after_forward=True)
+        return m
+
+    return shard(model), unsharded, shard
+
+
+def dino_step(student, teacher, opt, center, rank, step):
+    views = crops(rank, step)
+    with torch.no_grad():
+        teacher_out = [teacher(v) for v in views[:2]]
+    loss = dino_loss([student(v) for v in views], teacher_out, center)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach(), new_center(center, teacher_out)
+
+
+def run_dino_against_dinov3(rank, world):
+    schedule = CosineMomentum(0.996, 1.0, total_steps=STEPS)
+    # Ours: the EMA is the teacher.
+    student, _, _ = dino_student()
+    ema = ShardedEMA(student, schedule=schedule, include_buffers=False)
+    teacher = ema.module()
+    # SGD: a perturbation of the teacher moves the students apart linearly (Adam's normalized
+    # steps would amplify rounding differences into unrelated trajectories).
+    opt = torch.optim.SGD(student.parameters(), lr=0.05, momentum=0.9)
+    center = torch.zeros(1, 11)
+    ours = []
+    for step in range(STEPS):
+        loss, center = dino_step(student, teacher, opt, center, rank, step)
+        ema.update()
+        ours.append(loss.item())
+    ours_teacher = {n: full(p) for n, p in teacher.named_parameters()}
+    # DINOv3's: a second model built before sharding, sharded alike, updated by two _foreach
+    # passes over the DTensor parameters with the momentum as a Python float.
+    student2, unsharded, shard = dino_student()
+    teacher2 = shard(unsharded)
+    teacher2.requires_grad_(False)
+    teacher2.eval()
+    opt2 = torch.optim.SGD(student2.parameters(), lr=0.05, momentum=0.9)
+    s_params, t_params = list(student2.parameters()), list(teacher2.parameters())
+    center2 = torch.zeros(1, 11)
+    theirs = []
+    for step in range(STEPS):
+        loss, center2 = dino_step(student2, teacher2, opt2, center2, rank, step)
+        m = dinov3_cosine(0.996, 1.0, STEPS, step)  # momentum_schedule[it]
+        with torch.no_grad():
+            torch._foreach_mul_(t_params, m)
+            torch._foreach_add_(t_params, s_params, alpha=1 - m)
+        theirs.append(loss.item())
+    theirs_teacher = {n: full(p) for n, p in teacher2.named_parameters()}
+    # One update from the same teacher and student shards, each against float64: ours rounds
+    # once (the weight 1 - m formed in double), theirs rounds m and 1 - m to float32 and the
+    # two passes' results.
+    m = dinov3_cosine(0.996, 1.0, 100, 10)
+    t_local = [local(p).clone() for p in teacher2.parameters()]
+    s_local = [local(p).detach() for p in student2.parameters()]
+    exact = [t.double() * m + s.double() * (1 - m) for t, s in zip(t_local, s_local)]
+    a, b = [t.clone() for t in t_local], [t.clone() for t in t_local]
+    fsdp_ema.update_(a, s_local, m)
+    torch._foreach_mul_(b, m)
+    torch._foreach_add_(b, s_local, alpha=1 - m)
+    one_update = [max(((x.double() - e).abs() / e.abs().clamp_min(1e-30)).max().item()
+                      for x, e in zip(got, exact) if e.numel()) for got in (a, b)]
+    return dict(ours=ours, theirs=theirs, ours_teacher=ours_teacher,
+                theirs_teacher=theirs_teacher, one_update=one_update)
+
+
+def test_dino_loop_matches_dinov3_by_hand_teacher_to_their_rounding(pools):
+    res = pools.get(2).run(run_dino_against_dinov3)[0]
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(res["ours"], res["theirs"]))
+    weight_diff = max((res["ours_teacher"][n] - res["theirs_teacher"][n]).abs().max().item()
+                      for n in res["ours_teacher"])
+    ours_err, theirs_err = res["one_update"]
+    print(f"DINO vs DINOv3's teacher over {STEPS} steps: max relative loss difference "
+          f"{loss_diff:.3g}, max teacher weight difference {weight_diff:.3g}; one update against "
+          f"float64, max relative error: ours {ours_err:.3g}, theirs {theirs_err:.3g}")
+    assert res["ours"][0] == res["theirs"][0]  # the same teacher before the first update
+    assert loss_diff < 1e-5 and weight_diff < 1e-5, (loss_diff, weight_diff)
+    # Ours: the float32 rounding of the exact lerp, within an ulp (1.2e-7). Theirs rounds m and
+    # 1 - m to float32, then each of its two passes: several times that.
+    assert ours_err < 1.5e-7 and ours_err <= theirs_err, res["one_update"]
+
+
+def run_resume(rank, world, directory):
+    def run(start, stop, resume):
+        student, _, _ = dino_student()
+        ema = ShardedEMA(student, schedule=CosineMomentum(0.9, 1.0, total_steps=STEPS))
+        teacher = ema.module()  # made before the load: the load writes into what it runs on
+        opt = torch.optim.AdamW(student.parameters(), lr=1e-2)
+        center = torch.zeros(1, 11)
+        if resume:
+            extra = fsdp_ema.load_training_state(directory, model=student, optimizer=opt,
+                                                 ema=ema)
+            center = extra["center"]
+        losses = []
+        for step in range(start, stop):
+            # The same crops on both ranks: BatchNorm statistics, which FSDP2 does not
+            # synchronize, then agree across the ranks, as a checkpoint of a replicated buffer
+            # needs (each rank writes its rows of it).
+            loss, center = dino_step(student, teacher, opt, center, 0, step)
+            ema.update()
+            losses.append(loss)
+        if not resume and stop < STEPS:
+            fsdp_ema.save_training_state(directory, model=student, optimizer=opt, ema=ema,
+                                         extra={"center": center})
+        return losses, {n: full(p) for n, p in teacher.named_parameters()}, int(ema.step)
+
+    straight = run(0, STEPS, False)
+    run(0, STEPS // 2, False)
+    resumed = run(STEPS // 2, STEPS, True)
+    return dict(straight=straight, resumed=resumed)
+
+
+def test_resumed_mid_run_the_teacher_is_bit_for_bit_the_straight_runs(pools, tmp_path):
+    for res in pools.get(2).run(run_resume, str(tmp_path / "state")):
+        (s_losses, s_teacher, s_step), (r_losses, r_teacher, r_step) = (res["straight"],
+                                                                        res["resumed"])
+        assert s_step == r_step == STEPS
+        assert [x.item() for x in s_losses[STEPS // 2:]] == [x.item() for x in r_losses]
+        for n, t in s_teacher.items():
+            assert torch.equal(t, r_teacher[n]), n
+
+
+# --- gradients, reshard_after_forward, compile, LoRA, tied weights ----------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(9, 4)
+        self.head = nn.Linear(4, 9, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+class LoRALinear(nn.Module):
+    """A frozen base weight plus trainable low-rank factors (what peft's LoRA layer holds)."""
+
+    def __init__(self, n_in, n_out, r=2):
+        super().__init__()
+        self.base = nn.Linear(n_in, n_out)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(r, n_in) * 0.1)
+        self.lora_b = nn.Parameter(torch.zeros(n_out, r))
+
+    def forward(self, x):
+        return self.base(x) + x @ self.lora_a.t() @ self.lora_b.t()
+
+
+def run_gradients_reshard_compile_lora(rank, world):
+    import warnings
+
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    warnings.filterwarnings("ignore")
+    out = {}
+    # Gradients: a teacher forward inside the student's graph, its input needing a gradient.
+    model, _, ema = make("fsdp2")
+    teacher = ema.module()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    before = [t.clone() for t in ema._ema]
+    x = batch("fsdp2", rank, 0).requires_grad_(True)
+    loss = model(x).square().mean() + teacher(x).square().mean()
+    loss.backward()
+    opt.step()
+    out["input_grad"] = x.grad is not None and x.grad.abs().sum().item() > 0
+    out["teacher_grads"] = [p.grad for p in teacher.parameters()]
+    out["ema_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, ema._ema))
+    out["ema_grads"] = [t.grad for t in ema._ema]
+    # reshard_after_forward=False keeps the gathered parameters between forwards: an update (or
+    # a load) between two forwards must still reach the second.
+    model, _, ema = make("fsdp2")
+    kept = ema.module(reshard_after_forward=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    probe = batch("fsdp2", rank, 99)
+    diffs = []
+    for step in range(3):
+        model(batch("fsdp2", rank, step)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            kept(probe)
+        ema.update()
+        with torch.no_grad():
+            got = kept(probe)
+            with ema.swap():
+                model.eval()
+                want = model(probe)
+                model.train()
+        diffs.append((got - want).abs().max().item())
+    out["reshard_false"] = diffs
+    out["distinct"] = ema.module() is not kept
+    # torch.compile: the student's blocks compiled with nn.Module.compile, the teacher's alike;
+    # the compiled teacher follows every update without recompiling.
+    torch.manual_seed(0)
+    net = nn.Sequential(Block(), Block(), nn.Linear(5, 3))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in net:
+        if isinstance(layer, Block):
+            layer.compile(backend="aot_eager")  # as DINOv3 compiles its blocks
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    ema = ShardedEMA(net, decay=0.5)
+    compiled = ema.module(compile={"backend": "aot_eager"})
+    eager = ema.module(compile=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.2)
+    probe = torch.randn(4, 5)
+    compile_diffs, graphs = [], []
+    for _ in range(3):
+        net(torch.randn(4, 5)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update()
+        with torch.no_grad():
+            compile_diffs.append((compiled(probe) - eager(probe)).abs().max().item())
+        graphs.append(counters["stats"]["unique_graphs"])
+    out["compiled"] = [compiled[0]._compiled_call_impl is not None,
+                       eager[0]._compiled_call_impl is None]
+    out["compile_diffs"], out["graphs"] = compile_diffs, graphs
+    # LoRA (params="trainable"): the teacher's frozen base weights are the student's own shards,
+    # the adapters the EMA's; the EMA holds the adapters only.
+    torch.manual_seed(0)
+    lora = nn.Sequential(LoRALinear(6, 5), nn.ReLU(), LoRALinear(5, 3))
+    for layer in (lora[0], lora[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(lora, mesh=mesh)
+    ema = ShardedEMA(lora, decay=0.5, params="trainable")
+    teacher = ema.module()
+    opt = torch.optim.SGD([p for p in lora.parameters() if p.requires_grad], lr=0.5)
+    probe = torch.randn(4, 6)
+    lora_diffs = []
+    for _ in range(2):
+        lora(torch.randn(4, 6)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update()
+        with torch.no_grad(), ema.swap():
+            want = lora(probe)
+        with torch.no_grad():
+            lora_diffs.append((teacher(probe) - want).abs().max().item())
+    student_params = dict(lora.named_parameters())
+    index = ema_index(ema)
+    shared = {}
+    for n, p in teacher.named_parameters():
+        if n in index:
+            shared[n] = local(p) is ema._ema[index[n]]
+        else:
+            shared[n] = (local(p).untyped_storage().data_ptr()
+                         == local(student_params[n]).untyped_storage().data_ptr())
+    adapters = sum(local(p).numel() * 4 for n, p in lora.named_parameters() if "lora" in n)
+    out["lora"] = dict(diffs=lora_diffs, shared=shared, nbytes=ema.nbytes, adapters=adapters)
+    # Tied weights (an embedding and its output layer): one EMA tensor, one teacher parameter in
+    # both modules.
+    torch.manual_seed(0)
+    tied = Tied()
+    fully_shard([tied.emb, tied.head], mesh=mesh)  # one unit over both (a list of modules)
+    fully_shard(tied, mesh=mesh)
+    ema = ShardedEMA(tied, decay=0.5)
+    teacher = ema.module()
+    opt = torch.optim.SGD(tied.parameters(), lr=0.5)
+    ids = torch.tensor([[1, 4, 8], [0, 2, 3]])
+    tied(ids).square().mean().backward()
+    opt.step()
+    ema.update()
+    with torch.no_grad(), ema.swap():
+        want = tied(ids)
+    with torch.no_grad():
+        got = teacher(ids)
+    out["tied"] = dict(diff=(got - want).abs().max().item(), names=sorted(ema.shapes),
+                       same=teacher.head.weight is teacher.emb.weight)
+    return out
+
+
+def test_gradients_never_reach_the_teacher_and_reshard_compile_lora_follow_the_ema(pools):
+    for res in pools.get(2).run(run_gradients_reshard_compile_lora):
+        assert res["input_grad"]  # the gradient flowed through the teacher to its input
+        assert all(g is None for g in res["teacher_grads"])
+        assert all(g is None for g in res["ema_grads"]) and res["ema_unchanged"]
+        assert max(res["reshard_false"]) < 1e-6 and res["distinct"], res["reshard_false"]
+        assert all(res["compiled"])
+        assert max(res["compile_diffs"]) < 1e-6, res["compile_diffs"]
+        assert res["graphs"][0] == res["graphs"][-1] > 0, res["graphs"]  # no recompiles
+        lora = res["lora"]
+        assert max(lora["diffs"]) == 0.0, lora["diffs"]
+        assert all(lora["shared"].values()) and len(lora["shared"]) == 8, lora["shared"]
+        assert lora["nbytes"] == lora["adapters"]
+        tied = res["tied"]
+        assert tied["diff"] == 0.0 and tied["same"] and tied["names"] == ["emb.weight"], tied
+
+
+# --- bad inputs ----------------------------------------------------------------------------------
+
+def run_bad_inputs(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    errors = {}
+
+    def error(name, fn):
+        try:
+            fn()
+        except (ValueError, RuntimeError, TypeError) as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+        else:
+            errors[name] = None
+
+    model, _, ema = make("fsdp2", device="cpu", _offload=True)
+    error("host", ema.module)
+    model, _, ema = make("fsdp2")
+    error("mesh", lambda: ema.module(mesh=init_device_mesh("cpu", (1, world),
+                                                           mesh_dim_names=("a", "b"))))
+    error("reshard", lambda: ema.module(reshard_after_forward="yes"))
+    error("compile", lambda: ema.module(compile="inductor"))
+    with ema.swap():
+        error("swap", ema.module)
+    inner(model).extra = nn.Parameter(torch.ones(3))
+    error("added", ema.module)
+    model, _, ema = make("plain")
+    model.head.weight = nn.Parameter(torch.zeros(11, 9))  # a new tensor, same shape: followed
+    error("replaced", ema.module)
+    model.head.weight = nn.Parameter(torch.zeros(12, 9))
+    error("reshaped", ema.module)
+    model, _, ema = make("plain")
+    model.head = nn.Linear(9, 11)  # a new module: the EMA's tensors are no longer the model's
+    error("new module", ema.module)
+    fsdp1 = FullyShardedDataParallel(nn.Linear(4, 3), device_id=torch.device("cpu"))
+    error("fsdp1", ShardedEMA(fsdp1, decay=0.9).module)
+    return errors
+
+
+def test_bad_inputs_are_refused_naming_the_argument(pools):
+    for e in pools.get(2).run(run_bad_inputs):
+        assert "device='cpu'" in e["host"] and "host memory" in e["host"], e["host"]
+        assert e["mesh"].startswith("ValueError: ShardedEMA.module(mesh=") and (
+            "student's mesh" in e["mesh"]), e["mesh"]
+        assert "reshard_after_forward" in e["reshard"] and "compile" in e["compile"]
+        assert "inside swap()" in e["swap"]
+        assert "'extra'" in e["added"] and "changed since the EMA was made" in e["added"]
+        assert e["replaced"] is None
+        assert "head.weight" in e["reshaped"] and "changed" in e["reshaped"], e["reshaped"]
+        assert "'head.weight'" in e["new module"] and "changed" in e["new module"]
+        assert "FSDP1" in e["fsdp1"] and "fully_shard" in e["fsdp1"], e["fsdp1"]
+
+
+# --- the trainers' callbacks expose the teacher --------------------------------------------------
+
+def run_lightning_teacher(rank, world, root):
+    import warnings
+
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from fsdp_ema.integrations.lightning import ShardedEMA as Callback
+
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "NODE_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    warnings.filterwarnings("ignore")
+
+    class Student(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = Backbone()
+            self.diffs = []
+
+        def configure_model(self):
+            from torch.distributed.fsdp import fully_shard
+
+            if not hasattr(self, "_sharded"):
+                mesh = self.device_mesh["data_parallel"]
+                for layer in (self.net.conv, self.net.head):
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(self, mesh=mesh)
+                self._sharded = True
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            ema = next(c for c in self.trainer.callbacks if isinstance(c, Callback)).ema
+            teacher = ema.module()          # what a self-distillation step uses
+            with torch.no_grad():
+                t = teacher(x)
+                with ema.swap():
+                    self.eval()
+                    want = self(x)
+                    self.train()
+            self.diffs.append((t - want).abs().max().item())
+            return (self(x) - t).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.TensorDataset(torch.randn(16, 3, 6, 6))
+    module = Student()
+    trainer = pl.Trainer(callbacks=[Callback(decay=0.5)], max_steps=3, accelerator="cpu",
+                         strategy=ModelParallelStrategy(data_parallel_size=world,
+                                                        tensor_parallel_size=1),
+                         devices=world, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=root)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    return module.diffs
+
+
+def run_transformers_teacher(rank, world, root):
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+
+    from fsdp_ema.integrations.transformers import ShardedEMACallback
+
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29500", "OMP_NUM_THREADS": "1"})
+    AcceleratorState._reset_state(reset_partial_state=True)
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=16)
+    model = transformers.LlamaForCausalLM(config)
+    diffs = []
+
+    class Distill(transformers.Trainer):
+        """A self-distillation Trainer: the loss pulls the student towards the EMA teacher."""
+
+        def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+            ema = next(c for c in self.callback_handler.callbacks
+                       if isinstance(c, ShardedEMACallback)).ema
+            teacher = ema.module()
+            with torch.no_grad():
+                t = teacher(input_ids=inputs["input_ids"]).logits
+                with ema.swap():
+                    model.eval()
+                    want = model(input_ids=inputs["input_ids"]).logits
+                    model.train()
+            diffs.append((t - want).abs().max().item())
+            out = model(input_ids=inputs["input_ids"])
+            return (out.logits - t).square().mean()
+
+    ids = torch.randint(0, 32, (16, 8), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": row} for row in ids]
+    args = transformers.TrainingArguments(output_dir=root, per_device_train_batch_size=2,
+                                          max_steps=3, learning_rate=1e-2, report_to=[],
+                                          disable_tqdm=True, save_strategy="no", use_cpu=True)
+    trainer = Distill(model=model, args=args, train_dataset=data,
+                      callbacks=[ShardedEMACallback(decay=0.5)])
+    trainer.train()
+    return diffs
+
+
+def test_lightning_and_hf_callbacks_expose_the_teacher_for_the_training_step(pools, tmp_path):
+    pytest.importorskip("lightning.pytorch")
+    pytest.importorskip("transformers")
+    for diffs in pools.get(2).run(run_lightning_teacher, str(tmp_path / "pl")):
+        assert len(diffs) == 3 and max(diffs) < 1e-6, diffs
+    for diffs in pools.get(2).run(run_transformers_teacher, str(tmp_path / "hf")):
+        assert len(diffs) == 3 and max(diffs) < 1e-6, diffs
+
+
+# --- CosineMomentum, one process ------------------------------------------------------------------
+
+def dinov3_cosine(base, final, total, it):
+    """DINOv3's CosineScheduler (trunc_extra=0, no warmup or freeze) at iteration ``it``,
+    written out from its formula: final + 0.5 (base - final)(1 + cos(pi i / total))."""
+    if it >= total:
+        return final
+    return final + 0.5 * (base - final) * (1 + math.cos(math.pi * it / total))
+
+
+def test_cosine_momentum_is_dinos_schedule_on_the_device_and_resumes_by_step():
+    s = CosineMomentum(0.996, 1.0, total_steps=10)
+    for t in range(1, 14):
+        want = dinov3_cosine(0.996, 1.0, 10, t - 1)
+        assert s.decay_at(t) == pytest.approx(want, abs=1e-15)
+        got = s.device_decay(torch.tensor(t))
+        assert got.dtype == torch.float64 and got.item() == pytest.approx(want, abs=1e-15)
+    assert s.decay_at(1) == 0.996 and s.decay_at(11) == 1.0 and s.device_decay(
+        torch.tensor(11)).item() == 1.0
+    # Through ShardedEMA: update k uses the schedule's k+1-th value; a fresh EMA given the step
+    # (state_dict) continues where the first stopped, bit for bit.
+    model = nn.Linear(4, 3)
+    a = ShardedEMA(model, schedule=s)
+    b = ShardedEMA(model, schedule=s)
+    for k in range(5):
+        a.update()
+        assert a.last_decay.item() == a.decay_at(k) == s.decay_at(k + 1)
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    a.update()
+    b.update()
+    assert torch.equal(a._ema[0], b._ema[0]) and a.last_decay.item() == b.last_decay.item()
+    # Compiled: one graph whatever the step.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(a.update, fullgraph=True, backend="aot_eager")
+    for _ in range(4):
+        step()
+    assert counters["stats"]["unique_graphs"] == 1 and int(a.step) == 10
+    for bad in (dict(base=1.2), dict(final=-0.1), dict(total_steps=0), dict(total_steps=2.5)):
+        with pytest.raises(ValueError, match="CosineMomentum"):
+            CosineMomentum(**{"base": 0.996, "final": 1.0, "total_steps": 10, **bad})
+    # A plain model's teacher: parameters over the EMA's storage, buffers included.
+    bn = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    ema = ShardedEMA(bn, schedule=s)
+    teacher = ema.module()
+    index = ema_index(ema)
+    held = [*teacher.named_parameters(), *teacher.named_buffers()]
+    assert len(held) == len(index) == 7
+    assert all(t.data_ptr() == ema._ema[index[n]].data_ptr() for n, t in held)
+    assert not any(p.requires_grad for p in teacher.parameters()) and not teacher.training
+    # torch.compile(model) at the root: the teacher is compiled alike (here: the eager backend).
+    compiled = torch.compile(nn.Sequential(nn.Linear(4, 3), nn.Tanh()), backend="eager")
+    ema = ShardedEMA(compiled, decay=0.5)
+    teacher = ema.module(compile={"backend": "eager"})
+    with torch.no_grad():
+        compiled._orig_mod[0].weight.mul_(2.0)
+    ema.update()
+    x = torch.randn(2, 4)
+    with torch.no_grad(), ema.swap():
+        want = compiled(x)
+    assert type(teacher).__name__ == "OptimizedModule" and torch.equal(teacher(x), want)
+    assert sorted(n for n, _ in teacher._orig_mod.named_parameters()) == sorted(ema.shapes)
+    # A power-function EMA's teacher runs its profile 0.
+    power = fsdp_ema.ShardedPowerEMA(bn, sigma_rels=(0.05, 0.1))
+    teacher = power.module()
+    with torch.no_grad():
+        bn[0].weight.add_(1.0)
+    power.update()
+    assert torch.equal(teacher[0].weight, power.state_dict()["0.weight"])
+    assert teacher[0].weight.data_ptr() == power._profile_emas[0][0].data_ptr()
+
+
+def test_example_runs_as_written(tmp_path):
+    """examples/self_distillation.py under torchrun, 2 gloo ranks, a few steps."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node=2", str(ROOT / "examples" / "self_distillation.py"),
+                          "--steps", "4", "--out", str(tmp_path / "run")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    assert "teacher == EMA: OK" in out.stdout, out.stdout[-3000:]
