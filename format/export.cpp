@@ -309,6 +309,8 @@ ExportResult export_consolidated(const std::string& dir, const std::string& out_
       write_safetensors_file(stage.file(name), raw, metadata, wopts);
       result.files.push_back(name);
     }
+    // Every piece streamed was judged (the fills read each tensor to its end, in order).
+    session->check_complete();
     stage.finish(
         existing, result, groups, [&](size_t i) -> std::string_view { return tensors[i].name; },
         options.fsync);

@@ -44,8 +44,26 @@ void request_box(const ReadRequest& q, Shape& off, Shape& shape) {
   }
 }
 
-void check_request(const ReadRequest& q, const Shape& off, const Shape& shape,
-                   std::span<const uint64_t> dst_bytes, const std::string& where) {
+// The request's bytes fit its destination (the request itself checked already).
+void check_destination(const ReadRequest& q, const Shape& shape,
+                       std::span<const uint64_t> dst_bytes, const std::string& where) {
+  const auto& t = q.tensor;
+  const uint64_t need = *nbytes(shape, t.dtype);  // inside a validated tensor: no overflow
+  if (q.dst >= dst_bytes.size() || q.dst_offset > dst_bytes[q.dst] ||
+      need > dst_bytes[q.dst] - q.dst_offset) {
+    throw FormatError(where + ": tensor " + json_quote(t.name) + ": destination has " +
+                      (q.dst < dst_bytes.size() ? std::to_string(dst_bytes[q.dst]) : "no") +
+                      " bytes but the slice of shape " + shape_to_string(shape) + " of " +
+                      std::string(dtype_name(t.dtype)) + " needs " + std::to_string(need) +
+                      (q.dst_offset > 0 ? " from byte " + std::to_string(q.dst_offset) : ""));
+  }
+}
+
+}  // namespace
+
+void check_read_request(const ReadRequest& q, const std::string& where) {
+  Shape off, shape;
+  request_box(q, off, shape);
   const auto& t = q.tensor;
   auto ctx = [&] { return where + ": tensor " + json_quote(t.name); };  // on error only
   const size_t ndim = t.shape.size();
@@ -70,16 +88,9 @@ void check_request(const ReadRequest& q, const Shape& off, const Shape& shape,
       }
     }
   }
-  const uint64_t need = *nbytes(shape, t.dtype);  // inside a validated tensor: no overflow
-  if (q.dst >= dst_bytes.size() || q.dst_offset > dst_bytes[q.dst] ||
-      need > dst_bytes[q.dst] - q.dst_offset) {
-    throw FormatError(ctx() + ": destination has " +
-                      (q.dst < dst_bytes.size() ? std::to_string(dst_bytes[q.dst]) : "no") +
-                      " bytes but the slice of shape " + shape_to_string(shape) + " of " +
-                      std::string(dtype_name(t.dtype)) + " needs " + std::to_string(need) +
-                      (q.dst_offset > 0 ? " from byte " + std::to_string(q.dst_offset) : ""));
-  }
 }
+
+namespace {
 
 // The runs of box (off, shape) inside piece p, in increasing piece (and destination) order.
 // dims > k are whole in the piece and the box, so a run spans dims k.. contiguously on both
@@ -255,8 +266,11 @@ class Planner {
 
 struct ReadSession::Impl {
   struct Stream {
-    uint64_t planned = 0;  // bytes the plans so far read (in order)
-    uint64_t fed = 0;      // bytes hashed
+    const TensorInfo* info = nullptr;
+    const ShardFile* file = nullptr;  // set by the first feed
+    uint64_t planned = 0;             // bytes the plans so far read (in order)
+    uint64_t fed = 0;                 // bytes hashed
+    bool broken = false;              // a part came out of order: the stream cannot finish
     Checksummer hash;
   };
   std::unordered_map<const TensorInfo*, size_t> slot_of;
@@ -269,16 +283,34 @@ ReadSession::~ReadSession() = default;
 std::optional<size_t> ReadSession::continue_at(const TensorInfo& info, uint64_t offset,
                                                uint64_t length) {
   auto [it, inserted] = impl_->slot_of.try_emplace(&info, impl_->streams.size());
-  if (inserted) impl_->streams.emplace_back();
+  if (inserted) impl_->streams.emplace_back().info = &info;
   Impl::Stream& s = impl_->streams[it->second];
-  if (s.planned != offset) return std::nullopt;
+  if (s.broken || s.planned != offset) {
+    // Read whole instead (verified in that pass); what the stream returned so far can no longer
+    // be judged, which check_complete reports.
+    s.broken = s.planned > 0 && s.planned < info.nbytes;  // a finished stream stays judged
+    return std::nullopt;
+  }
   s.planned += length;
   return it->second;
+}
+
+void ReadSession::check_complete() const {
+  for (const Impl::Stream& s : impl_->streams) {
+    if (s.fed == s.info->nbytes && !s.broken) continue;
+    if (s.planned == 0) continue;  // never streamed
+    const std::string file = s.file != nullptr ? s.file->path() + ": " : "";
+    throw FormatError(file + "tensor \"" + s.info->name + "\": read in parts " +
+                      (s.broken ? "out of order" : "not to its end") + " (" +
+                      std::to_string(s.fed) + " of " + std::to_string(s.info->nbytes) +
+                      " bytes streamed): the bytes read so far were not verified");
+  }
 }
 
 void ReadSession::feed(size_t slot, const ShardFile& file, const TensorInfo& info,
                        const std::byte* data, uint64_t length) {
   Impl::Stream& s = impl_->streams[slot];
+  s.file = &file;
   s.hash.update(data, length);
   s.fed += length;
   if (s.fed == info.nbytes) file.check_digest(info, s.hash.digest());
@@ -288,8 +320,9 @@ ReadPlan plan_reads(std::span<const ReadRequest> requests, std::span<const uint6
                     const std::string& where, const PlanOptions& options) {
   Shape off, shape;
   for (const ReadRequest& q : requests) {
+    check_read_request(q, where);
     request_box(q, off, shape);
-    check_request(q, off, shape, dst_bytes, where);
+    check_destination(q, shape, dst_bytes, where);
   }
   ReadPlan plan;
   plan.session = options.session;

@@ -1,6 +1,7 @@
 // include/fsdp_ema/checkpoint.h on top of format::CheckpointDir.
 #include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 #include <torch/script.h>
@@ -152,6 +153,10 @@ std::vector<std::pair<std::string, at::Tensor>> CheckpointReader::read_for(
                 directory(), ": destination '", name,
                 "' has elements that share memory (an "
                 "expanded tensor); load into a tensor of its own");
+    TORCH_CHECK(!target.is_inference() || c10::InferenceMode::is_enabled(), kWhere, "cannot load ",
+                directory(), ": destination '", name,
+                "' is an inference tensor, which only an InferenceMode scope may write; load "
+                "inside one (c10::InferenceMode guard;) or into a tensor made outside it");
     const format::IndexTensor* info = impl().dir.find(name);
     if (info == nullptr) {
       missing.push_back(name);

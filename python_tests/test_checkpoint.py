@@ -283,8 +283,12 @@ def test_load_boxes_reads_boxes_of_every_layout(tmp_path):
     got = opened.load_boxes({"w": ([2, 1], [4, 3])})["w"]
     assert torch.equal(got, ref[2:6, 1:4])
     assert opened.load_boxes({"w": ([7, 6], [0, 0])})["w"].shape == (0, 0)
-    with pytest.raises(RuntimeError, match=r"load_boxes: .*outside global shape \[7, 6\]"):
-        opened.load_boxes({"w": ([5, 0], [3, 6])})
+    # Boxes are checked before anything is sized from them: no allocation, no torch error.
+    for offsets, shape in (([5, 0], [3, 6]), ([0, 0], [2**62, 1]), ([0, 0], [2**36, 6]),
+                           ([0, 0], [1, -1]), ([-1, 0], [1, 1])):
+        with pytest.raises(RuntimeError, match=r"load_boxes: .*tensor \"w\": slice at offsets "
+                                               r".* is outside global shape \[7, 6\]"):
+            opened.load_boxes({"w": (offsets, shape)})
 
 
 def test_commit_refuses_a_missing_rank(tmp_path):

@@ -191,6 +191,12 @@ TEST(CheckpointReader, LoadIntoChecksEveryDestinationBeforeTheFirstWrite) {
       {with("tiny", at::zeros({1, 3}).expand({2, 3})),
        "destination 'tiny' has elements that share"},
       {with("tiny", at::Tensor()), "destination 'tiny' is an undefined tensor"},
+      {with("tiny",
+            [] {
+              const c10::InferenceMode guard;
+              return at::zeros({2, 3}, at::kHalf);
+            }()),
+       "destination 'tiny' is an inference tensor"},
   };
   for (const auto& [targets, message] : bad) {
     try {

@@ -64,6 +64,12 @@ LoadPlan plan_boxes(const format::CheckpointDir& dir, const std::vector<std::str
                   {offsets.begin() + at, offsets.begin() + at + ndim},
                   {shapes.begin() + at, shapes.begin() + at + ndim}};
     at += ndim;
+    // Inside the tensor before anything is sized from it (a fresh load allocates its shape).
+    format::ReadRequest q;
+    q.tensor = dir.stored(ti);
+    q.box_offsets = item.box_offsets;
+    q.box_shape = item.box_shape;
+    if (ndim > 0) format::check_read_request(q, dir.path());
     plan.push_back(std::move(item));
   }
   if (offsets.size() != at || shapes.size() != at) {
@@ -415,14 +421,27 @@ std::vector<at::Tensor> read_file(const std::shared_ptr<const format::ShardFile>
     return out;
   }
   if (!device.is_cpu()) {
-    // One tensor at a time through the CPU.
+    // One tensor at a time through the CPU: each tensor's units alone (the file's plan has its
+    // units in file order, one tensor after the other), so the host never holds the whole file.
     const format::ReadPlan plan = format::plan_file_reads(*file, verify);
     std::vector<std::byte*> dst(infos.size(), nullptr);
+    size_t u = 0;
     for (size_t i = 0; i < infos.size(); ++i) {
       at::Tensor host = empty_for_read(shape_of(infos[i]), to_scalar_type(infos[i].dtype));
+      format::ReadPlan one;
+      for (; u < plan.units.size() && plan.placements[plan.units[u].placement_begin].dst == i;
+           ++u) {
+        format::ReadUnit unit = plan.units[u];
+        unit.placement_begin = one.placements.size();
+        one.placements.insert(one.placements.end(),
+                              plan.placements.begin() + plan.units[u].placement_begin,
+                              plan.placements.begin() + plan.units[u].placement_end);
+        unit.placement_end = one.placements.size();
+        one.units.push_back(unit);
+        one.read_bytes += unit.length;
+      }
       dst[i] = static_cast<std::byte*>(host.data_ptr());
-      format::execute_reads(format::select_destinations(plan, [i](size_t d) { return d == i; }),
-                            dst, {read_threads(), false});
+      format::execute_reads(one, dst, {read_threads(), false});
       dst[i] = nullptr;
       out[i] = host.to(device);
     }

@@ -210,7 +210,8 @@ def load_into(directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     hashed before the first destination is written, so a bad request or a corrupted file leaves
     all of them as they were; then every byte is hashed again as it is read into place, so a file
     that another process changes between the passes, or during the write, makes the call raise
-    (some destinations may then be written) and never yields bytes other than the stored ones.
+    (destinations may then be partly written, possibly with the changed bytes): it never succeeds
+    with bytes other than the stored ones.
     (An ``fstat`` of every file before the write refuses an in-place rewrite early; it is not the
     proof: a write through a shared mapping moves neither mtime nor ctime.)
 

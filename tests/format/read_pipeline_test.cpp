@@ -346,6 +346,29 @@ TEST(ReadPipeline, SessionStreamsConsecutiveRangesOfAPieceOnce) {
       ckpt.plan(std::span(&q, 1), std::span(&bytes, 1), {true, std::make_shared<ReadSession>()})
           .read_bytes,
       bytes);
+  // Parts out of order: read whole where the stream is elsewhere, and the session says that what
+  // the stream returned before was never judged (the attack's gap: [0, 100), then [200, n), then
+  // [100, 200) left the first part unverified with no error).
+  {
+    auto session = std::make_shared<ReadSession>();
+    std::vector<std::byte> out(model[0].data.size());
+    auto part = [&](uint64_t e0, uint64_t e1) {
+      ckpt.read_flat("w", e0, e1, out.data() + 4 * e0, 4 * (e1 - e0), true, session);
+    };
+    part(0, 100);
+    part(200, n);
+    part(100, 200);
+    EXPECT_EQ(out, model[0].data);
+    EXPECT_THAT(error_of([&] { session->check_complete(); }),
+                AllOf(HasSubstr("tensor \"w\""), HasSubstr("read in parts out of order")));
+    auto in_order = std::make_shared<ReadSession>();
+    part(0, 0);  // nothing
+    for (uint64_t e = 0; e < n; e += 300) {
+      ckpt.read_flat("w", e, std::min(n, e + 300), out.data() + 4 * e,
+                     4 * (std::min(n, e + 300) - e), true, in_order);
+    }
+    in_order->check_complete();
+  }
   // Damage in the last rows: the call that reads them raises.
   flip_byte(file, ShardFile::open(file).tensor("w").data_offset + model[0].data.size() - 1);
   EXPECT_THAT(error_of([&] { read_in_parts(std::make_shared<ReadSession>()); }),

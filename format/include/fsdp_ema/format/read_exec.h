@@ -32,7 +32,9 @@ struct ExecOptions {
 // Runs the plan into host memory: dst[i] is destination i's first byte, or null to read and
 // verify its bytes without keeping them (a check pass). A failure (a read error, a checksum or
 // data-check mismatch) is rethrown after every thread stopped; no chunk starts after one, but
-// destinations may then hold some of the stored bytes.
+// destinations may then hold some of what was read, the failing chunk's bytes included where it
+// was read straight into its destination (it is judged once there). Callers that must not write
+// unverified bytes run a check pass first (load_into_).
 void execute_reads(const ReadPlan& plan, std::span<std::byte* const> dst,
                    const ExecOptions& options = {});
 

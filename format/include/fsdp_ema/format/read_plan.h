@@ -96,7 +96,8 @@ struct ReadPlan {
 // Streamed verification for readers that read consecutive parts of pieces in order, call after
 // call (the consolidated export fills its output this way): a piece without block checksums is
 // then hashed once across the calls, and a mismatch raises on the call that reads its last byte.
-// Parts read out of order fall back to reading the whole piece. Not thread-safe across calls.
+// A part read out of order is read whole (verified in that pass) and ends the piece's stream,
+// which check_complete then reports. Not thread-safe across calls.
 class ReadSession {
  public:
   ReadSession();
@@ -111,6 +112,10 @@ class ReadSession {
   // last byte came in. Throws FormatError naming the file on a mismatch.
   void feed(size_t slot, const ShardFile& file, const TensorInfo& info, const std::byte* data,
             uint64_t length);
+  // Throws FormatError naming the piece unless every piece streamed was streamed to its end and
+  // in order (then every byte it returned was verified): call once the reads are done, before
+  // their bytes are used (the export calls it before it commits its files).
+  void check_complete() const;
 
  private:
   struct Impl;
@@ -122,6 +127,11 @@ struct PlanOptions {
   // Stream pieces without block checksums that are read in part (see ReadSession).
   std::shared_ptr<ReadSession> session;
 };
+
+// The check of one request the planner makes first: rows or box inside the tensor, one offset and
+// size per dimension, none negative. Throws FormatError naming the tensor (`where`: the directory
+// or file). For callers that size destinations from a request before planning it.
+void check_read_request(const ReadRequest& request, const std::string& where);
 
 // The one planner. Checks each request (rows or box inside the tensor, one offset and size per
 // dimension; its bytes inside dst_bytes[dst]) before anything is planned and throws FormatError
