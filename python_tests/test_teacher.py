@@ -486,7 +486,7 @@ def test_resumed_mid_run_the_teacher_is_bit_for_bit_the_straight_runs(pools, tmp
             assert torch.equal(t, r_teacher[n]), n
 
 
-# --- gradients, reshard_after_forward, compile, LoRA, tied weights ----------------------------------------------
+# --- gradients, reshard_after_forward, compile, LoRA, tied weights ------------------------------
 
 class Block(nn.Module):
     def __init__(self):
