@@ -136,7 +136,8 @@ def test_cli_equals_python_bit_for_bit(run, tmp_path):
     out = subprocess.run([str(CLI), "posthoc", str(run["root"]), str(tmp_path / "cli"),
                           "--sigma-rel", "0.08"], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
-    assert "from 24 snapshots" in out.stdout and "100%" in out.stderr
+    # (Progress lines appear only for work past a second: tools/progress.h; cli_test.sh pins them.)
+    assert "from 24 snapshots" in out.stdout
     a = fsdp_ema.checkpoint.load(tmp_path / "py")
     b = fsdp_ema.checkpoint.load(tmp_path / "cli")
     assert sorted(a) == sorted(b)
