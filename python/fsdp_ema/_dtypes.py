@@ -1,4 +1,4 @@
-"""The dtypes fsdp_ema knows, read from the C++ table (``torch.ops.fsdp_ema.dtypes()``).
+"""The dtypes fsdp_ema knows, read from the C++ table (the ``dtypes`` op).
 
 format/include/fsdp_ema/format/dtype_table.h is the one table: each dtype's safetensors name,
 torch name, size and the roles it may take ("ema": an EMA or update dtype, "model": a model
@@ -14,14 +14,13 @@ import json
 
 import torch
 
-from ._library import load_library
+from . import _ops
 
 
 @functools.cache
 def table() -> tuple[dict, ...]:
     """Every row of the C++ dtype table: ``{"name", "torch", "size", "floating", "roles"}``."""
-    load_library()
-    return tuple(json.loads(torch.ops.fsdp_ema.dtypes()))
+    return tuple(json.loads(_ops.dtypes()))
 
 
 @functools.cache

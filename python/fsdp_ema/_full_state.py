@@ -1,8 +1,8 @@
 """Full (unsharded) tensors of the EMA in bounded buckets, and the consolidated export.
 
 ``full_buckets`` yields the full tensors a bucket at a time, gathered with
-``torch.ops.fsdp_ema.gather_shards`` (one all-gather per bucket; FSDP1 members first through one
-all_to_all per unit); ``export`` streams them into ``torch.classes.fsdp_ema.ExportWriter``, the
+the ``gather_shards`` op (one all-gather per bucket; FSDP1 members first through one
+all_to_all per unit); ``export`` streams them into the library's ``ExportWriter``, the
 same writer ``fsdp-ema export`` uses (format::ExportWriter), so both give byte-identical files.
 """
 
@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import _ops
 from ._dist import broadcast_int, comm_device, raise_if_any_rank_failed, rank_world
 
 #: Default ``bucket_bytes`` of ``full_state_dict`` and ``export``.
@@ -75,9 +76,8 @@ def gather_bucket(bucket: list[Part]) -> list[torch.Tensor]:
         # CPU shards (CPU-offloaded FSDP2) on a group without a CPU backend go through the
         # accelerator, and come back.
         dev = comm_device(group, device)
-        gathered = torch.ops.fsdp_ema.gather_shards(
-            [rows[i].to(dev) for i in gather], [bucket[i].shape[0] for i in gather],
-            group.group_name)
+        gathered = _ops.gather_shards([rows[i].to(dev) for i in gather],
+                                      [bucket[i].shape[0] for i in gather], group.group_name)
         for i, t in zip(gather, gathered):
             out[i] = t.to(device)
     return out
@@ -120,7 +120,7 @@ def export(parts: Sequence[Part], path: str, *, dtype: torch.dtype | None, max_f
            transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> int:
     """Collective, the one streaming export (``ShardedEMA.export``, ``export_merged``): every
     rank gathers the buckets of ``parts``; rank 0 of ``group`` streams each bucket's tensors into
-    a ``torch.classes.fsdp_ema.ExportWriter`` (planned up front, files staged in ``path``, put in
+    the library's ``ExportWriter`` (planned up front, files staged in ``path``, put in
     place at the end), each under ``names[fqn]`` (the part's name without ``names``) and as
     ``transform(fqn, full tensor)`` gives it (on rank 0 only; the tensor itself without it).
     A failure on any rank raises on every rank. Returns the bytes written, on every rank."""
@@ -133,8 +133,8 @@ def export(parts: Sequence[Part], path: str, *, dtype: torch.dtype | None, max_f
     if writer:
         try:
             like = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in parts]
-            out = torch.classes.fsdp_ema.ExportWriter(path, [name(p.fqn) for p in parts], like,
-                                                      dtype, int(max_file_bytes), overwrite, True)
+            out = _ops.export_writer(path, [name(p.fqn) for p in parts], like, dtype,
+                                     int(max_file_bytes), overwrite, True)
         except Exception as e:  # noqa: BLE001 (re-raised on every rank below)
             error = e
     raise_if_any_rank_failed(error, group, what, device)

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from . import _ops
 from ._full_state import Part, part_cost
 
 
@@ -30,7 +31,7 @@ def chunk_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
     FSDP2's ``Shard(0)`` layout, FSDP1's sharded state dict layout and the layout
     ``fsdp_ema.checkpoint.load`` returns. The ``chunk_rows`` op's answer (format/rows.h), cached:
     a training state asks for the same few row counts thousands of times."""
-    begin, end = torch.ops.fsdp_ema.chunk_rows(rows, rank, world_size)
+    begin, end = _ops.chunk_rows(rows, rank, world_size)
     return begin, end
 
 

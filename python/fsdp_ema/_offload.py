@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
+from . import _ops
+
 
 class HostOffload:
     """Staging buffers and the worker of one offloaded EMA."""
@@ -112,7 +114,7 @@ class HostOffload:
             for event in events:
                 event.synchronize()
             if avg_ema:
-                torch.ops.fsdp_ema.update_(avg_ema, avg_src, decay)
+                _ops.update_(avg_ema, avg_src, decay)
             if copy_ema:
                 torch._foreach_copy_(copy_ema, copy_src)
 

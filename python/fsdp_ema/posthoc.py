@@ -3,7 +3,7 @@
 shard, at any world size, and write it as a normal EMA checkpoint.
 
 The plan (which snapshots, their steps and gammas, the least-squares weights, the checks that
-they are one model at one world size) comes from ``torch.ops.fsdp_ema.posthoc_plan``, i.e. from
+they are one model at one world size) comes from the ``posthoc_plan`` op, i.e. from
 format/posthoc.cpp, the same code ``fsdp-ema posthoc`` runs, so both solve the same weights.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _dtypes
+from . import _dtypes, _ops
 from . import checkpoint as _ckpt
 from ._collective import agreed, rank_world, save_collective
 from ._layouts import chunk_rows
@@ -37,9 +37,9 @@ def posthoc_plan(snapshot_root: str | os.PathLike, sigma_rel: float,
     sigma_rel out of (0, 1/sqrt(12)], a step past the last snapshot, snapshots of different
     models or world sizes; with ``out``, an output that is a snapshot, inside one or inside the
     snapshot root (compared by device and inode: links and ``s002/.`` are caught)."""
-    return json.loads(torch.ops.fsdp_ema.posthoc_plan(
-        os.fspath(snapshot_root), float(sigma_rel), None if step is None else int(step),
-        None if out is None else os.fspath(out)))
+    return json.loads(_ops.posthoc_plan(os.fspath(snapshot_root), float(sigma_rel),
+                                        None if step is None else int(step),
+                                        None if out is None else os.fspath(out)))
 
 
 def _buckets(names, nbytes, limit):

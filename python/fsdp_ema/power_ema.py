@@ -1,14 +1,14 @@
 """Power-function EMA (Karras et al., "Analyzing and Improving the Training Dynamics of Diffusion
 Models", EDM2, 2024): ``PowerEMA``, a ``ShardedEMA`` schedule computed on the device, and
 ``ShardedPowerEMA``, several power-EMA profiles of one model updated from one read of the weights
-(``torch.ops.fsdp_ema.update_multi_``), with snapshots for post-hoc reconstruction
+(the ``update_multi_`` op), with snapshots for post-hoc reconstruction
 (``fsdp_ema.posthoc``). See docs/POSTHOC_EMA.md.
 
 The profile of gamma averages the weights of steps ``1..t`` with weights proportional to
 ``tau ** gamma``; as a recurrence, the ``t``-th update uses ``beta_t = (1 - 1/t) ** (gamma + 1)``
 (``beta_1 = 0``: the first update copies the weights). ``sigma_rel``, the profile's standard
 deviation relative to its length, picks gamma (the paper's cubic, solved by format/posthoc.cpp
-through ``torch.ops.fsdp_ema.power_ema_gamma``, the one implementation the CLI uses too).
+through the ``power_ema_gamma`` op, the one implementation the CLI uses too).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _ops
 from .sharded_ema import ShardedEMA
 
 __all__ = ["SNAPSHOT_GAMMA_KEY", "SNAPSHOT_STEP_KEY", "PowerEMA", "ShardedPowerEMA"]
@@ -45,10 +46,10 @@ class PowerEMA:
             raise ValueError("PowerEMA: give exactly one of sigma_rel and gamma")
         if sigma_rel is not None:
             self.sigma_rel = float(sigma_rel)
-            self.gamma = float(torch.ops.fsdp_ema.power_ema_gamma(self.sigma_rel))
+            self.gamma = float(_ops.power_ema_gamma(self.sigma_rel))
         else:
             self.gamma = float(gamma)
-            self.sigma_rel = float(torch.ops.fsdp_ema.power_ema_sigma_rel(self.gamma))
+            self.sigma_rel = float(_ops.power_ema_sigma_rel(self.gamma))
         self._exponent = self.gamma + 1.0
 
     def decay_at(self, t: int) -> float:
@@ -149,8 +150,7 @@ class ShardedPowerEMA(ShardedEMA):
 
     def _update_group(self, g, decay: torch.Tensor) -> None:
         if g.ema_average:
-            torch.ops.fsdp_ema.update_multi_(g.profile_average, g.model_average,
-                                             list(decay.unbind(0)))
+            _ops.update_multi_(g.profile_average, g.model_average, list(decay.unbind(0)))
         if g.ema_copy:
             torch._foreach_copy_(g.profile_copy, g.profile_model_copy)
 

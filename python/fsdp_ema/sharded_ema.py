@@ -3,7 +3,7 @@
 Works on FSDP2 (``fully_shard``: DTensor parameters), FSDP1 (``FullyShardedDataParallel``, with
 ``use_orig_params`` True or False), DDP and plain modules. Every rank averages only what it holds
 (the local shard of each parameter; for FSDP1 the local slice of each FlatParameter), with one
-fused ``torch.ops.fsdp_ema.update_`` call per step. See docs/SHARDED_EMA.md.
+fused ``update_`` op call per step. See docs/SHARDED_EMA.md.
 
 This module holds the class (schedule, update, swap, state dicts, checkpoint directories); what a
 model holds is in ``_slots`` (discovery and one slot per tensor), full tensors and the export in
@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _ops
 from ._collective import save_collective
 from ._dist import rank_world
 from ._dtypes import ema_dtypes
@@ -102,7 +103,7 @@ class ShardedEMA:
     - DDP and plain modules (and buffers everywhere): the whole tensor.
 
     Memory per rank is the local numel times the EMA dtype's size. ``update()`` is one
-    ``torch.ops.fsdp_ema.update_`` call (per device) with the decay computed on the device, so it
+    ``update_`` op call (per device) with the decay computed on the device, so it
     never synchronizes with the host and a ``torch.compile(fullgraph=True)`` step that calls it
     compiles once.
 
@@ -379,7 +380,7 @@ class ShardedEMA:
     def _update_group(self, g: _DeviceGroup, decay: torch.Tensor) -> None:
         """One device's update (fsdp_ema.ShardedPowerEMA overrides it to update its profiles)."""
         if g.ema_average:
-            torch.ops.fsdp_ema.update_(g.ema_average, g.model_average, decay)
+            _ops.update_(g.ema_average, g.model_average, decay)
         if g.ema_copy:
             torch._foreach_copy_(g.ema_copy, g.model_copy)
 
@@ -545,7 +546,7 @@ class ShardedEMA:
         """The full (unsharded) EMA tensors, keyed by clean FQN in ``state_dict()`` order.
         Collective: call it on every rank.
 
-        Sharded tensors are gathered in buckets with ``torch.ops.fsdp_ema.gather_shards`` (one
+        Sharded tensors are gathered in buckets with the ``gather_shards`` op (one
         all-gather per bucket over the tensors' process group; FSDP1 members first go through
         one all_to_all per unit and bucket), so the transient memory on the EMA's device stays
         within ``bucket_bytes`` whatever the model size (a single tensor that needs more is a
@@ -583,7 +584,7 @@ class ShardedEMA:
         more than a bucket. Returns the bytes of tensor data written.
 
         ``dtype`` (float32/float64/bfloat16/float16) casts the F64/F32/F16/BF16 tensors;
-        others are written as they are. The writer is ``torch.classes.fsdp_ema.ExportWriter``
+        others are written as they are. The writer is the library's ``ExportWriter`` class
         (format/'s, the one ``fsdp-ema export`` uses: the same tensors give the same bytes):
         files staged in a hidden directory in ``path``, fsync'd and renamed into place, the
         index last; weight files of an earlier export in ``path`` are replaced only with

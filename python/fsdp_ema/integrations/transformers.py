@@ -53,7 +53,7 @@ except ImportError as _e:
 
 import fsdp_ema
 
-from .. import _binding
+from .. import _binding, _ops
 from .._collective import agreed
 from .._dist import comm_device
 
@@ -119,7 +119,7 @@ class _Candidate:
         self.binding: _binding.Binding | None = None
         if not os.path.isdir(self.ema_dir):
             self.kind = "absent"
-        elif not torch.ops.fsdp_ema.is_committed(self.ema_dir):
+        elif not _ops.is_committed(self.ema_dir):
             self.kind = "incomplete"
         else:
             self.kind = "committed"
