@@ -34,6 +34,13 @@ def ema_dtypes() -> tuple[torch.dtype, ...]:
     return with_role("ema")
 
 
+def check_ema_dtype(what: str, dtype: object) -> None:
+    """``ValueError`` naming ``what`` unless ``dtype`` is None or one of :func:`ema_dtypes` (an
+    EMA's dtype, an export's cast)."""
+    if dtype is not None and dtype not in ema_dtypes():
+        raise ValueError(f"{what}: dtype must be one of {list(ema_dtypes())} or None, got {dtype}")
+
+
 def from_name(name: object, where: str) -> torch.dtype:
     """The ``torch.dtype`` called ``name`` ("float32", "int64", ...); ``ValueError`` naming
     ``where`` for anything else. Accepts every torch dtype (training-state extras may hold any
