@@ -26,6 +26,7 @@ from ._apply import load_model_weights  # noqa: E402
 from ._async import SaveHandle, init_async_groups  # noqa: E402
 from ._peft import export_merged, export_peft_adapter  # noqa: E402
 from ._shutdown import destroy_process_group  # noqa: E402
+from .config import EMAConfig  # noqa: E402
 from .momentum import CosineMomentum  # noqa: E402
 from .posthoc import posthoc, posthoc_plan  # noqa: E402
 from .power_ema import PowerEMA, ShardedPowerEMA  # noqa: E402
@@ -39,10 +40,10 @@ from .training_state import latest_checkpoint, load_training_state, save_trainin
 # reference.)
 
 __all__ = ["update_", "update_multi_", "load_library", "library_path", "checkpoint", "ShardedEMA",
-           "Warmup", "CosineMomentum", "PowerEMA", "ShardedPowerEMA", "posthoc", "posthoc_plan",
-           "save_training_state", "load_training_state", "latest_checkpoint", "load_model_weights",
-           "export_peft_adapter", "export_merged", "SaveHandle", "init_async_groups",
-           "destroy_process_group"]
+           "EMAConfig", "Warmup", "CosineMomentum", "PowerEMA", "ShardedPowerEMA", "posthoc",
+           "posthoc_plan", "save_training_state", "load_training_state", "latest_checkpoint",
+           "load_model_weights", "export_peft_adapter", "export_merged", "SaveHandle",
+           "init_async_groups", "destroy_process_group"]
 
 Decay = Union[float, torch.Tensor]
 
