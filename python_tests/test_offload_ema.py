@@ -4,8 +4,8 @@ Without a GPU the same path (staging snapshot, worker thread, synchronize) runs 
 when forced (``fsdp_ema._offload.forced_for_cpu_models()``, via ``offloaded`` below); it must
 give bit for bit the EMA of the ordinary EMA (an independent reference, the on-device path, run
 beside it), with warmup, update_every, start_step, copied and averaged buffers, bf16 weights under
-an fp32 EMA, and FSDP2 local shards at 2 ranks. The device-specific parts (pinned memory, the side stream) are in
-test_cuda_offload_ema.py.
+an fp32 EMA, and FSDP2 local shards at 2 ranks. The device-specific parts (pinned memory, the
+side stream) are in test_cuda_offload_ema.py.
 """
 
 from __future__ import annotations
