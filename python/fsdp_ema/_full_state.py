@@ -8,7 +8,6 @@ same writer ``fsdp-ema export`` uses (format::ExportWriter), so both give byte-i
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -22,7 +21,6 @@ from ._dist import broadcast_int, comm_device, raise_if_any_rank_failed, rank_wo
 DEFAULT_BUCKET_BYTES = 256 << 20
 #: Default ``max_file_bytes`` of ``export`` (tensor data per file; Hugging Face's 5 GB).
 DEFAULT_MAX_FILE_BYTES = 5 * 1000**3
-_GATHER_ALIGN = 16  # gather_shards starts every packed piece 16-byte aligned
 
 
 class Part(NamedTuple):
@@ -38,21 +36,9 @@ class Part(NamedTuple):
     kind: str
     value: Any
     group: Any = None       # the process group of "rows" and "flat" parts
-    cost: int = 0           # bytes one bucket holds for it (see part_cost)
+    cost: int = 0           # bytes one bucket holds for it (see _layouts.part_cost)
     slot: Any = None
     member: int = -1
-
-
-def part_cost(shape: torch.Size, dtype: torch.dtype, world: int) -> int:
-    """Transient bytes gathering one tensor takes on its device, the same on every rank: the
-    full output, this rank's input rows (at most ``ceil(rows / world)``), and gather_shards'
-    packed send buffer and ``world`` times larger receive buffer (pieces 16-byte aligned)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if len(shape) == 0:
-        return 2 * itemsize
-    row = math.prod(shape[1:]) * itemsize
-    chunk = -(-shape[0] // world) * row + _GATHER_ALIGN
-    return shape.numel() * itemsize + (world + 2) * chunk
 
 
 def gather_bucket(bucket: list[Part]) -> list[torch.Tensor]:
@@ -90,9 +76,9 @@ def full_buckets(parts: Sequence[Part],
     bucket before asking for the next, or the buckets add up.
 
     Parts that need a gather are grouped in order into buckets of one process group whose
-    ``part_cost`` adds up to at most ``bucket_bytes`` (a part costing more is a bucket of its
-    own; a bucket also holds tensors of one device only). Parts already full come as they are,
-    in buckets of their own.
+    ``cost`` (``_layouts.part_cost``) adds up to at most ``bucket_bytes`` (a part costing more is
+    a bucket of its own; a bucket also holds tensors of one device only). Parts already full come
+    as they are, in buckets of their own.
     """
     pending: list[Part] = []
     pending_cost = 0
