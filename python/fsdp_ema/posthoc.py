@@ -20,6 +20,7 @@ import torch.distributed as dist
 from . import _dtypes, _ops
 from . import checkpoint as _ckpt
 from ._collective import agreed, rank_world, save_collective
+from ._dist import default_group
 from ._layouts import chunk_rows
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "posthoc", "posthoc_plan"]
@@ -73,8 +74,7 @@ def posthoc(snapshot_root: str | os.PathLike, *, sigma_rel: float, out: str | os
     until its file is written. A failure on any rank raises on every rank, before anything is
     written where possible. Returns the plan (see ``posthoc_plan``).
     """
-    if process_group is None and dist.is_available() and dist.is_initialized():
-        process_group = dist.group.WORLD
+    process_group = default_group(process_group)
     rank, world = rank_world(process_group)
     what = f"fsdp_ema.posthoc({os.fspath(snapshot_root)!r} -> {os.fspath(out)!r})"
     device = torch.device("cpu")

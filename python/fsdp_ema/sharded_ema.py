@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _ops
+from ._dist import default_group
 from ._ema_full import FullStateMixin
 from ._ema_io import CheckpointMixin
 from ._ema_io import list_names as _list_names  # noqa: F401 (its old home)
@@ -103,10 +104,7 @@ class ShardedEMA(ScheduleMixin, CheckpointMixin, FullStateMixin, SwapMixin):
                  **options: Any):
         self._config = config = EMAConfig.of(type(self).__name__, config, options)
         self.model = model
-        group = config.process_group
-        if group is None and dist.is_available() and dist.is_initialized():
-            group = dist.group.WORLD
-        self._group = group
+        self._group = default_group(config.process_group)
         select = (None if config.params == "all" else
                   (lambda fqn, p: bool(p.requires_grad)) if config.params == "trainable"
                   else config.params)

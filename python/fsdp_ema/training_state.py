@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from . import _dtypes, _ops
 from . import checkpoint as _ckpt
 from ._binding import settings
 from ._collective import LoadTarget, agreed, load_collective, save_collective
 from ._collective import rank_world as _rank_world
+from ._dist import default_group
 from ._layouts import layout_of
 
 __all__ = ["save_training_state", "load_training_state", "latest_checkpoint",
@@ -240,10 +240,6 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
 
 # --- collecting state -----------------------------------------------------------------------------
 
-def _default_group():
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-
-
 def _state_options():
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -303,7 +299,7 @@ def save_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
         raise ValueError(f"{what}: keep_last must be an integer >= 1 or None, got {keep_last}")
     if optimizer is not None and model is None:
         raise ValueError(f"{what}: saving an optimizer needs its model (for the FQNs)")
-    group = _default_group()
+    group = default_group()
     rank, world = _rank_world(group)
     # Collective parts first (FSDP1 state dicts all-gather / all_to_all): every rank gets here.
     states = _States(model=_model_state(model) if model is not None else None,
@@ -486,7 +482,7 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     what = f"load_training_state({directory!r})"
     if optimizer is not None and model is None:
         raise ValueError(f"{what}: loading an optimizer needs its model (for the FQNs)")
-    group = _default_group()
+    group = default_group()
     rank, _ = _rank_world(group)
     given = {"model": model, "optimizer": optimizer, "ema": ema}
     # Nothing is written until every rank has read and checked everything it will restore (the

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .._binding import SETTINGS, Binding, name_changes, setting_changes, settings
+from .._dist import default_group, rank_world
 from ..config import EMAConfig
 
 
@@ -166,8 +167,7 @@ def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
     """One warning, from rank 0 only, pointing at the user's code: the innermost frame outside
     fsdp_ema, torch and the trainer frameworks (the line that called ``trainer.train()`` or
     ``fit()``), not at the trainer's callback dispatch."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and (
-            torch.distributed.get_rank() != 0):
+    if rank_world(default_group())[0] != 0:
         return
     skip = _framework_dirs()
     frame = sys._getframe(1)
@@ -210,7 +210,7 @@ def write_hf_metadata(model, path: str | os.PathLike) -> list[str]:
     """On rank 0: the ``config.json`` of ``model`` (a ``PreTrainedModel``) and, for a model that
     generates, its ``generation_config.json``, into ``path`` beside exported weights, so that
     ``from_pretrained`` and ``generate()`` work from there. Returns the names written."""
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+    if rank_world(default_group())[0] != 0:
         return []
     path = os.fspath(path)
     model.config.save_pretrained(path)

@@ -56,7 +56,7 @@ import fsdp_ema
 
 from .. import _binding, _ops
 from .._collective import agreed
-from .._dist import comm_device
+from .._dist import comm_device, default_group, rank_world
 from ..config import EMAConfig
 
 __all__ = ["ShardedEMACallback"]
@@ -90,12 +90,6 @@ def fsdp_asked_by(args=None, accelerator=None) -> str | None:
         return ("ACCELERATE_USE_FSDP=true in the environment, as `accelerate launch` sets it from "
                 "a config with distributed_type: FSDP")
     return None
-
-
-def _rank_world() -> tuple[int, int]:
-    if torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 def _agree(fn, ema, what: str):
@@ -363,7 +357,7 @@ class ShardedEMACallback(TrainerCallback):
         self._hooks = []
 
     def _check_settings(self, args) -> None:
-        _, world = _rank_world()
+        _, world = rank_world(default_group())
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if getattr(args, "save_on_each_node", False) and local_world < world:
             raise ValueError(
