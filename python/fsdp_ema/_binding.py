@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ._dist import comm_device
+from ._dtypes import name_of
 from .config import RESUME_SETTINGS
 
 # Arithmetic modulo the Mersenne prime 2^31 - 1 in int64, every product of two reduced values
@@ -149,7 +150,7 @@ def _params(params: Any) -> str:
 _AS_JSON = {
     "warmup": lambda w: None if w is None else dataclasses.asdict(w),
     "schedule": _schedule,
-    "dtype": lambda d: None if d is None else str(d).removeprefix("torch."),
+    "dtype": lambda d: None if d is None else name_of(d),
     "params": _params,
 }
 

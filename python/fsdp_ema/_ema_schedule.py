@@ -58,8 +58,7 @@ class ScheduleMixin:
             d = self._decay
         else:
             s = (k - self.start_step).clamp_min(0).to(torch.float64)
-            d = (1.0 - (1.0 + s / self.warmup.gamma) ** -self.warmup.power).clamp(
-                self.warmup.min_decay, self.decay)
+            d = self.warmup.device_decay(s, self.decay)
         if self.update_every > 1:
             d = torch.where(k % self.update_every == 0, d, 1.0)   # 1 keeps the EMA as it is
         if self.start_step > 0:

@@ -36,9 +36,17 @@ class Warmup:
     power: float = 2 / 3
     min_decay: float = 0.0
 
+    def _curve(self, s):
+        """``1 - (1 + s / gamma) ** -power`` for a float or a float64 tensor ``s``."""
+        return 1.0 - (1.0 + s / self.gamma) ** -self.power
+
     def __call__(self, s: int, decay: float) -> float:
         """The decay at ``s`` as a Python float (for logging and tests)."""
-        return min(max(1.0 - (1.0 + s / self.gamma) ** -self.power, self.min_decay), decay)
+        return min(max(self._curve(s), self.min_decay), decay)
+
+    def device_decay(self, s: torch.Tensor, decay: float) -> torch.Tensor:
+        """The decay at ``s`` (a 0-dim float64 tensor): tensor ops only, no host sync."""
+        return self._curve(s).clamp(self.min_decay, decay)
 
 
 # Who the user called, for the errors: "ShardedEMA: decay must be ..." from ShardedEMA(...),
