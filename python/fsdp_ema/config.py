@@ -179,8 +179,9 @@ class EMAConfig:
         known = names if allowed is None else list(allowed)
         unknown = sorted(set(options) - set(known))
         if unknown:
+            whose = "EMAConfig's" if allowed is None else f"{what}'s, of EMAConfig's"
             raise TypeError(f"{what}: unexpected option(s) {', '.join(map(repr, unknown))} (the "
-                            f"options are EMAConfig's: {', '.join(known)})")
+                            f"options are {whose}: {', '.join(known)})")
         with _caller(what):
             return dataclasses.replace(config, **options) if config is not None else cls(
                 **options)
