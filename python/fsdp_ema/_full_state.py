@@ -17,7 +17,7 @@ import torch
 from . import _ops
 from ._dist import broadcast_int, comm_device, raise_if_any_rank_failed, rank_world
 
-#: Default ``bucket_bytes`` of ``full_state_dict`` and ``export``.
+#: Default ``bucket_bytes`` of ``full_state_dict``, ``export`` and ``posthoc``.
 DEFAULT_BUCKET_BYTES = 256 << 20
 #: Default ``max_file_bytes`` of ``export`` (tensor data per file; Hugging Face's 5 GB).
 DEFAULT_MAX_FILE_BYTES = 5 * 1000**3

@@ -19,13 +19,13 @@ import torch.distributed as dist
 
 from . import _dtypes, _ops
 from . import checkpoint as _ckpt
-from ._collective import agreed, rank_world, save_collective
-from ._dist import default_group
+from ._collective import agreed, save_collective
+from ._dist import default_group, rank_world
+from ._full_state import DEFAULT_BUCKET_BYTES  # one bucket's default, as full_state_dict's
 from ._layouts import chunk_rows
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "posthoc", "posthoc_plan"]
 
-DEFAULT_BUCKET_BYTES = 256 << 20
 
 
 def posthoc_plan(snapshot_root: str | os.PathLike, sigma_rel: float,

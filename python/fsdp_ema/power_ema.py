@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from . import _ops
+from ._slots import _global_shape
 from .config import EMAConfig
 from .sharded_ema import ShardedEMA
 
@@ -276,8 +277,6 @@ class ShardedPowerEMA(ShardedEMA):
                         raise ValueError(f"ShardedPowerEMA.load_state_dict: {name!r} is for "
                                          f"profile {k}, but there are {len(self.profiles)}")
             parts[k][key] = value
-        from .sharded_ema import _global_shape
-
         for part in parts:
             available = {n: _global_shape(v) for n, v in part.items() if n != self.STEP_KEY}
             self._check_names(available, strict, "load_state_dict")

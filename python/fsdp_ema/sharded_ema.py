@@ -27,26 +27,9 @@ from . import _ops
 from ._dist import default_group
 from ._ema_full import FullStateMixin
 from ._ema_io import CheckpointMixin
-from ._ema_io import list_names as _list_names  # noqa: F401 (its old home)
 from ._ema_schedule import ScheduleMixin
 from ._ema_swap import SwapMixin
-
-# Re-exported: the slot classes and helpers keep their old home (fsdp_ema.sharded_ema).
-from ._slots import (  # noqa: F401
-    TrainableWatch,
-    _clean,
-    _discover,
-    _Flat,
-    _global_shape,
-    _join,
-    _make_slot,
-    _modules,
-    _Replicated,
-    _rows,
-    _Sharded,
-    _Slot,
-    load_slots,
-)
+from ._slots import TrainableWatch, _discover
 from .config import EMAConfig, Warmup
 
 __all__ = ["ShardedEMA", "Warmup", "EMAConfig"]

@@ -32,8 +32,8 @@ from . import _dtypes, _ops
 from . import checkpoint as _ckpt
 from ._binding import settings
 from ._collective import LoadTarget, agreed, load_collective, save_collective
-from ._collective import rank_world as _rank_world
 from ._dist import default_group
+from ._dist import rank_world as _rank_world
 from ._layouts import layout_of
 
 __all__ = ["save_training_state", "load_training_state", "latest_checkpoint",
