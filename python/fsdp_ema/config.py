@@ -186,7 +186,7 @@ class EMAConfig:
             return dataclasses.replace(config, **options) if config is not None else cls(
                 **options)
 
-    def only(self, what: str, allowed: Iterable[str]) -> None:
+    def refuse_others(self, what: str, allowed: Iterable[str]) -> None:
         """``TypeError`` unless every field outside ``allowed`` has its default (for a caller
         that sets the others itself, as ``ShardedPowerEMA`` does the schedule)."""
         default, allowed = EMAConfig(), set(allowed)

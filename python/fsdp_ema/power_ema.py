@@ -115,7 +115,7 @@ class ShardedPowerEMA(ShardedEMA):
                  config: EMAConfig | None = None, **options: Any):
         what = type(self).__name__
         config = EMAConfig.of(what, config, options, allowed=self.OPTIONS)
-        config.only(what, self.OPTIONS)
+        config.refuse_others(what, self.OPTIONS)
         profiles = _profiles(sigma_rels, gammas)
         if snapshot_every is not None and (int(snapshot_every) != snapshot_every
                                            or snapshot_every < 1):
