@@ -66,10 +66,8 @@ class ShardedEMA(ScheduleMixin, CheckpointMixin, FullStateMixin, SwapMixin):
 
     Args:
         model: the (wrapped) model; the EMA reads and, in ``swap()``, writes its tensors.
-        config: an ``fsdp_ema.EMAConfig`` holding the options (each field documented there:
-            ``decay``, ``warmup``, ``schedule``, ``update_every``, ``start_step``, ``dtype``,
-            ``params``, ``buffers``, ``include_buffers``, ``device``, ``process_group``), or the
-            decay as a number (``ShardedEMA(model, 0.999)``); None: the defaults.
+        config: an ``fsdp_ema.EMAConfig`` holding the options (each field documented there),
+            or the decay as a number (``ShardedEMA(model, 0.999)``); None: the defaults.
         **options: the same options as keywords (``ShardedEMA(model, decay=0.999,
             warmup=True)``), replacing those fields of ``config``.
 
