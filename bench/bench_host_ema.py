@@ -85,6 +85,7 @@ def worker(rank, init_file, args, out_queue):
     from torch.distributed.fsdp import fully_shard
 
     import fsdp_ema
+    from fsdp_ema._offload import forced_for_cpu_models
 
     warnings.filterwarnings("ignore")
     cuda = args.device == "cuda"
@@ -129,10 +130,12 @@ def worker(rank, init_file, args, out_queue):
             return t.update, t.synchronize
         kw = {}
         if method.startswith("ours offloaded"):
-            kw = {"device": "cpu", "_offload": True}
+            kw = {"device": "cpu"}
             if "every" in method:
                 kw["update_every"] = args.update_every
-        ema = fsdp_ema.ShardedEMA(model, DECAY, **kw)
+        # The host-memory path (staging, worker thread), forced for a CPU model too.
+        with forced_for_cpu_models():
+            ema = fsdp_ema.ShardedEMA(model, DECAY, **kw)
         return ema.update, ema.synchronize
 
     methods = ["no EMA", "EMA on device", "ours offloaded"]

@@ -1,11 +1,11 @@
 """EMA in host memory (#17): ``ShardedEMA(..., device="cpu")``.
 
 Without a GPU the same path (staging snapshot, worker thread, synchronize) runs for CPU models
-when forced (``_offload=True``); it must give bit for bit the EMA of the ordinary EMA
-(an independent reference, the on-device path, run beside it), with warmup, update_every,
-start_step, copied and averaged buffers, bf16 weights under an fp32 EMA, and FSDP2 local shards at
-2 ranks. The device-specific parts (pinned memory, the side stream) are in
-test_cuda_offload_ema.py.
+when forced (``fsdp_ema._offload.forced_for_cpu_models()``, via ``offloaded`` below); it must
+give bit for bit the EMA of the ordinary EMA (an independent reference, the on-device path, run
+beside it), with warmup, update_every, start_step, copied and averaged buffers, bf16 weights under
+an fp32 EMA, and FSDP2 local shards at 2 ranks. The device-specific parts (pinned memory, the
+side stream) are in test_cuda_offload_ema.py.
 """
 
 from __future__ import annotations
@@ -17,6 +17,14 @@ from torch import nn
 
 from fsdp_ema import ShardedEMA, Warmup
 from fsdp_ema import checkpoint as ckpt
+from fsdp_ema._offload import forced_for_cpu_models
+
+
+def offloaded(model, *args, **kwargs):
+    """``ShardedEMA(model, *args, device="cpu", **kwargs)`` on the host-memory path, forced for
+    a model on the CPU."""
+    with forced_for_cpu_models():
+        return ShardedEMA(model, *args, device="cpu", **kwargs)
 
 
 class Net(nn.Module):
@@ -63,7 +71,7 @@ def test_offloaded_path_is_bit_exact(kwargs, param_dtype):
     model = Net().to(param_dtype)
     kw = {"decay": 0.99, **kwargs}
     ref = ShardedEMA(model, **kw)
-    off = ShardedEMA(model, device="cpu", _offload=True, **kw)
+    off = offloaded(model, **kw)
     assert off._host is not None and ref._host is None
     train_both(model, [ref, off], 8)  # the last update (k=7) is skipped by update_every
     off.synchronize()
@@ -73,7 +81,7 @@ def test_offloaded_path_is_bit_exact(kwargs, param_dtype):
 
 def test_update_stages_a_snapshot_and_reads_wait():
     model = nn.Linear(300, 300)
-    ema = ShardedEMA(model, 0.5, device="cpu", _offload=True)
+    ema = offloaded(model, 0.5)
     ref = ShardedEMA(model, 0.5)
     with torch.no_grad():
         model.weight.add_(1)
@@ -92,7 +100,7 @@ def test_update_stages_a_snapshot_and_reads_wait():
 
 def test_offloaded_save_waits_for_the_update(tmp_path):
     model = nn.Linear(64, 64)
-    ema = ShardedEMA(model, 0.9, device="cpu", _offload=True)
+    ema = offloaded(model, 0.9)
     ref = ShardedEMA(model, 0.9)
     for _ in range(3):
         with torch.no_grad():
@@ -105,7 +113,7 @@ def test_offloaded_save_waits_for_the_update(tmp_path):
 
 def test_worker_errors_surface_on_synchronize(monkeypatch):
     model = nn.Linear(4, 4)
-    ema = ShardedEMA(model, 0.9, device="cpu", _offload=True)
+    ema = offloaded(model, 0.9)
 
     def boom(*args):
         raise RuntimeError("injected update failure")
@@ -136,7 +144,7 @@ def run_fsdp2(rank, world):
         fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)
     ref = ShardedEMA(model, 0.9, warmup=True, update_every=2)
-    off = ShardedEMA(model, 0.9, warmup=True, update_every=2, device="cpu", _offload=True)
+    off = offloaded(model, 0.9, warmup=True, update_every=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(rank)
     for _ in range(5):

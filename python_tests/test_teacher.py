@@ -681,7 +681,10 @@ def run_bad_inputs(rank, world):
         else:
             errors[name] = None
 
-    model, _, ema = make("fsdp2", device="cpu", _offload=True)
+    from fsdp_ema._offload import forced_for_cpu_models
+
+    with forced_for_cpu_models():  # the host-memory path for a CPU model
+        model, _, ema = make("fsdp2", device="cpu")
     error("host", ema.module)
     model, _, ema = make("fsdp2")
     error("mesh", lambda: ema.module(mesh=init_device_mesh("cpu", (1, world),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Lint, as CI runs it (scripts/test.sh): ruff over the tracked Python files (its rules are in
 # pyproject.toml) and clang-format (.clang-format: Google style, 100 columns) over the tracked
-# C++/CUDA files, and scripts/rules_once.py (no second copy of a rule that lives in one place).
+# C++/CUDA files, scripts/rules_once.py (no second copy of a rule that lives in one place) and
+# scripts/function_length.py (no Python function over 80 lines without a stated reason).
 # Exit 0 only when all are clean.
 #   bash scripts/lint.sh          check only, print what is wrong
 #   bash scripts/lint.sh --fix    rewrite in place (ruff check --fix, clang-format -i), then check
@@ -46,5 +47,7 @@ if [ ${#unformatted[@]} -gt 0 ]; then
 fi
 echo "== one place per rule (scripts/rules_once.py)"
 "$FSDP_EMA_PYTHON" scripts/rules_once.py || status=1
+echo "== Python functions a reader can hold (scripts/function_length.py)"
+"$FSDP_EMA_PYTHON" scripts/function_length.py || status=1
 [ $status -eq 0 ] && echo "lint: clean"
 exit $status

@@ -303,17 +303,17 @@ MUTANTS = {
         "if False:",
         [pytest("python_tests/test_layouts.py", "-k", "exactly_once")]),
     "warmup-ignores-start-step": (
-        "python/fsdp_ema/sharded_ema.py",
+        "python/fsdp_ema/_ema_schedule.py",
         "s = (k - self.start_step).clamp_min(0).to(torch.float64)",
         "s = k.clamp_min(0).to(torch.float64)",
         [pytest("python_tests/test_sharded_ema_local.py", "-k", "written_out")]),
     "update-every-counted-from-start-step": (
-        "python/fsdp_ema/sharded_ema.py",
+        "python/fsdp_ema/_ema_schedule.py",
         "d = torch.where(k % self.update_every == 0, d, 1.0)",
         "d = torch.where((k - self.start_step) % self.update_every == 0, d, 1.0)",
         [pytest("python_tests/test_sharded_ema_local.py", "-k", "written_out")]),
     "decay-at-ignores-start-step": (
-        "python/fsdp_ema/sharded_ema.py",
+        "python/fsdp_ema/_ema_schedule.py",
         "return self.warmup(step - self.start_step, self.decay) if self.warmup else self.decay",
         "return self.warmup(step, self.decay) if self.warmup else self.decay",
         [pytest("python_tests/test_sharded_ema_local.py", "-k", "written_out")]),
@@ -323,12 +323,12 @@ MUTANTS = {
         "    nbytes = write()\n",
         [pytest("python_tests/test_sharded_ema.py", "-k", "slow_rank")]),
     "strict-false-load-state-dict-loads-nothing": (
-        "python/fsdp_ema/sharded_ema.py",
+        "python/fsdp_ema/_ema_io.py",
         "for fqn, _ in slot.names() if fqn in state_dict}",
         "for fqn, _ in slot.names() if fqn in state_dict and strict}",
         [pytest("python_tests/test_sharded_ema_local.py", "-k", "strict_false")]),
     "strict-false-load-directory-loads-nothing": (
-        "python/fsdp_ema/sharded_ema.py",
+        "python/fsdp_ema/_ema_io.py",
         "check_names=lambda available: self._check_names(available, strict, \"load\"),",
         "check_names=lambda available: self._check_names(available, strict, \"load\") or "
         "(not strict and available.clear()),",

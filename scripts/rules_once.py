@@ -1,18 +1,24 @@
 """Fails when a rule that lives in one place (docs/ARCHITECTURE.md, "Where each rule lives")
 gains a second copy in the library's code: a file-name literal outside format's names, a switch
-over torch's ScalarType or a safetensors dtype name outside the generated dtype maps, or a tuple
-of torch dtypes in the Python front (which reads the table through the `dtypes` op).
+over torch's ScalarType or a safetensors dtype name outside the generated dtype maps, a tuple
+of torch dtypes in the Python front (which reads the table through the `dtypes` op), and in the
+Python front: a call of the ops outside `_ops.py`, the row rule or an alignment constant
+restated, a format/ file name as a literal, or another file name written in two places.
 
-Comments are not code: C++ `//` comments and Python `#` comments are skipped (docstrings are
-prose too, and the Python check matches only code shapes). Run by scripts/lint.sh.
+Comments are not code: C++ `//` comments and Python `#` comments are skipped; a rule marked
+`code_only` also skips Python string literals (docstrings are prose). Run by scripts/lint.sh.
 """
+import ast
+import io
 import re
 import subprocess
 import sys
+import tokenize
 
 CXX = ("format/", "ops/", "kernels/", "registration/", "include/", "tools/")
+PY_FRONT = "python/fsdp_ema/"
 RULES = [
-    # (what, file filter, pattern, files allowed to hold it)
+    # (what, file filter, pattern, files allowed to hold it[, code_only])
     ("a file-name literal (names live in format/names)",
      lambda f: f.startswith(CXX) and f.endswith((".cpp", ".h", ".cu", ".cuh")),
      re.compile(r'"[A-Za-z0-9_.*<>-]*\.safetensors"|"shard-'),
@@ -33,25 +39,108 @@ RULES = [
      lambda f: f.startswith("python/fsdp_ema/") and f.endswith(".py"),
      re.compile(r"getattr\(torch,"),
      {"python/fsdp_ema/_dtypes.py"}),
+    # --- the Python front's rules (code only: docstrings may name what they describe) ----------
+    ("a direct call of the library's ops (python/fsdp_ema/_ops.py is the one door)",
+     lambda f: f.startswith(PY_FRONT) and f.endswith(".py"),
+     re.compile(r"torch\s*\.\s*(ops|classes)\s*\.\s*fsdp_ema\b|\bops\s*\.\s*fsdp_ema\b"),
+     {"python/fsdp_ema/_ops.py"}, True),
+    ("a ceiling division, the row rule's shape (the rows of a rank: fsdp_ema._layouts.chunk_rows,"
+     " the chunk_rows op)",
+     lambda f: f.startswith(PY_FRONT) and f.endswith(".py"),
+     re.compile(r"-\s*\(\s*-[^()]*//|math\.ceil\s*\([^()]*/"),
+     set(), True),
+    ("an alignment constant (gather_shards' is C++'s, through fsdp_ema._ops.gather_align)",
+     lambda f: f.startswith(PY_FRONT) and f.endswith(".py"),
+     re.compile(r"\b\w*ALIGN\w*\s*=\s*\d|\balign\w*\s*=\s*\d"),
+     {"python/fsdp_ema/_ops.py"}, True),
 ]
 
+# File names in the Python front's strings (docstrings aside): format/'s (shard files, the
+# index) come from the ops, never as literals; every other name (the training state's sidecar,
+# PEFT's and Hugging Face's files) is one constant, so a literal may stand in one place only.
+FORMAT_NAMES = re.compile(r"^shard-|(^|/)fsdp_ema\.index\.json$")
+FILE_NAME = re.compile(r"^[\w.-]+\.(json|safetensors)$")
 
-def code_lines(path):
+
+def python_code(path):
+    """Python source with comments and string literals blanked (a string becomes blanks), line
+    numbers kept."""
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    lines = source.splitlines(keepends=True)
+    out = [list(line) for line in lines]
+    skip = {tokenize.COMMENT, tokenize.STRING}
+    skip |= {getattr(tokenize, n) for n in ("FSTRING_MIDDLE",) if hasattr(tokenize, n)}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type not in skip:
+            continue
+        (r0, c0), (r1, c1) = tok.start, tok.end
+        for r in range(r0, r1 + 1):
+            row = out[r - 1]
+            begin = c0 if r == r0 else 0
+            end = c1 if r == r1 else len(row) - (1 if row and row[-1] == "\n" else 0)
+            row[begin:end] = " " * (end - begin)
+    for n, row in enumerate(out, 1):
+        yield n, "".join(row)
+
+
+def code_lines(path, code_only=False):
+    if code_only and path.endswith(".py"):
+        yield from python_code(path)
+        return
     comment = "#" if path.endswith(".py") else "//"
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             yield n, line.split(comment, 1)[0] if comment in line else line
 
 
+def python_strings(path):
+    """``(line, value)`` of every string constant of a Python file but its docstrings (f-string
+    parts included)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    docstrings = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
+                body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            docstrings.add(id(body[0].value))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                and id(node) not in docstrings):
+            yield node.lineno, node.value
+
+
+def file_name_literals(files):
+    """Problems with file-name literals in the Python front (FORMAT_NAMES, FILE_NAME)."""
+    seen = {}
+    for path in files:
+        if not (path.startswith(PY_FRONT) and path.endswith(".py")):
+            continue
+        for n, value in python_strings(path):
+            if FORMAT_NAMES.search(value):
+                yield (f"{path}:{n}: a format/ file name as a literal (the ops give them: "
+                       f"fsdp_ema._ops.shard_file_name, index_file_name): {value!r}")
+            elif FILE_NAME.match(value):
+                if value in seen:
+                    yield (f"{path}:{n}: a file name written twice ({seen[value]} holds it; "
+                           f"name its constant): {value!r}")
+                else:
+                    seen[value] = f"{path}:{n}"
+
+
 def main():
     files = subprocess.run(["git", "ls-files"], check=True, capture_output=True,
                            text=True).stdout.split()
     found = 0
-    for what, wanted, pattern, allowed in RULES:
+    for problem in file_name_literals(files):
+        print(problem, file=sys.stderr)
+        found += 1
+    for what, wanted, pattern, allowed, *code_only in RULES:
         for path in files:
             if not wanted(path) or path in allowed:
                 continue
-            for n, code in code_lines(path):
+            for n, code in code_lines(path, bool(code_only and code_only[0])):
                 if pattern.search(code):
                     print(f"{path}:{n}: {what}: {code.strip()}", file=sys.stderr)
                     found += 1

@@ -21,11 +21,12 @@ from ._library import library_path, load_library
 
 load_library()
 
-from . import checkpoint  # noqa: E402
+from . import _ops, checkpoint  # noqa: E402  (_ops: the one door to the ops)
 from ._apply import load_model_weights  # noqa: E402
 from ._async import SaveHandle, init_async_groups  # noqa: E402
 from ._peft import export_merged, export_peft_adapter  # noqa: E402
 from ._shutdown import destroy_process_group  # noqa: E402
+from .config import EMAConfig  # noqa: E402
 from .momentum import CosineMomentum  # noqa: E402
 from .posthoc import posthoc, posthoc_plan  # noqa: E402
 from .power_ema import PowerEMA, ShardedPowerEMA  # noqa: E402
@@ -33,17 +34,16 @@ from .sharded_ema import ShardedEMA, Warmup  # noqa: E402
 from .training_state import latest_checkpoint, load_training_state, save_training_state  # noqa: E402
 
 # The fake (Meta) kernels of every op live in the library itself (registration/registration.cpp),
-# and so does TorchScript's side-effect mark. torch.compile's mark can only be set from Python:
-# with it, a save_shard whose byte count is unused stays in a compiled graph. (With the library
-# alone, thread the count into commit_checkpoint.after; see the operator reference.)
-torch.fx.node.has_side_effect(torch.ops.fsdp_ema.save_shard.default)
-torch.fx.node.has_side_effect(torch.ops.fsdp_ema.commit_checkpoint.after)
+# and so does TorchScript's side-effect mark. torch.compile's mark can only be set from Python
+# (importing _ops sets it): with it, a save_shard whose byte count is unused stays in a compiled
+# graph. (With the library alone, thread the count into commit_checkpoint.after; see the operator
+# reference.)
 
 __all__ = ["update_", "update_multi_", "load_library", "library_path", "checkpoint", "ShardedEMA",
-           "Warmup", "CosineMomentum", "PowerEMA", "ShardedPowerEMA", "posthoc", "posthoc_plan",
-           "save_training_state", "load_training_state", "latest_checkpoint", "load_model_weights",
-           "export_peft_adapter", "export_merged", "SaveHandle", "init_async_groups",
-           "destroy_process_group"]
+           "EMAConfig", "Warmup", "CosineMomentum", "PowerEMA", "ShardedPowerEMA", "posthoc",
+           "posthoc_plan", "save_training_state", "load_training_state", "latest_checkpoint",
+           "load_model_weights", "export_peft_adapter", "export_merged", "SaveHandle",
+           "init_async_groups", "destroy_process_group"]
 
 Decay = Union[float, torch.Tensor]
 
@@ -68,7 +68,7 @@ def update_(ema: Sequence[torch.Tensor], model: Sequence[torch.Tensor], decay: D
     written.
     """
     with torch.no_grad():
-        torch.ops.fsdp_ema.update_(list(ema), list(model), decay)
+        _ops.update_(list(ema), list(model), decay)
 
 
 def update_multi_(emas: Sequence[Sequence[torch.Tensor]], model: Sequence[torch.Tensor],
@@ -108,4 +108,4 @@ def update_multi_(emas: Sequence[Sequence[torch.Tensor]], model: Sequence[torch.
     else:
         decays = [float(d) for d in decays]
     with torch.no_grad():
-        torch.ops.fsdp_ema.update_multi_(flat, model, decays)
+        _ops.update_multi_(flat, model, decays)

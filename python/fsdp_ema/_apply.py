@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._dist import default_group
 from ._slots import _discover, _Slot, load_slots
 
 
@@ -78,8 +79,7 @@ def load_model_weights(model: nn.Module, directory: str | os.PathLike, *, strict
     """
     directory = os.fspath(directory)
     what = f"fsdp_ema.load_model_weights({directory!r})"
-    if process_group is None and dist.is_available() and dist.is_initialized():
-        process_group = dist.group.WORLD
+    process_group = default_group(process_group)
     reshard_fsdp2(model)
     slots = _discover(model, True, "copy")
     if not slots:

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from ._dist import comm_device
+from ._dtypes import name_of
+from .config import RESUME_SETTINGS
 
 # Arithmetic modulo the Mersenne prime 2^31 - 1 in int64, every product of two reduced values
 # below 2^62: exact on every device, so each rank's partial sums add up to the same total
@@ -124,10 +126,9 @@ def fingerprint(pieces: Mapping[str, Any], *, group, device: torch.device) -> st
 
 # --- the EMA's settings ---------------------------------------------------------------------------
 
-#: The options a resume compares, by ShardedEMA's names (``buffers``: whether floating buffers
-#: are averaged or copied; None when the EMA keeps none).
-SETTINGS = ("decay", "warmup", "schedule", "update_every", "start_step", "dtype", "params",
-            "buffers")
+#: The options a resume compares: the fields of ``EMAConfig`` marked *compared* (``buffers``:
+#: whether floating buffers are averaged or copied; None when the EMA keeps none).
+SETTINGS = RESUME_SETTINGS
 
 
 def _schedule(schedule: Any) -> Any:
@@ -139,23 +140,28 @@ def _schedule(schedule: Any) -> Any:
     return kind if " at 0x" in text else f"{kind}: {text}"
 
 
+def _params(params: Any) -> str:
+    if isinstance(params, str):
+        return params
+    return f"callable {getattr(params, '__qualname__', type(params).__name__)}"
+
+
+# How each setting is written as JSON (the others: as they are).
+_AS_JSON = {
+    "warmup": lambda w: None if w is None else dataclasses.asdict(w),
+    "schedule": _schedule,
+    "dtype": lambda d: None if d is None else name_of(d),
+    "params": _params,
+}
+
+
 def settings(ema) -> dict[str, Any]:
-    """The options that define ``ema``'s average (``SETTINGS``), as JSON values."""
-    floating_buffers = [slot.average for slot, t in zip(ema._slots, ema._ema)
-                        if slot.buffer and t.is_floating_point()]
-    params = ema.params if isinstance(ema.params, str) else (
-        f"callable {getattr(ema.params, '__qualname__', type(ema.params).__name__)}")
-    return {
-        "decay": float(ema.decay),
-        "warmup": None if ema.warmup is None else dataclasses.asdict(ema.warmup),
-        "schedule": _schedule(ema.schedule),
-        "update_every": int(ema.update_every),
-        "start_step": int(ema.start_step),
-        "dtype": None if ema.dtype is None else str(ema.dtype).removeprefix("torch."),
-        "params": params,
-        "buffers": (None if not floating_buffers
-                    else "average" if all(floating_buffers) else "copy"),
-    }
+    """The options that define ``ema``'s average (``SETTINGS``, from its ``config``), as JSON
+    values; ``buffers`` is None when the EMA keeps no floating buffer."""
+    out = {name: _AS_JSON.get(name, lambda v: v)(getattr(ema.config, name)) for name in SETTINGS}
+    if not any(slot.buffer and t.is_floating_point() for slot, t in zip(ema._slots, ema._ema)):
+        out["buffers"] = None
+    return out
 
 
 def setting_changes(saved: Mapping[str, Any], current: Mapping[str, Any],

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import _dtypes
+from . import _dtypes, _ops
 from . import checkpoint as _ckpt
 from ._dist import check_dtype_kind, raise_if_any_rank_failed, rank_world
 from ._layouts import LoadTarget
@@ -41,7 +41,7 @@ def check_fresh(directory: str, overwrite: bool) -> None:
     """FileExistsError if ``directory`` holds a committed checkpoint and ``overwrite`` is off.
     Creates nothing: ``save_shard`` creates the directory when it writes (and removes it again if
     its write fails), so a save that fails before writing leaves no trace."""
-    if torch.ops.fsdp_ema.is_committed(directory) and not overwrite:
+    if _ops.is_committed(directory) and not overwrite:
         raise FileExistsError(f"{directory!r} already holds a committed checkpoint; pass "
                               f"overwrite=True to replace it")
 
@@ -149,7 +149,7 @@ def _overlapping(targets: Sequence[LoadTarget]) -> set[str]:
     interleaved views, sorted extents."""
     if not targets:
         return set()
-    tied = torch.ops.fsdp_ema.overlapping([t.dest for t in targets])
+    tied = _ops.overlapping([t.dest for t in targets])
     return {targets[i].name for i in tied}
 
 

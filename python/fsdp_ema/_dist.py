@@ -57,6 +57,14 @@ def raise_if_any_rank_failed(error: BaseException | None, group: dist.ProcessGro
     raise RuntimeError(f"{what} failed on rank(s) {failed} (their errors say why)")
 
 
+def default_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+    """``group``; when None, the default group if torch.distributed is initialized, else None (a
+    single process): the group every collective of the library runs over unless told."""
+    if group is None and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return group
+
+
 def rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """(rank, world size) in ``group``; (0, 1) without one (a single process)."""
     if group is None:

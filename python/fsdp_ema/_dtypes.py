@@ -1,4 +1,4 @@
-"""The dtypes fsdp_ema knows, read from the C++ table (``torch.ops.fsdp_ema.dtypes()``).
+"""The dtypes fsdp_ema knows, read from the C++ table (the ``dtypes`` op).
 
 format/include/fsdp_ema/format/dtype_table.h is the one table: each dtype's safetensors name,
 torch name, size and the roles it may take ("ema": an EMA or update dtype, "model": a model
@@ -14,14 +14,13 @@ import json
 
 import torch
 
-from ._library import load_library
+from . import _ops
 
 
 @functools.cache
 def table() -> tuple[dict, ...]:
     """Every row of the C++ dtype table: ``{"name", "torch", "size", "floating", "roles"}``."""
-    load_library()
-    return tuple(json.loads(torch.ops.fsdp_ema.dtypes()))
+    return tuple(json.loads(_ops.dtypes()))
 
 
 @functools.cache
@@ -33,6 +32,13 @@ def with_role(role: str) -> tuple[torch.dtype, ...]:
 def ema_dtypes() -> tuple[torch.dtype, ...]:
     """The dtypes an EMA may be kept in (what ``update_`` accepts for ``ema``)."""
     return with_role("ema")
+
+
+def check_ema_dtype(what: str, dtype: object) -> None:
+    """``ValueError`` naming ``what`` unless ``dtype`` is None or one of :func:`ema_dtypes` (an
+    EMA's dtype, an export's cast)."""
+    if dtype is not None and dtype not in ema_dtypes():
+        raise ValueError(f"{what}: dtype must be one of {list(ema_dtypes())} or None, got {dtype}")
 
 
 def from_name(name: object, where: str) -> torch.dtype:

@@ -1,27 +1,26 @@
 """Full (unsharded) tensors of the EMA in bounded buckets, and the consolidated export.
 
 ``full_buckets`` yields the full tensors a bucket at a time, gathered with
-``torch.ops.fsdp_ema.gather_shards`` (one all-gather per bucket; FSDP1 members first through one
-all_to_all per unit); ``export`` streams them into ``torch.classes.fsdp_ema.ExportWriter``, the
+the ``gather_shards`` op (one all-gather per bucket; FSDP1 members first through one
+all_to_all per unit); ``export`` streams them into the library's ``ExportWriter``, the
 same writer ``fsdp-ema export`` uses (format::ExportWriter), so both give byte-identical files.
 """
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
+from . import _ops
 from ._dist import broadcast_int, comm_device, raise_if_any_rank_failed, rank_world
 
-#: Default ``bucket_bytes`` of ``full_state_dict`` and ``export``.
+#: Default ``bucket_bytes`` of ``full_state_dict``, ``export`` and ``posthoc``.
 DEFAULT_BUCKET_BYTES = 256 << 20
 #: Default ``max_file_bytes`` of ``export`` (tensor data per file; Hugging Face's 5 GB).
 DEFAULT_MAX_FILE_BYTES = 5 * 1000**3
-_GATHER_ALIGN = 16  # gather_shards starts every packed piece 16-byte aligned
 
 
 class Part(NamedTuple):
@@ -37,21 +36,9 @@ class Part(NamedTuple):
     kind: str
     value: Any
     group: Any = None       # the process group of "rows" and "flat" parts
-    cost: int = 0           # bytes one bucket holds for it (see part_cost)
+    cost: int = 0           # bytes one bucket holds for it (see _layouts.part_cost)
     slot: Any = None
     member: int = -1
-
-
-def part_cost(shape: torch.Size, dtype: torch.dtype, world: int) -> int:
-    """Transient bytes gathering one tensor takes on its device, the same on every rank: the
-    full output, this rank's input rows (at most ``ceil(rows / world)``), and gather_shards'
-    packed send buffer and ``world`` times larger receive buffer (pieces 16-byte aligned)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if len(shape) == 0:
-        return 2 * itemsize
-    row = math.prod(shape[1:]) * itemsize
-    chunk = -(-shape[0] // world) * row + _GATHER_ALIGN
-    return shape.numel() * itemsize + (world + 2) * chunk
 
 
 def gather_bucket(bucket: list[Part]) -> list[torch.Tensor]:
@@ -75,9 +62,8 @@ def gather_bucket(bucket: list[Part]) -> list[torch.Tensor]:
         # CPU shards (CPU-offloaded FSDP2) on a group without a CPU backend go through the
         # accelerator, and come back.
         dev = comm_device(group, device)
-        gathered = torch.ops.fsdp_ema.gather_shards(
-            [rows[i].to(dev) for i in gather], [bucket[i].shape[0] for i in gather],
-            group.group_name)
+        gathered = _ops.gather_shards([rows[i].to(dev) for i in gather],
+                                      [bucket[i].shape[0] for i in gather], group.group_name)
         for i, t in zip(gather, gathered):
             out[i] = t.to(device)
     return out
@@ -90,9 +76,9 @@ def full_buckets(parts: Sequence[Part],
     bucket before asking for the next, or the buckets add up.
 
     Parts that need a gather are grouped in order into buckets of one process group whose
-    ``part_cost`` adds up to at most ``bucket_bytes`` (a part costing more is a bucket of its
-    own; a bucket also holds tensors of one device only). Parts already full come as they are,
-    in buckets of their own.
+    ``cost`` (``_layouts.part_cost``) adds up to at most ``bucket_bytes`` (a part costing more is
+    a bucket of its own; a bucket also holds tensors of one device only). Parts already full come
+    as they are, in buckets of their own.
     """
     pending: list[Part] = []
     pending_cost = 0
@@ -120,7 +106,7 @@ def export(parts: Sequence[Part], path: str, *, dtype: torch.dtype | None, max_f
            transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> int:
     """Collective, the one streaming export (``ShardedEMA.export``, ``export_merged``): every
     rank gathers the buckets of ``parts``; rank 0 of ``group`` streams each bucket's tensors into
-    a ``torch.classes.fsdp_ema.ExportWriter`` (planned up front, files staged in ``path``, put in
+    the library's ``ExportWriter`` (planned up front, files staged in ``path``, put in
     place at the end), each under ``names[fqn]`` (the part's name without ``names``) and as
     ``transform(fqn, full tensor)`` gives it (on rank 0 only; the tensor itself without it).
     A failure on any rank raises on every rank. Returns the bytes written, on every rank."""
@@ -133,8 +119,8 @@ def export(parts: Sequence[Part], path: str, *, dtype: torch.dtype | None, max_f
     if writer:
         try:
             like = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in parts]
-            out = torch.classes.fsdp_ema.ExportWriter(path, [name(p.fqn) for p in parts], like,
-                                                      dtype, int(max_file_bytes), overwrite, True)
+            out = _ops.export_writer(path, [name(p.fqn) for p in parts], like, dtype,
+                                     int(max_file_bytes), overwrite, True)
         except Exception as e:  # noqa: BLE001 (re-raised on every rank below)
             error = e
     raise_if_any_rank_failed(error, group, what, device)

@@ -15,13 +15,15 @@ rule itself is C++'s (``fsdp_ema/format/rows.h``), reached through the ``chunk_r
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from ._full_state import Part, part_cost
+from . import _ops
+from ._full_state import Part
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -30,8 +32,22 @@ def chunk_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
     FSDP2's ``Shard(0)`` layout, FSDP1's sharded state dict layout and the layout
     ``fsdp_ema.checkpoint.load`` returns. The ``chunk_rows`` op's answer (format/rows.h), cached:
     a training state asks for the same few row counts thousands of times."""
-    begin, end = torch.ops.fsdp_ema.chunk_rows(rows, rank, world_size)
+    begin, end = _ops.chunk_rows(rows, rank, world_size)
     return begin, end
+
+
+def part_cost(shape: torch.Size, dtype: torch.dtype, world: int) -> int:
+    """Transient bytes gathering one tensor takes on its device, the same on every rank: the
+    full output, this rank's input rows (at most rank 0's: the row rule's ``ceil(rows /
+    world)``), and gather_shards' packed send buffer and ``world`` times larger receive buffer
+    (pieces aligned to ``_ops.gather_align()``)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(shape) == 0:
+        return 2 * itemsize
+    row = math.prod(shape[1:]) * itemsize
+    begin, end = chunk_rows(shape[0], 0, world)
+    chunk = (end - begin) * row + _ops.gather_align()
+    return shape.numel() * itemsize + (world + 2) * chunk
 
 
 @functools.cache

@@ -12,17 +12,34 @@ the next ``update()`` calls ``synchronize()`` first.
 
 One update is in flight at a time: the next ``update()``, ``synchronize()`` and every read of the
 EMA wait for it (the staging buffers are reused). For a model on the CPU the same path (staging
-snapshot, worker thread, synchronize) runs when forced, so that the logic is tested without a
-device.
+snapshot, worker thread, synchronize) runs when forced (``forced_for_cpu_models()``, a test hook
+outside the public API), so that the logic is tested without a device.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
+
+from . import _ops
+
+_forced = False
+
+
+@contextlib.contextmanager
+def forced_for_cpu_models() -> Iterator[None]:
+    """Tests and benchmarks: an EMA made inside with ``device="cpu"`` takes the host-memory path
+    (staging, worker thread) for a model on the CPU too."""
+    global _forced
+    before, _forced = _forced, True
+    try:
+        yield
+    finally:
+        _forced = before
 
 
 class HostOffload:
@@ -39,6 +56,13 @@ class HostOffload:
         # next optimizer step, or done once the host has waited for the update.
         self._device_waits: list[tuple[torch.device, torch.cuda.Event]] = []
         self._hook = None
+
+    @staticmethod
+    def wanted(device, model_tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether an EMA of ``device`` (``EMAConfig.device``) over ``model_tensors`` lives in host
+        memory: ``"cpu"`` for weights on an accelerator (or forced, for tests)."""
+        return device is not None and (_forced or any(t.device.type != "cpu"
+                                                      for t in model_tensors))
 
     @staticmethod
     def _buffer(t: torch.Tensor) -> torch.Tensor:
@@ -112,7 +136,7 @@ class HostOffload:
             for event in events:
                 event.synchronize()
             if avg_ema:
-                torch.ops.fsdp_ema.update_(avg_ema, avg_src, decay)
+                _ops.update_(avg_ema, avg_src, decay)
             if copy_ema:
                 torch._foreach_copy_(copy_ema, copy_src)
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._collective import LoadTarget, load_collective
-from ._full_state import Part, part_cost
+from ._full_state import Part
 from ._layouts import (
     Layout,
     ReadRequest,
@@ -28,6 +28,7 @@ from ._layouts import (
     chunk_rows,
     is_dtensor,
     on_mesh,
+    part_cost,
     rows,
     whole,
 )

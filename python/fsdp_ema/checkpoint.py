@@ -32,6 +32,8 @@ from typing import Mapping, Sequence, Tuple, Union
 
 import torch
 
+from . import _ops
+
 Shard = Union[torch.Tensor, Tuple[torch.Tensor, Sequence[int], Sequence[int]]]
 
 __all__ = ["save_shard", "commit", "save", "load_shard", "load", "load_into", "info",
@@ -41,7 +43,7 @@ __all__ = ["save_shard", "commit", "save", "load_shard", "load", "load_into", "i
 def shard_file_name(rank: int, world_size: int) -> str:
     """The file rank ``rank`` of ``world_size`` writes (format/'s rule: ``fsdp_ema/format/
     names.h``)."""
-    return torch.ops.fsdp_ema.shard_file_name(rank, world_size)
+    return _ops.shard_file_name(rank, world_size)
 
 
 @contextlib.contextmanager
@@ -107,8 +109,8 @@ def save_shard(directory: str | os.PathLike, shards: Mapping[str, Shard], *, ran
     # the write fails.
     with _gc_paused():
         names, tensors, offsets, global_shapes = _flatten(shards)
-        return int(torch.ops.fsdp_ema.save_shard(os.fspath(directory), rank, world_size, names,
-                                             tensors, offsets, global_shapes, fsync, overwrite))
+        return int(_ops.save_shard(os.fspath(directory), rank, world_size, names, tensors,
+                                   offsets, global_shapes, fsync, overwrite))
 
 
 def commit(directory: str | os.PathLike, world_size: int, *, overwrite: bool = False,
@@ -116,7 +118,7 @@ def commit(directory: str | os.PathLike, world_size: int, *, overwrite: bool = F
     """Writes the index (the commit marker) once every rank's file is there; with ``overwrite``
     it replaces a committed index in one rename, then removes the files only the old one
     referenced."""
-    return torch.ops.fsdp_ema.commit_checkpoint(os.fspath(directory), world_size, overwrite, fsync)
+    return _ops.commit_checkpoint(os.fspath(directory), world_size, overwrite, fsync)
 
 
 def save(directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor], *,
@@ -170,8 +172,8 @@ def load_shard(path: str | os.PathLike, *, verify: bool = True, device=None, mma
     same risk: truncating the file while the tensors live and then touching them kills the
     process with SIGBUS.
     """
-    names, tensors, offsets, global_shapes = torch.ops.fsdp_ema.load_shard(
-        os.fspath(path), verify, device, mmap)
+    names, tensors, offsets, global_shapes = _ops.load_shard(os.fspath(path), verify, device,
+                                                             mmap)
     out, pos = {}, 0
     for name, t in zip(names, tensors):
         out[name] = (t, offsets[pos:pos + t.dim()], global_shapes[pos:pos + t.dim()])
@@ -181,7 +183,7 @@ def load_shard(path: str | os.PathLike, *, verify: bool = True, device=None, mma
 
 def info(directory: str | os.PathLike) -> dict:
     """Layout, world size and every tensor's dtype and global shape."""
-    return json.loads(torch.ops.fsdp_ema.checkpoint_info(os.fspath(directory)))
+    return json.loads(_ops.checkpoint_info(os.fspath(directory)))
 
 
 def load(directory: str | os.PathLike, names: Sequence[str] | None = None, *, rank: int = 0,
@@ -194,8 +196,8 @@ def load(directory: str | os.PathLike, names: Sequence[str] | None = None, *, ra
     if names is None:
         names = sorted(info(directory)["tensors"])
     with _gc_paused():
-        tensors = torch.ops.fsdp_ema.load_tensors(os.fspath(directory), list(names), rank,
-                                                  world_size, verify, device, mmap)
+        tensors = _ops.load_tensors(os.fspath(directory), list(names), rank, world_size, verify,
+                                    device, mmap)
         return dict(zip(names, tensors))
 
 
@@ -221,12 +223,12 @@ def load_into(directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
         fsdp_ema.checkpoint.load_into("ckpt", dict(model.state_dict()))
     """
     with torch.no_grad(), _gc_paused():
-        torch.ops.fsdp_ema.load_into_(os.fspath(directory), list(tensors), list(tensors.values()),
-                                      rank, world_size, verify)
+        _ops.load_into_(os.fspath(directory), list(tensors), list(tensors.values()), rank,
+                        world_size, verify)
 
 
 class OpenCheckpoint:
-    """A committed checkpoint opened once (``torch.classes.fsdp_ema.OpenCheckpoint``): its index
+    """A committed checkpoint opened once (the library's ``OpenCheckpoint`` class): its index
     and shard headers are parsed and its files held open until this object is dropped, so that
     several reads see the same files and each stored piece is hashed at most once.
 
@@ -248,7 +250,7 @@ class OpenCheckpoint:
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = os.fspath(directory)
-        self._handle = torch.classes.fsdp_ema.OpenCheckpoint(self.directory)
+        self._handle = _ops.open_checkpoint(self.directory)
 
     def info(self) -> dict:
         """:func:`info` of this directory."""

@@ -3,7 +3,7 @@
 shard, at any world size, and write it as a normal EMA checkpoint.
 
 The plan (which snapshots, their steps and gammas, the least-squares weights, the checks that
-they are one model at one world size) comes from ``torch.ops.fsdp_ema.posthoc_plan``, i.e. from
+they are one model at one world size) comes from the ``posthoc_plan`` op, i.e. from
 format/posthoc.cpp, the same code ``fsdp-ema posthoc`` runs, so both solve the same weights.
 """
 
@@ -17,14 +17,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _dtypes
+from . import _dtypes, _ops
 from . import checkpoint as _ckpt
-from ._collective import agreed, rank_world, save_collective
+from ._collective import agreed, save_collective
+from ._dist import default_group, rank_world
+from ._full_state import DEFAULT_BUCKET_BYTES  # one bucket's default, as full_state_dict's
 from ._layouts import chunk_rows
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "posthoc", "posthoc_plan"]
 
-DEFAULT_BUCKET_BYTES = 256 << 20
 
 
 def posthoc_plan(snapshot_root: str | os.PathLike, sigma_rel: float,
@@ -37,9 +38,9 @@ def posthoc_plan(snapshot_root: str | os.PathLike, sigma_rel: float,
     sigma_rel out of (0, 1/sqrt(12)], a step past the last snapshot, snapshots of different
     models or world sizes; with ``out``, an output that is a snapshot, inside one or inside the
     snapshot root (compared by device and inode: links and ``s002/.`` are caught)."""
-    return json.loads(torch.ops.fsdp_ema.posthoc_plan(
-        os.fspath(snapshot_root), float(sigma_rel), None if step is None else int(step),
-        None if out is None else os.fspath(out)))
+    return json.loads(_ops.posthoc_plan(os.fspath(snapshot_root), float(sigma_rel),
+                                        None if step is None else int(step),
+                                        None if out is None else os.fspath(out)))
 
 
 def _buckets(names, nbytes, limit):
@@ -73,8 +74,7 @@ def posthoc(snapshot_root: str | os.PathLike, *, sigma_rel: float, out: str | os
     until its file is written. A failure on any rank raises on every rank, before anything is
     written where possible. Returns the plan (see ``posthoc_plan``).
     """
-    if process_group is None and dist.is_available() and dist.is_initialized():
-        process_group = dist.group.WORLD
+    process_group = default_group(process_group)
     rank, world = rank_world(process_group)
     what = f"fsdp_ema.posthoc({os.fspath(snapshot_root)!r} -> {os.fspath(out)!r})"
     device = torch.device("cpu")

@@ -1,27 +1,30 @@
 """Power-function EMA (Karras et al., "Analyzing and Improving the Training Dynamics of Diffusion
 Models", EDM2, 2024): ``PowerEMA``, a ``ShardedEMA`` schedule computed on the device, and
 ``ShardedPowerEMA``, several power-EMA profiles of one model updated from one read of the weights
-(``torch.ops.fsdp_ema.update_multi_``), with snapshots for post-hoc reconstruction
+(the ``update_multi_`` op), with snapshots for post-hoc reconstruction
 (``fsdp_ema.posthoc``). See docs/POSTHOC_EMA.md.
 
 The profile of gamma averages the weights of steps ``1..t`` with weights proportional to
 ``tau ** gamma``; as a recurrence, the ``t``-th update uses ``beta_t = (1 - 1/t) ** (gamma + 1)``
 (``beta_1 = 0``: the first update copies the weights). ``sigma_rel``, the profile's standard
 deviation relative to its length, picks gamma (the paper's cubic, solved by format/posthoc.cpp
-through ``torch.ops.fsdp_ema.power_ema_gamma``, the one implementation the CLI uses too).
+through the ``power_ema_gamma`` op, the one implementation the CLI uses too).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from . import _ops
+from ._slots import _global_shape
+from .config import EMAConfig
 from .sharded_ema import ShardedEMA
 
 __all__ = ["SNAPSHOT_GAMMA_KEY", "SNAPSHOT_STEP_KEY", "PowerEMA", "ShardedPowerEMA"]
@@ -45,10 +48,10 @@ class PowerEMA:
             raise ValueError("PowerEMA: give exactly one of sigma_rel and gamma")
         if sigma_rel is not None:
             self.sigma_rel = float(sigma_rel)
-            self.gamma = float(torch.ops.fsdp_ema.power_ema_gamma(self.sigma_rel))
+            self.gamma = float(_ops.power_ema_gamma(self.sigma_rel))
         else:
             self.gamma = float(gamma)
-            self.sigma_rel = float(torch.ops.fsdp_ema.power_ema_sigma_rel(self.gamma))
+            self.sigma_rel = float(_ops.power_ema_sigma_rel(self.gamma))
         self._exponent = self.gamma + 1.0
 
     def decay_at(self, t: int) -> float:
@@ -63,6 +66,21 @@ class PowerEMA:
 
     def __repr__(self) -> str:
         return f"PowerEMA(sigma_rel={self.sigma_rel:.6g}, gamma={self.gamma:.6g})"
+
+
+def _profiles(sigma_rels: Sequence[float] | None,
+              gammas: Sequence[float] | None) -> list[PowerEMA]:
+    if gammas is not None:
+        profiles = [PowerEMA(gamma=g) for g in gammas]
+    elif sigma_rels is not None:
+        profiles = [PowerEMA(s) for s in sigma_rels]
+    else:
+        raise ValueError("ShardedPowerEMA: give sigma_rels or gammas")
+    if not profiles:
+        raise ValueError("ShardedPowerEMA: at least one profile (two for post-hoc EMA)")
+    if len({p.gamma for p in profiles}) != len(profiles):
+        raise ValueError(f"ShardedPowerEMA: the profiles must differ, got {profiles}")
+    return profiles
 
 
 class ShardedPowerEMA(ShardedEMA):
@@ -80,36 +98,32 @@ class ShardedPowerEMA(ShardedEMA):
         gammas: their gammas instead. Distinct values.
         snapshot_every: ``maybe_snapshot()`` saves when the update count is a multiple of it.
         snapshot_root: where snapshots go: ``<root>/step-<t>.profile-<k>/``.
-        update_every, dtype, include_buffers, buffers, process_group: as ``ShardedEMA``.
+        config: an ``fsdp_ema.EMAConfig`` of the options the profiles leave open (``OPTIONS``:
+            ``update_every``, ``dtype``, ``include_buffers``, ``buffers``, ``process_group``;
+            the others keep their defaults: the profiles are the schedule).
+        **options: those options as keywords, replacing the config's.
     """
 
     #: ``state_dict()`` keys of profile k >= 1: ``f"{PROFILE_KEY}{k}.{fqn}"``.
     PROFILE_KEY = "fsdp_ema.profile"
+    #: The ``EMAConfig`` fields a ``ShardedPowerEMA`` takes (its profiles set the schedule).
+    OPTIONS = ("update_every", "dtype", "include_buffers", "buffers", "process_group")
 
     def __init__(self, model: nn.Module, sigma_rels: Sequence[float] | None = (0.05, 0.10), *,
                  gammas: Sequence[float] | None = None, snapshot_every: int | None = None,
-                 snapshot_root: str | os.PathLike | None = None, update_every: int = 1,
-                 dtype: torch.dtype | None = torch.float32, include_buffers: bool = True,
-                 buffers: str = "average", process_group: dist.ProcessGroup | None = None):
-        if gammas is not None:
-            profiles = [PowerEMA(gamma=g) for g in gammas]
-        elif sigma_rels is not None:
-            profiles = [PowerEMA(s) for s in sigma_rels]
-        else:
-            raise ValueError("ShardedPowerEMA: give sigma_rels or gammas")
-        if not profiles:
-            raise ValueError("ShardedPowerEMA: at least one profile (two for post-hoc EMA)")
-        if len({p.gamma for p in profiles}) != len(profiles):
-            raise ValueError(f"ShardedPowerEMA: the profiles must differ, got {profiles}")
+                 snapshot_root: str | os.PathLike | None = None,
+                 config: EMAConfig | None = None, **options: Any):
+        what = type(self).__name__
+        config = EMAConfig.of(what, config, options, allowed=self.OPTIONS)
+        config.refuse_others(what, self.OPTIONS)
+        profiles = _profiles(sigma_rels, gammas)
         if snapshot_every is not None and (int(snapshot_every) != snapshot_every
                                            or snapshot_every < 1):
             raise ValueError(f"ShardedPowerEMA: snapshot_every must be an integer >= 1, got "
                              f"{snapshot_every}")
         if snapshot_every is not None and snapshot_root is None:
             raise ValueError("ShardedPowerEMA: snapshot_every needs snapshot_root")
-        super().__init__(model, update_every=update_every, dtype=dtype,
-                         include_buffers=include_buffers, buffers=buffers,
-                         process_group=process_group, schedule=profiles[0])
+        super().__init__(model, dataclasses.replace(config, schedule=profiles[0]))
         taken = [n for n in (SNAPSHOT_STEP_KEY, SNAPSHOT_GAMMA_KEY) if n in self._shapes]
         if taken:
             raise ValueError(f"ShardedPowerEMA: the model has a tensor named {taken[0]!r}, a name "
@@ -149,8 +163,7 @@ class ShardedPowerEMA(ShardedEMA):
 
     def _update_group(self, g, decay: torch.Tensor) -> None:
         if g.ema_average:
-            torch.ops.fsdp_ema.update_multi_(g.profile_average, g.model_average,
-                                             list(decay.unbind(0)))
+            _ops.update_multi_(g.profile_average, g.model_average, list(decay.unbind(0)))
         if g.ema_copy:
             torch._foreach_copy_(g.profile_copy, g.profile_model_copy)
 
@@ -264,8 +277,6 @@ class ShardedPowerEMA(ShardedEMA):
                         raise ValueError(f"ShardedPowerEMA.load_state_dict: {name!r} is for "
                                          f"profile {k}, but there are {len(self.profiles)}")
             parts[k][key] = value
-        from .sharded_ema import _global_shape
-
         for part in parts:
             available = {n: _global_shape(v) for n, v in part.items() if n != self.STEP_KEY}
             self._check_names(available, strict, "load_state_dict")

@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
-from . import _dtypes
+from . import _dtypes, _ops
 from . import checkpoint as _ckpt
 from ._binding import settings
 from ._collective import LoadTarget, agreed, load_collective, save_collective
-from ._collective import rank_world as _rank_world
+from ._dist import default_group
+from ._dist import rank_world as _rank_world
 from ._layouts import layout_of
 
 __all__ = ["save_training_state", "load_training_state", "latest_checkpoint",
@@ -42,10 +42,10 @@ __all__ = ["save_training_state", "load_training_state", "latest_checkpoint",
 # The uint8 tensor (rank 0's file) holding the UTF-8 JSON document of the non-tensor state, and
 # the prefixes of the EMA's and the model's tensors: format/'s names (fsdp_ema/format/names.h),
 # which `fsdp-ema export` reads too.
-META_TENSOR, EMA_PREFIX, MODEL_PREFIX = torch.ops.fsdp_ema.training_state_names()
+META_TENSOR, EMA_PREFIX, MODEL_PREFIX = _ops.training_state_names()
 #: Human-readable copy of that JSON, written beside the shard files before the commit.
 SIDECAR_NAME = "training_state.json"
-INDEX_NAME = torch.ops.fsdp_ema.index_file_name()  # format/'s name (fsdp_ema/format/names.h)
+INDEX_NAME = _ops.index_file_name()  # format/'s name (fsdp_ema/format/names.h)
 FORMAT_NAME = "fsdp_ema.training_state"
 FORMAT_VERSION = 1
 
@@ -240,10 +240,6 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
 
 # --- collecting state -----------------------------------------------------------------------------
 
-def _default_group():
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-
-
 def _state_options():
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -303,7 +299,7 @@ def save_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
         raise ValueError(f"{what}: keep_last must be an integer >= 1 or None, got {keep_last}")
     if optimizer is not None and model is None:
         raise ValueError(f"{what}: saving an optimizer needs its model (for the FQNs)")
-    group = _default_group()
+    group = default_group()
     rank, world = _rank_world(group)
     # Collective parts first (FSDP1 state dicts all-gather / all_to_all): every rank gets here.
     states = _States(model=_model_state(model) if model is not None else None,
@@ -396,7 +392,7 @@ class _Save:
 
     def prepare(self) -> None:
         if self.sidecar is not None:
-            torch.ops.fsdp_ema.write_sidecar(self.directory, SIDECAR_NAME, self.sidecar, True)
+            _ops.write_sidecar(self.directory, SIDECAR_NAME, self.sidecar, True)
 
     def after_commit(self) -> None:
         if self.rank == 0 and self.keep_last is not None:
@@ -419,7 +415,7 @@ def _is_training_state(path: str) -> bool:
 
 
 def _committed(root: str, follow_links: bool) -> list[str]:
-    return [name for name in torch.ops.fsdp_ema.committed_checkpoints(root, follow_links)
+    return [name for name in _ops.committed_checkpoints(root, follow_links)
             if _is_training_state(os.path.join(root, name))]
 
 
@@ -442,7 +438,7 @@ def _rotate(new: str, keep_last: int) -> None:
     root, new_name = os.path.dirname(new), os.path.basename(new)
     for name in _committed(root, follow_links=False)[:-keep_last]:
         if name != new_name:
-            torch.ops.fsdp_ema.remove_checkpoint(os.path.join(root, name))
+            _ops.remove_checkpoint(os.path.join(root, name))
 
 
 # --- loading --------------------------------------------------------------------------------------
@@ -486,7 +482,7 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     what = f"load_training_state({directory!r})"
     if optimizer is not None and model is None:
         raise ValueError(f"{what}: loading an optimizer needs its model (for the FQNs)")
-    group = _default_group()
+    group = default_group()
     rank, _ = _rank_world(group)
     given = {"model": model, "optimizer": optimizer, "ema": ema}
     # Nothing is written until every rank has read and checked everything it will restore (the

@@ -8,9 +8,10 @@
 Each module imports its framework when it is imported (and raises one ``ImportError`` naming the
 extra when the framework is missing); this package imports neither. The adapters only translate
 the trainer's events into ``fsdp_ema.ShardedEMA`` calls: the averaging, the layouts and the files
-are ShardedEMA's and fsdp_ema's, and what both adapters check and do alike is ``_common``'s.
+are ShardedEMA's and fsdp_ema's, the options one ``fsdp_ema.EMAConfig``, and what both adapters
+check and do alike is ``_common``'s.
 """
 
-from ._common import HeldSwap, check_options, missing_framework
+from ._common import HeldSwap, missing_framework
 
-__all__ = ["HeldSwap", "check_options", "missing_framework"]
+__all__ = ["HeldSwap", "missing_framework"]

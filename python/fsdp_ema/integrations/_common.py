@@ -1,34 +1,46 @@
-"""What the Lightning and Hugging Face adapters share, so that both behave alike: the options
-check when a callback is made, the resume checks (options, tensor names, the saved global step
-and model fingerprint, ``fsdp_ema._binding``), the swap held across trainer events, warnings
-from rank 0 at the user's call site, the names of the EMA's metrics and logged values, and the
-Hugging Face files that make an export loadable. Imports no framework."""
+"""What the Lightning and Hugging Face adapters share, so that both behave alike: the EMA's
+options (one ``fsdp_ema.EMAConfig``, checked when a callback is made) and the EMA made from them
+(compiled or not), the resume checks (options, tensor names, the saved global step and model
+fingerprint, ``fsdp_ema._binding``), the swap held across trainer events, warnings from rank 0 at
+the user's call site, the names of the EMA's metrics and logged values, and the Hugging Face
+files that make an export loadable. Imports no framework."""
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import sys
 import warnings
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
 
 from .._binding import SETTINGS, Binding, name_changes, setting_changes, settings
+from .._dist import default_group, rank_world
+from ..config import EMAConfig
 
 
-def check_options(what: str, decay: float, options: dict[str, Any]) -> None:
-    """Raises the ``TypeError`` that ``fsdp_ema.ShardedEMA(model, decay, **options)`` would raise
-    for an unknown option, when the callback is made (the EMA itself is made later, once the
-    trainer has wrapped the model)."""
+def make_ema(model: torch.nn.Module, config: EMAConfig,
+             compile: bool | dict) -> tuple[Any, Callable[[], None]]:
+    """The ``fsdp_ema.ShardedEMA`` of ``model`` and the update a callback calls: ``ema.update``,
+    or with ``compile`` (True, or a dict of ``torch.compile`` arguments) that update compiled
+    with ``fullgraph=True``."""
     from ..sharded_ema import ShardedEMA
 
-    try:
-        inspect.signature(ShardedEMA).bind(None, decay, **options)
-    except TypeError as e:
-        raise TypeError(f"{what}: {e} (the options are fsdp_ema.ShardedEMA's)") from None
+    ema = ShardedEMA(model, config)
+    update = ema.update
+    if compile:
+        kwargs = dict(compile) if isinstance(compile, dict) else {}
+        update = torch.compile(ema.update, fullgraph=True, **kwargs)
+    return ema, update
+
+
+def is_fsdp(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is sharded by FSDP2 (``fully_shard``) or FSDP1, read from its modules."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
 
 
 def missing_framework(module: str, framework: str, extra: str) -> ImportError:
@@ -155,8 +167,7 @@ def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
     """One warning, from rank 0 only, pointing at the user's code: the innermost frame outside
     fsdp_ema, torch and the trainer frameworks (the line that called ``trainer.train()`` or
     ``fit()``), not at the trainer's callback dispatch."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and (
-            torch.distributed.get_rank() != 0):
+    if rank_world(default_group())[0] != 0:
         return
     skip = _framework_dirs()
     frame = sys._getframe(1)
@@ -199,7 +210,7 @@ def write_hf_metadata(model, path: str | os.PathLike) -> list[str]:
     """On rank 0: the ``config.json`` of ``model`` (a ``PreTrainedModel``) and, for a model that
     generates, its ``generation_config.json``, into ``path`` beside exported weights, so that
     ``from_pretrained`` and ``generate()`` work from there. Returns the names written."""
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+    if rank_world(default_group())[0] != 0:
         return []
     path = os.fspath(path)
     model.config.save_pretrained(path)

@@ -33,8 +33,9 @@ from ._common import (
     HeldSwap,
     ResumeChecks,
     check_metric_name,
-    check_options,
+    is_fsdp,
     logged_values,
+    make_ema,
     missing_framework,
     pretrained_model,
     warn_not_sharded,
@@ -51,6 +52,8 @@ except ImportError as _e:
 import fsdp_ema
 
 from .. import _binding
+from .._layouts import is_dtensor, is_sharded_tensor
+from ..config import EMAConfig
 
 __all__ = ["ShardedEMA"]
 
@@ -63,10 +66,7 @@ _SAFE_CHECKPOINTS = ("ModelCheckpoint(filename='{epoch}-{step}', monitor='step',
 
 
 def _is_sharded(value: Any) -> bool:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, (DTensor, ShardedTensor))
+    return is_dtensor(value) or is_sharded_tensor(value)
 
 
 def _binding_tensor(binding: _binding.Binding) -> torch.Tensor:
@@ -83,7 +83,9 @@ class ShardedEMA(Callback):
     """Keeps a ``fsdp_ema.ShardedEMA`` of the LightningModule's weights, each rank only its shards.
 
     Args:
-        decay: the EMA decay (``fsdp_ema.ShardedEMA``'s; the upper bound of a warmup).
+        config: the EMA's options, an ``fsdp_ema.EMAConfig`` (or the decay as a number, as in
+            ``ShardedEMA(0.999)``; None: the defaults); the keywords below that are
+            ``EMAConfig`` fields replace its values.
         swap_for_validation, swap_for_test: ``True`` (the default): those loops run with the EMA
             weights, from their first batch to their epoch end (the training weights come back
             bit for bit, before ``ModelCheckpoint`` or another callback's loop-end hook reads
@@ -109,12 +111,13 @@ class ShardedEMA(Callback):
         key: names this EMA in checkpoints (the callback's state key and the ``"<key>/"`` prefix
             of its entries in ``checkpoint["state_dict"]``); give each of several EMA callbacks
             its own.
-        **options: every other ``fsdp_ema.ShardedEMA`` option, passed through as it is
-            (``warmup``, ``update_every``, ``start_step``, ``params="trainable"``, ``device="cpu"``,
-            ``dtype``, ``schedule``, ...).
+        **options: the EMA's options as keywords, each an ``fsdp_ema.EMAConfig`` field
+            (``decay``, ``warmup``, ``update_every``, ``start_step``, ``params="trainable"``,
+            ``device="cpu"``, ``dtype``, ``schedule``, ...); an unknown one is refused here.
     """
 
-    def __init__(self, decay: float = 0.9999, *, swap_for_validation: bool | str = True,
+    def __init__(self, config: EMAConfig | float | None = None, *,
+                 swap_for_validation: bool | str = True,
                  swap_for_test: bool | str = True, swap_for_predict: bool = True,
                  ema_metric_name: str = "{name}_ema", copy_to_model_at_end: bool = False,
                  export_dir: str | os.PathLike | None = None, export_module: str | None = None,
@@ -122,7 +125,7 @@ class ShardedEMA(Callback):
                  allow_changes: Collection[str] = (), log: bool = True,
                  compile: bool | dict = False, key: str = "fsdp_ema", **options: Any):
         what = f"{type(self).__name__} callback"
-        check_options(type(self).__name__, decay, options)
+        self.config = EMAConfig.of(type(self).__name__, config, options)
         if not key or "." in key or "/" in key:
             raise ValueError(f"{what}: key must be a non-empty name without '.' or '/', got "
                              f"{key!r}")
@@ -132,7 +135,6 @@ class ShardedEMA(Callback):
             if mode not in (True, False) and not (mode == "both" and loop != "predict"):
                 raise ValueError(f"{what}: swap_for_{loop} must be True, False"
                                  f"{' or both' if loop != 'predict' else ''}, got {mode!r}")
-        self.decay, self.options = decay, options
         self.ema_metric_name = check_metric_name(what, ema_metric_name)
         self.copy_to_model_at_end = copy_to_model_at_end
         self.export_dir, self.export_module, self.export_dtype = (export_dir, export_module,
@@ -160,21 +162,15 @@ class ShardedEMA(Callback):
     # --- making and restoring the EMA -------------------------------------------------------------
 
     def _make(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        from torch.distributed.fsdp import FullyShardedDataParallel
 
         # FSDP1 (FSDPStrategy) keeps the root's FlatParameter on the wrapper around the module.
         wrapped = trainer.strategy.model
         model = wrapped if isinstance(wrapped, FullyShardedDataParallel) else pl_module
-        self.ema = fsdp_ema.ShardedEMA(model, self.decay, **self.options)
+        self.ema, self._update = make_ema(model, self.config, self.compile)
         # Sharded (read from the model, never from the strategy's settings): FSDP2 or FSDP1
         # modules, or DTensor parameters (tensor parallelism).
-        self._sharded = any(isinstance(m, (FSDPModule, FullyShardedDataParallel))
-                            for m in model.modules()) or any(
-            _is_sharded(p) for p in model.parameters())
-        self._update = self.ema.update
-        if self.compile:
-            kwargs = dict(self.compile) if isinstance(self.compile, dict) else {}
-            self._update = torch.compile(self.ema.update, fullgraph=True, **kwargs)
+        self._sharded = is_fsdp(model) or any(_is_sharded(p) for p in model.parameters())
 
     def _check_strategy(self, trainer: pl.Trainer) -> None:
         """At the start of fit: a sharded EMA cannot go into a full checkpoint (rank 0 alone

@@ -36,8 +36,9 @@ from ._common import (
     HeldSwap,
     ResumeChecks,
     check_metric_name,
-    check_options,
+    is_fsdp,
     logged_values,
+    make_ema,
     missing_framework,
     pretrained_model,
     warn_not_sharded,
@@ -53,9 +54,10 @@ except ImportError as _e:
 
 import fsdp_ema
 
-from .. import _binding
+from .. import _binding, _ops
 from .._collective import agreed
-from .._dist import comm_device
+from .._dist import comm_device, default_group, rank_world
+from ..config import EMAConfig
 
 __all__ = ["ShardedEMACallback"]
 
@@ -65,13 +67,6 @@ TRAINER_STATE_NAME = "trainer_state.json"
 BINDING_KEY = "fsdp_ema.binding"
 _NAME_IT = ("pass ShardedEMACallback(resume_from=<the checkpoint folder given to "
             "train(resume_from_checkpoint=...)>)")
-
-
-def is_fsdp(model: nn.Module) -> bool:
-    """Whether ``model`` is sharded by FSDP2 (``fully_shard``) or FSDP1, read from its modules."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -97,12 +92,6 @@ def fsdp_asked_by(args=None, accelerator=None) -> str | None:
     return None
 
 
-def _rank_world() -> tuple[int, int]:
-    if torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
 def _agree(fn, ema, what: str):
     """``fn()`` on every rank with the failure agreement of the saves and loads."""
     return agreed(fn, group=ema.process_group, device=torch.device("cpu"), what=what)
@@ -119,7 +108,7 @@ class _Candidate:
         self.binding: _binding.Binding | None = None
         if not os.path.isdir(self.ema_dir):
             self.kind = "absent"
-        elif not torch.ops.fsdp_ema.is_committed(self.ema_dir):
+        elif not _ops.is_committed(self.ema_dir):
             self.kind = "incomplete"
         else:
             self.kind = "committed"
@@ -149,7 +138,9 @@ class ShardedEMACallback(TrainerCallback):
     shards.
 
     Args:
-        decay: the EMA decay (``fsdp_ema.ShardedEMA``'s; the upper bound of a warmup).
+        config: the EMA's options, an ``fsdp_ema.EMAConfig`` (or the decay as a number, as in
+            ``ShardedEMACallback(0.999)``; None: the defaults); the keywords below that are
+            ``EMAConfig`` fields replace its values.
         eval_with_ema: ``False`` (the default): evaluations during training see the training
             weights; ``True``: they run with the EMA weights, swapped in at the evaluation's first
             forward and out at its logs (the training weights come back bit for bit before
@@ -179,15 +170,17 @@ class ShardedEMACallback(TrainerCallback):
         log: add ``ema/decay`` and ``ema/step`` to the Trainer's training logs.
         compile: ``True`` (or a dict of ``torch.compile`` arguments) compiles ``update()`` with
             ``fullgraph=True``.
-        **options: every other ``fsdp_ema.ShardedEMA`` option, as it is (``warmup``,
-            ``update_every``, ``start_step``, ``params="trainable"``, ``device="cpu"``, ...).
+        **options: the EMA's options as keywords, each an ``fsdp_ema.EMAConfig`` field
+            (``decay``, ``warmup``, ``update_every``, ``start_step``, ``params="trainable"``,
+            ``device="cpu"``, ...); an unknown one is refused here.
 
     In a loop of your own (Accelerate), call ``attach(model, accelerator)`` after
     ``accelerator.prepare``, ``update()`` after each optimizer step, and ``swap()`` to evaluate:
     ``accelerator.save_state(dir)`` / ``load_state(dir)`` then save and load ``dir/ema`` too.
     """
 
-    def __init__(self, decay: float = 0.9999, *, eval_with_ema: bool | str = False,
+    def __init__(self, config: EMAConfig | float | None = None, *,
+                 eval_with_ema: bool | str = False,
                  ema_metric_name: str = "{name}_ema",
                  save_ema_model: str | os.PathLike | None = None,
                  save_ema_dtype: torch.dtype | None = None, async_save: bool = False,
@@ -195,13 +188,12 @@ class ShardedEMACallback(TrainerCallback):
                  strict_resume: bool = True, allow_changes: Collection[str] = (),
                  log: bool = True, compile: bool | dict = False, **options: Any):
         what = type(self).__name__
-        check_options(what, decay, options)
+        self.config = EMAConfig.of(what, config, options)
         if not subdir or os.sep in subdir or subdir in (".", ".."):
             raise ValueError(f"{what}: subdir must be a folder name, got {subdir!r}")
         if eval_with_ema not in (False, True, "both"):
             raise ValueError(f"{what}: eval_with_ema must be False, True or 'both', got "
                              f"{eval_with_ema!r}")
-        self.decay, self.options = decay, options
         self.eval_with_ema = eval_with_ema
         self.ema_metric_name = check_metric_name(what, ema_metric_name)
         self.save_ema_model, self.save_ema_dtype = save_ema_model, save_ema_dtype
@@ -236,11 +228,7 @@ class ShardedEMACallback(TrainerCallback):
             asked = fsdp_asked_by(accelerator=accelerator)
             if asked is not None:
                 warn_not_sharded(type(self).__name__, asked)
-        self.ema = fsdp_ema.ShardedEMA(model, self.decay, **self.options)
-        self._update = self.ema.update
-        if self.compile:
-            kwargs = dict(self.compile) if isinstance(self.compile, dict) else {}
-            self._update = torch.compile(self.ema.update, fullgraph=True, **kwargs)
+        self.ema, self._update = make_ema(model, self.config, self.compile)
         if accelerator is not None:
             accelerator.register_save_state_pre_hook(
                 lambda models, weights, output_dir: self.save(output_dir))
@@ -369,7 +357,7 @@ class ShardedEMACallback(TrainerCallback):
         self._hooks = []
 
     def _check_settings(self, args) -> None:
-        _, world = _rank_world()
+        _, world = rank_world(default_group())
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if getattr(args, "save_on_each_node", False) and local_world < world:
             raise ValueError(

@@ -1,0 +1,187 @@
+"""A ``ShardedEMA``'s state dicts and checkpoint directories (one part of the class;
+``sharded_ema`` says which): ``state_dict`` / ``load_state_dict`` (what DCP saves and reshards),
+``save`` and its seed-recipe aliases, ``load``, and ``model_fingerprint`` (the pieces a save
+would write, hashed). The collective sequences are ``_collective``'s, the layouts ``_slots``'.
+
+Reads the EMA's ``_slots``, ``_ema``, ``_shapes``, ``_step``, ``_group``, ``_device`` and
+``_watch``, and calls its ``synchronize()`` and ``_refresh()``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ._collective import save_collective
+from ._dist import rank_world
+from ._slots import _global_shape, load_slots
+
+
+def list_names(names: Sequence[str], limit: int = 8) -> str:
+    """Up to ``limit`` of ``names``, sorted and quoted, and how many more there are."""
+    names = sorted(names)
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+class CheckpointMixin:
+    """``state_dict``, ``load_state_dict``, ``save``, ``save_shard_weights``,
+    ``save_ema_shard_weights``, ``load``, ``model_fingerprint``."""
+
+    STEP_KEY: str  # ShardedEMA's
+
+    # --- state dicts ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{clean FQN: EMA value}`` plus ``STEP_KEY``: DTensors for FSDP2 parameters
+        (sharing the EMA's memory), ShardedTensors (dim-0 chunks) for FSDP1 parameters, plain
+        tensors otherwise. ``torch.distributed.checkpoint`` saves it and reloads it at any world
+        size. Collective for FSDP1 models (one all_to_all per FSDP unit)."""
+        self.synchronize()
+        out: dict[str, Any] = {}
+        for slot, ema in zip(self._slots, self._ema):
+            out.update(slot.state_items(ema))
+        out[self.STEP_KEY] = self._step
+        return out
+
+    def _check_names(self, available: Mapping[str, torch.Size], strict: bool, what: str) -> None:
+        missing = [n for n in self._shapes if n not in available]
+        unexpected = [n for n in available if n not in self._shapes]
+        problems = []
+        if strict and missing:
+            problems.append(f"missing {len(missing)} name(s): {list_names(missing)}")
+        if strict and unexpected:
+            problems.append(f"unexpected {len(unexpected)} name(s): {list_names(unexpected)}")
+        wrong = [f"{n!r} is {list(available[n])} there but {list(s)} here"
+                 for n, s in self._shapes.items() if n in available and available[n] != s]
+        if wrong:
+            problems.append(f"{len(wrong)} shape mismatch(es): " + "; ".join(wrong[:8]))
+        if problems:
+            raise ValueError(f"ShardedEMA.{what}: " + "; ".join(problems))
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """Loads EMA values from a state dict keyed by clean FQNs, whatever each value is: a
+        full tensor, a DTensor or a ShardedTensor (FSDP1 layout), e.g. after ``dcp.load`` into
+        ``state_dict()`` at any world size. ``STEP_KEY``, if present, sets the step. Collective
+        for FSDP1 models. With ``strict``, the names must match exactly; shapes always must."""
+        self.synchronize()
+        available = {k: _global_shape(v) for k, v in state_dict.items() if k != self.STEP_KEY}
+        self._check_names(available, strict, "load_state_dict")
+        for slot, ema in zip(self._slots, self._ema):
+            values = {fqn: slot.local_value(fqn, state_dict[fqn])
+                      for fqn, _ in slot.names() if fqn in state_dict}
+            slot.assign(ema, values)
+        if self.STEP_KEY in state_dict:
+            self._step.copy_(torch.as_tensor(state_dict[self.STEP_KEY]))
+            self._step_host = int(self._step)
+
+    # --- checkpoint directories -------------------------------------------------------------------
+
+    def _rank_world(self) -> tuple[int, int]:
+        return rank_world(self._group)
+
+    def _check_selection(self, what: str) -> None:
+        if self._watch is not None:
+            self._watch.check(what)
+
+    def _pieces(self, tensors: Sequence[torch.Tensor], rank: int, world: int) -> dict[str, Any]:
+        """What this rank writes of ``tensors`` (the EMA's, or the model's), as ``save_shard``
+        takes it. Collective for FSDP1 (one all_to_all per unit)."""
+        out: dict[str, Any] = {}
+        for slot, t in zip(self._slots, tensors):
+            out.update(slot.pieces(t.detach(), rank, world))
+        return out
+
+    def _save(self, directory, tensors: Sequence[torch.Tensor], overwrite: bool,
+              what: str, extra: Mapping[str, torch.Tensor] | None = None, *,
+              async_: bool = False, if_busy: str = "wait"):
+        """``extra``: whole tensors written by rank 0 next to the EMA's (snapshot metadata)."""
+        self.synchronize()
+        self._check_selection(what)
+        rank, world = self._rank_world()
+
+        def pieces() -> dict[str, Any]:  # collective for FSDP1 (one all_to_all per unit)
+            out = self._pieces(tensors, rank, world)
+            if extra and rank == 0:
+                out.update({name: t.detach().cpu() for name, t in extra.items()})
+            return out
+
+        saver = None
+        if async_:
+            from ._async import AsyncSaver
+
+            saver = self.__dict__.setdefault("_async_saver", AsyncSaver())
+        return save_collective(directory, pieces, group=self._group, device=self._device,
+                               what=f"{what}({os.fspath(directory)!r})", overwrite=overwrite,
+                               async_saver=saver, if_busy=if_busy)
+
+    @torch.no_grad()
+    def save(self, directory: str | os.PathLike, *, overwrite: bool = False,
+             async_: bool = False, if_busy: str = "wait"):
+        """Writes the EMA weights as a sharded checkpoint directory (``fsdp_ema.checkpoint``
+        format: one safetensors file per rank, the index written last by rank 0 once every rank
+        has written its file). Collective. A failure on any rank raises on every rank and leaves
+        no index. Names are clean FQNs; the step is not saved (use ``state_dict()`` for that).
+        Returns the bytes of this rank's file.
+
+        ``async_=True`` returns a ``SaveHandle`` once the EMA is staged into host buffers this
+        EMA reuses between saves (``update()`` may run right away); the file is written and
+        committed on a background thread, and ``handle.result()`` returns the bytes or raises on
+        every rank. One save in flight per EMA: a new one waits for it, or with
+        ``if_busy="raise"`` raises on every rank (see docs/SHARDED_EMA.md)."""
+        return self._save(directory, self._ema, overwrite, "ShardedEMA.save", async_=async_,
+                          if_busy=if_busy)
+
+    @torch.no_grad()
+    def save_shard_weights(self, directory: str | os.PathLike, *, overwrite: bool = False,
+                           async_: bool = False, if_busy: str = "wait"):
+        """Writes the model's own weights (same tensors as the EMA, same format)."""
+        return self._save(directory, self._refresh(), overwrite, "ShardedEMA.save_shard_weights",
+                          async_=async_, if_busy=if_busy)
+
+    def save_ema_shard_weights(self, directory: str | os.PathLike, *,
+                               overwrite: bool = False, async_: bool = False,
+                               if_busy: str = "wait"):
+        """Alias of ``save`` (the name of the common ShardEMAModel recipe)."""
+        return self.save(directory, overwrite=overwrite, async_=async_, if_busy=if_busy)
+
+    @torch.no_grad()
+    def load(self, directory: str | os.PathLike, *, strict: bool = True,
+             verify: bool = True) -> None:
+        """Loads EMA weights from a checkpoint directory written at any world size (``save``,
+        ``save_shard_weights``, ``fsdp_ema.checkpoint`` or DCP's HuggingFace writer). Each rank
+        reads only the rows it keeps where the layout allows, straight into the EMA's tensors
+        where the stored dtype is the EMA's. Collective: every rank checks everything (checksums
+        included) before any rank writes, so a failure anywhere leaves every EMA as it was."""
+        # An EMA in host memory: the update in flight lands before the load writes the tensors.
+        self.synchronize()
+        directory = os.fspath(directory)
+        # Every rank checks everything (the index, names, shapes, dtypes, every destination and
+        # every checksum it will read) before the agreement, and reads into the EMA in place only
+        # after it (_collective.load_collective): one rank's failure raises everywhere and leaves
+        # every rank's EMA as it was.
+        load_slots(directory, self._slots, self._ema,
+                   check_names=lambda available: self._check_names(available, strict, "load"),
+                   group=self._group, device=self._device,
+                   what=f"ShardedEMA.load({directory!r})", verify=verify)
+
+    @torch.no_grad()
+    def model_fingerprint(self) -> str:
+        """A fingerprint (16 hex digits) of the model weights this EMA averages, as they are now:
+        equal for bit-equal weights at any world size and sharding, different (up to a ~2^-62
+        chance) for any other. Each rank hashes the pieces of them it would save (as
+        ``save_shard_weights`` writes them) with their positions in the full tensors, and one
+        ``all_reduce`` of two integers combines the ranks: no rank gathers a tensor. Collective
+        (FSDP1 units: one all_to_all each, as a save). What the trainer integrations record with
+        every EMA they save, to prove on resume that the restored model is the one it was saved
+        with (``fsdp_ema._binding``)."""
+        from ._binding import fingerprint
+
+        self.synchronize()
+        rank, world = self._rank_world()
+        pieces = self._pieces(self._refresh(), rank, world)
+        return fingerprint(pieces, group=self._group, device=self._device)

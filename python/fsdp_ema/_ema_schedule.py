@@ -1,0 +1,97 @@
+"""The decay schedule of a ``ShardedEMA`` (one part of the class; ``sharded_ema`` says which):
+the options that make it, read from the EMA's ``EMAConfig``, the decay of update ``k`` as tensor
+ops on the device (no host sync: a compiled step compiles once) and as a Python float, and the
+update count, kept on the device and, for eager updates, on the host too.
+
+Reads the EMA's ``config``, ``_step`` (0-dim int64 on the schedule's device), ``_step_host``
+(int, or None after a compiled update) and ``_decay`` (0-dim float64: the fixed decay).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .config import EMAConfig, Warmup
+
+
+class ScheduleMixin:
+    """``decay``, ``warmup``, ``schedule``, ``update_every``, ``start_step`` (the config's),
+    ``decay_at(k)``, ``step``, ``last_decay``."""
+
+    config: EMAConfig
+    _step: torch.Tensor
+    _step_host: int | None
+    _decay: torch.Tensor
+    _last_decay: torch.Tensor | None
+
+    @property
+    def decay(self) -> float:
+        """The fixed decay, or the warmup's upper bound (``config.decay``)."""
+        return self.config.decay
+
+    @property
+    def warmup(self) -> Warmup | None:
+        """The warmup (``config.warmup``), or None."""
+        return self.config.warmup
+
+    @property
+    def schedule(self) -> Any:
+        """The schedule object (``config.schedule``), or None."""
+        return self.config.schedule
+
+    @property
+    def update_every(self) -> int:
+        return self.config.update_every
+
+    @property
+    def start_step(self) -> int:
+        return self.config.start_step
+
+    def _scheduled_decay(self, k: torch.Tensor) -> torch.Tensor:
+        """The decay of update ``k`` (0-dim int64 tensor), with tensor ops only (no host sync)."""
+        if self.schedule is not None:
+            # The t-th averaging update, counted from 1 (update_every skips the others).
+            d = self.schedule.device_decay(k // self.update_every + 1)
+        elif self.warmup is None:
+            d = self._decay
+        else:
+            s = (k - self.start_step).clamp_min(0).to(torch.float64)
+            d = self.warmup.device_decay(s, self.decay)
+        if self.update_every > 1:
+            d = torch.where(k % self.update_every == 0, d, 1.0)   # 1 keeps the EMA as it is
+        if self.start_step > 0:
+            d = torch.where(k < self.start_step, 0.0, d)          # 0 copies the weights
+        return d
+
+    def decay_at(self, step: int) -> float:
+        """The decay update number ``step`` (counted from 0) uses, as a Python float."""
+        if step < self.start_step:
+            return 0.0
+        if step % self.update_every:
+            return 1.0
+        if self.schedule is not None:
+            return self.schedule.decay_at(step // self.update_every + 1)
+        return self.warmup(step - self.start_step, self.decay) if self.warmup else self.decay
+
+    @property
+    def step(self) -> torch.Tensor:
+        """Number of ``update()`` calls so far (0-dim int64 tensor on the EMA's device)."""
+        return self._step
+
+    @property
+    def last_decay(self) -> torch.Tensor | None:
+        """The decay the last ``update()`` used (0-dim tensor; reading it syncs only if you do)."""
+        return self._last_decay
+
+    def _count_step(self) -> None:
+        if torch.compiler.is_compiling():
+            self._step_host = None
+        elif self._step_host is not None:
+            self._step_host += 1
+
+    def _step_count(self) -> int:
+        """The number of update() calls so far, from the host count when it is known (no wait
+        for the device), else from the step tensor."""
+        return self._step_host if self._step_host is not None else int(self._step)

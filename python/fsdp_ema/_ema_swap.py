@@ -1,0 +1,114 @@
+"""A ``ShardedEMA``'s weights in the live model (one part of the class; ``sharded_ema`` says
+which): ``swap()`` (the EMA weights inside a block, the model's own after, bit for bit),
+``copy_to()`` (for good), and ``module()`` (the EMA as a model of its own: a teacher,
+``_teacher``). Each writes into the tensors the model computes from, after freeing the unsharded
+parameters FSDP would otherwise reuse.
+
+Reads the EMA's ``model``, ``_slots``, ``_ema``, ``_swapped`` and ``_fsdp2_modules``, and calls
+its ``synchronize()``, ``_refresh()`` and ``_check_selection()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+class SwapMixin:
+    """``swap``, ``copy_to``, ``module``."""
+
+    @contextlib.contextmanager
+    def swap(self) -> Iterator[nn.Module]:
+        """Context manager: the model holds the EMA weights inside, its own weights after.
+
+        Writes into the tensors the model computes from (FSDP2: the local shards of the DTensor
+        parameters; FSDP1: the local slices of the FlatParameters; otherwise the parameters and
+        buffers), after keeping a copy of them, which is written back bit for bit on exit.
+        """
+        if self._swapped:
+            raise RuntimeError("ShardedEMA.swap() is already active")
+        self.synchronize()
+        self._reshard()
+        with torch.no_grad():
+            model = self._refresh()
+            backup = [torch.empty_like(t) for t in model]
+            torch._foreach_copy_(backup, model)
+            torch._foreach_copy_(model, self._ema)
+        self._swapped = True
+        try:
+            yield self.model
+        finally:
+            # Drop unsharded copies of the EMA values before the weights come back.
+            self._reshard()
+            with torch.no_grad():
+                torch._foreach_copy_(model, backup)
+            self._swapped = False
+
+    @torch.no_grad()
+    def copy_to(self, model: nn.Module | None = None) -> None:
+        """Writes the EMA into the model for good (timm's ``set``, diffusers' ``copy_to``): into
+        the tensors it computes from (as ``swap()`` does, with no copy kept), bit for bit where
+        the dtypes agree (else cast). ``model``: the EMA's own model (default), or another model
+        wrapped and sharded the same way (same names and local shapes) on the same ranks. Only
+        what the EMA keeps is written (see ``params`` and ``include_buffers``)."""
+        if self._swapped:
+            raise RuntimeError("ShardedEMA.copy_to() inside swap(): the model's own weights "
+                               "come back when the block exits; copy after it")
+        self.synchronize()  # an EMA in host memory: its update in flight lands first
+        self._check_selection("ShardedEMA.copy_to")
+        if model is None or model is self.model:
+            self._reshard()
+            targets = self._refresh()
+        else:
+            from ._apply import matching_tensors
+
+            targets = matching_tensors(model, self._slots, "ShardedEMA.copy_to")
+        torch._foreach_copy_(targets, self._ema)
+
+    def _reshard(self) -> None:
+        """Frees unsharded parameters, so that the next forward gathers from the shards.
+
+        FSDP2 keeps the root's parameters unsharded after a forward without backward, FSDP1
+        keeps the root's unsharded flat parameter allocated and reuses it without gathering;
+        either would make a forward ignore what swap() writes into the shards.
+        """
+        for module in self._fsdp2_modules:
+            module.reshard()
+        for slot in self._slots:
+            slot.reshard()
+
+    # --- the EMA as a module (a teacher) ----------------------------------------------------------
+
+    def module(self, *, mp_policy=None, reshard_after_forward: bool | int = True, mesh=None,
+               compile: bool | dict = True) -> nn.Module:
+        """The EMA as a model that runs: the student's structure with the EMA's own tensors as its
+        parameters (no second copy), sharded like the student, ``requires_grad=False``, in
+        ``eval()`` mode; ``update()`` is the whole teacher update. A self-distillation teacher
+        (DINO, iBOT, I-JEPA, BYOL, MoCo, data2vec): see docs/SELF_DISTILLATION.md.
+
+        FSDP2: the student's ``fully_shard`` units over the student's meshes, built on the meta
+        device, their sharded parameters pointed at the EMA (uneven rows, HSDP and TP x FSDP
+        meshes included). DDP and plain models: parameters over the EMA's tensors. FSDP1 models
+        and an EMA in host memory (``device="cpu"``) are refused. Parameters the EMA does not
+        keep (``params="trainable"``) are the student's own; buffers the EMA keeps are the
+        EMA's, the others the teacher's own (copied from the student's once).
+
+        Args:
+            mp_policy: FSDP2: the units' MixedPrecisionPolicy (default: each student unit's).
+            reshard_after_forward: FSDP2: as ``fully_shard``'s (True: every unit, the root too,
+                frees its gathered parameters after each forward).
+            mesh: optional check: the mesh the teacher should run on, which must be the one the
+                student's units (and so the EMA's shards) are on.
+            compile: True: modules the student compiled (``nn.Module.compile``, or
+                ``torch.compile(model)`` at the root) are compiled alike, with torch.compile's
+                defaults; a dict: with those arguments; False: none.
+
+        Built once per set of arguments; later calls return the same module.
+        """
+        from ._teacher import module
+
+        return module(self, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+                      mesh=mesh, compile=compile)
