@@ -29,7 +29,7 @@ def test_names_come_from_format():
 
 
 def test_overlapping_reports_tied_tensors_exactly():
-    """The memory rule of the in-place ops (ops/memory.h), as a query: the collective load sends
+    """The memory rule of the in-place ops (ops/common/memory.h), as a query: the collective load sends
     tied destinations (one tensor under two names) to a copy instead of load_into_."""
     base = torch.zeros(64)
     other = torch.zeros(8)

@@ -4,17 +4,17 @@
 // CPU-only build has no CUDA dependency.
 #include <torch/library.h>
 
-#include "ops/checkpoint_info.h"
-#include "ops/commit_checkpoint.h"
-#include "ops/directory.h"
-#include "ops/export_writer.h"
-#include "ops/gather_shards.h"
+#include "ops/checkpoint/checkpoint_info.h"
+#include "ops/save/commit_checkpoint.h"
+#include "ops/checkpoint/directory.h"
+#include "ops/checkpoint/export_writer.h"
+#include "ops/gather/gather_shards.h"
 #include "ops/load/load_ops.h"
-#include "ops/memory.h"
-#include "ops/posthoc.h"
-#include "ops/queries.h"
-#include "ops/save_shard.h"
-#include "ops/update.h"
+#include "ops/common/memory.h"
+#include "ops/posthoc/posthoc.h"
+#include "ops/queries/queries.h"
+#include "ops/save/save_shard.h"
+#include "ops/update/update.h"
 
 namespace ops = fsdp_ema::ops;
 
@@ -74,7 +74,7 @@ TORCH_LIBRARY(fsdp_ema, m) {
   m.def(
       "load_tensors.after(str directory, str[] names, Tensor[] after, int rank=0, "
       "int world_size=1, bool verify=True, Device? device=None, bool mmap=False) -> Tensor[]");
-  // Private: what load_tensors calls, dispatched on `target` (ops/tracing.h says why).
+  // Private: what load_tensors calls, dispatched on `target` (ops/common/tracing.h says why).
   m.def(
       "_load_tensors(Tensor target, Tensor[] after, str directory, str[] names, int rank, "
       "int world_size, bool verify, bool mmap) -> Tensor[]");
@@ -102,7 +102,7 @@ TORCH_LIBRARY(fsdp_ema, m) {
   // Removes a checkpoint directory: the index first, then everything else, never through a link.
   m.def(torch::schema("remove_checkpoint(str directory) -> ()", writes_files));
 
-  // Rules that live in C++, for Python (ops/queries.h).
+  // Rules that live in C++, for Python (ops/queries/queries.h).
   // The index's file name, the commit marker.
   m.def("index_file_name() -> str");
   // The name rank `rank` of `world_size` writes its shard file under.
@@ -115,7 +115,7 @@ TORCH_LIBRARY(fsdp_ema, m) {
   m.def("dtypes() -> str");
   // The instruction set of the CPU update kernel in use: "avx512", "avx2" or "default".
   m.def("cpu_capability() -> str");
-  // Indices of the tensors that share memory with another of them (tied weights; ops/memory.h).
+  // Indices of the tensors that share memory with another of them (tied weights; ops/common/memory.h).
   m.def("overlapping(Tensor[] tensors) -> int[]");
 
   // Post-hoc EMA (EDM2), computed by format/posthoc.h (what `fsdp-ema posthoc` uses too).

@@ -1,11 +1,11 @@
 // The CUDA kernel table of the fsdp_ema operators (their schemas are in registration.cpp).
 #include <torch/library.h>
 
-#include "ops/commit_checkpoint.h"
-#include "ops/gather_shards.h"
+#include "ops/save/commit_checkpoint.h"
+#include "ops/gather/gather_shards.h"
 #include "ops/load/load_ops.h"
-#include "ops/save_shard.h"
-#include "ops/update.h"
+#include "ops/save/save_shard.h"
+#include "ops/update/update.h"
 
 namespace ops = fsdp_ema::ops;
 

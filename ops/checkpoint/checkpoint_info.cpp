@@ -1,10 +1,10 @@
-#include "ops/checkpoint_info.h"
+#include "ops/checkpoint/checkpoint_info.h"
 
 #include <span>
 
 #include "fsdp_ema/format/dtype.h"
 #include "fsdp_ema/format/json_writer.h"
-#include "ops/format_bridge.h"
+#include "ops/common/format_bridge.h"
 
 namespace fsdp_ema::ops {
 

@@ -1,10 +1,10 @@
-#include "ops/directory.h"
+#include "ops/checkpoint/directory.h"
 
 #include <string>
 #include <string_view>
 
 #include "fsdp_ema/format/layout.h"
-#include "ops/format_bridge.h"
+#include "ops/common/format_bridge.h"
 
 namespace fsdp_ema::ops {
 

@@ -1,11 +1,11 @@
-#include "ops/export_writer.h"
+#include "ops/checkpoint/export_writer.h"
 
 #include <c10/util/irange.h>
 
 #include <algorithm>
 #include <numeric>
 
-#include "ops/format_bridge.h"
+#include "ops/common/format_bridge.h"
 
 namespace fsdp_ema::ops {
 namespace {

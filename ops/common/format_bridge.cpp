@@ -1,4 +1,4 @@
-#include "ops/format_bridge.h"
+#include "ops/common/format_bridge.h"
 
 #include <vector>
 

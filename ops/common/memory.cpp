@@ -1,4 +1,4 @@
-#include "ops/memory.h"
+#include "ops/common/memory.h"
 
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>

@@ -1,4 +1,4 @@
-#include "ops/tracing.h"
+#include "ops/common/tracing.h"
 
 #include <ATen/ops/empty.h>
 

@@ -1,4 +1,4 @@
-#include "ops/gather_shards.h"
+#include "ops/gather/gather_shards.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>

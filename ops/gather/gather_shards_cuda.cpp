@@ -1,6 +1,6 @@
 // gather_shards' CUDA kernel: the shared host code with the batched copy kernel on the current
 // stream for pack and unpack.
-#include "ops/gather_shards_cuda.h"
+#include "ops/gather/gather_shards_cuda.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "kernels/batched_copy_cuda.h"
-#include "ops/gather_shards.h"
+#include "ops/gather/gather_shards.h"
 
 namespace fsdp_ema::ops {
 

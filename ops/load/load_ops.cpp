@@ -7,10 +7,10 @@
 #include <utility>
 
 #include "fsdp_ema/format/shard_file.h"
-#include "ops/checkpoint_info.h"
-#include "ops/format_bridge.h"
+#include "ops/checkpoint/checkpoint_info.h"
+#include "ops/common/format_bridge.h"
 #include "ops/load/pipeline.h"
-#include "ops/tracing.h"
+#include "ops/common/tracing.h"
 
 namespace fsdp_ema::ops {
 namespace {

@@ -1,5 +1,5 @@
 // Every load op and its kernels, on the one read pipeline (ops/load/pipeline.h):
-//   load_tensors (+ .after and the private _load_tensors it calls; ops/tracing.h says why),
+//   load_tensors (+ .after and the private _load_tensors it calls; ops/common/tracing.h says why),
 //   load_shard (+ _load_shard), load_into_, and the op class OpenCheckpoint.
 // Each byte a load returns or writes was verified in the pass that read it (with verify).
 #pragma once

@@ -1,4 +1,4 @@
-#include "ops/posthoc.h"
+#include "ops/posthoc/posthoc.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,11 +1,11 @@
-#include "ops/queries.h"
+#include "ops/queries/queries.h"
 
 #include "fsdp_ema/format/dtype.h"
 #include "fsdp_ema/format/json_writer.h"
 #include "fsdp_ema/format/names.h"
 #include "fsdp_ema/format/rows.h"
 #include "kernels/update_cpu.h"
-#include "ops/format_bridge.h"
+#include "ops/common/format_bridge.h"
 
 namespace fsdp_ema::ops {
 

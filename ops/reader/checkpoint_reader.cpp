@@ -12,7 +12,7 @@
 #include "fsdp_ema/format/checkpoint_dir.h"
 #include "fsdp_ema/format/error.h"
 #include "fsdp_ema/format/rows.h"
-#include "ops/format_bridge.h"
+#include "ops/common/format_bridge.h"
 #include "ops/load/pipeline.h"
 
 namespace fsdp_ema {

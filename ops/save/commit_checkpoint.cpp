@@ -1,4 +1,4 @@
-#include "ops/commit_checkpoint.h"
+#include "ops/save/commit_checkpoint.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -8,8 +8,8 @@
 #include <string>
 
 #include "fsdp_ema/format/layout.h"
-#include "ops/format_bridge.h"
-#include "ops/tracing.h"
+#include "ops/common/format_bridge.h"
+#include "ops/common/tracing.h"
 
 namespace fsdp_ema::ops {
 namespace {

@@ -1,4 +1,4 @@
-#include "ops/save_shard.h"
+#include "ops/save/save_shard.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -12,8 +12,8 @@
 #include "fsdp_ema/format/layout.h"
 #include "fsdp_ema/format/name_hash.h"
 #include "fsdp_ema/format/shard_writer.h"
-#include "ops/format_bridge.h"
-#include "ops/tracing.h"
+#include "ops/common/format_bridge.h"
+#include "ops/common/tracing.h"
 
 namespace fsdp_ema::ops {
 namespace {

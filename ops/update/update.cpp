@@ -1,4 +1,4 @@
-#include "ops/update.h"
+#include "ops/update/update.h"
 
 #include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty_like.h>
@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "kernels/update_cpu.h"
-#include "ops/format_bridge.h"
-#include "ops/memory.h"
+#include "ops/common/format_bridge.h"
+#include "ops/common/memory.h"
 
 namespace fsdp_ema::ops {
 namespace {

@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "ops/format_bridge.h"
-#include "ops/memory.h"
-#include "ops/update.h"
+#include "ops/common/format_bridge.h"
+#include "ops/common/memory.h"
+#include "ops/update/update.h"
 
 namespace fsdp_ema::ops {
 namespace {
