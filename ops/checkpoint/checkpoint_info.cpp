@@ -4,6 +4,8 @@
 
 #include "fsdp_ema/format/dtype.h"
 #include "fsdp_ema/format/json_writer.h"
+#include "fsdp_ema/ops.h"
+#include "ops/common/dispatch.h"
 #include "ops/common/format_bridge.h"
 
 namespace fsdp_ema::ops {
@@ -31,3 +33,13 @@ std::string checkpoint_info(c10::string_view directory) {
 }
 
 }  // namespace fsdp_ema::ops
+
+// --- the public C++ API (include/fsdp_ema/ops.h): through the dispatcher ------------------------
+namespace fsdp_ema {
+
+std::string checkpoint_info(const std::string& directory) {
+  static const auto op = ops::typed_op<std::string(c10::string_view)>("fsdp_ema::checkpoint_info");
+  return op.call(directory);
+}
+
+}  // namespace fsdp_ema

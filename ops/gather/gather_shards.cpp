@@ -6,11 +6,15 @@
 #include <c10/util/irange.h>
 
 #include <algorithm>
+#include <atomic>
+#include <mutex>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "fsdp_ema/format/rows.h"
+#include "fsdp_ema/ops.h"
 #include "kernels/batched_copy.h"
+#include "ops/common/dispatch.h"
 
 namespace fsdp_ema::ops {
 namespace {
@@ -54,6 +58,8 @@ std::pair<at::Tensor, at::Tensor> cached_workspace(const at::Device& device, int
 }
 
 }  // namespace
+
+int64_t gather_alignment() { return kAlign; }
 
 std::pair<at::Tensor, at::Tensor> fresh_workspace(const at::Device& device, int64_t send_bytes,
                                                   int64_t recv_bytes) {
@@ -161,3 +167,52 @@ std::vector<at::Tensor> gather_shards_meta(at::TensorList shards, at::IntArrayRe
 }
 
 }  // namespace fsdp_ema::ops
+
+// --- the public C++ API (include/fsdp_ema/ops.h)
+// ---------------------------------------------------
+namespace fsdp_ema {
+
+std::vector<at::Tensor> gather_shards(at::TensorList shards, c10::ArrayRef<int64_t> rows,
+                                      const std::string& group_name) {
+  static const auto op = ops::typed_op<std::vector<at::Tensor>(
+      at::TensorList, c10::ArrayRef<int64_t>, c10::string_view)>("fsdp_ema::gather_shards");
+  return op.call(shards, rows, group_name);
+}
+
+std::vector<at::Tensor> gather_shards(at::TensorList shards, c10::ArrayRef<int64_t> rows,
+                                      const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  return gather_shards(shards, rows, register_process_group(group));
+}
+
+std::string register_process_group(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  TORCH_CHECK(group, "fsdp_ema::register_process_group: group is null");
+  // Serialized so that two threads registering one group agree on its name.
+  static std::mutex mutex;
+  static std::atomic<int64_t> next{0};
+  const std::lock_guard<std::mutex> lock(mutex);
+  std::string current;
+  try {
+    current = group->getGroupName();  // throws for a group never named
+  } catch (const std::exception&) {
+  }
+  if (!current.empty()) {
+    bool taken = false;
+    try {
+      const auto registered = c10d::resolve_process_group(current);
+      if (registered.get() == group.get()) return current;
+      taken = true;  // another group holds the name: this one gets a fresh one
+    } catch (const std::exception&) {
+      // Named but not registered: register it under its own name.
+    }
+    if (!taken) {
+      c10d::register_process_group(current, group);
+      return current;
+    }
+  }
+  const std::string name = "fsdp_ema_group_" + std::to_string(next++);
+  group->setGroupName(name);
+  c10d::register_process_group(name, group);
+  return name;
+}
+
+}  // namespace fsdp_ema

@@ -1,6 +1,6 @@
 // Host side of fsdp_ema::gather_shards: dim-0 shards of N tensors -> the N full tensors, with one
 // all-gather on a c10d process group resolved by name. One kernel per dispatch key (CPU, CUDA in
-// ops/gather_cuda.cpp, Meta); they share the host code and differ only in the pack/unpack copy.
+// gather_shards_cuda.cpp, Meta); they share the host code and differ only in the pack/unpack copy.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -13,6 +13,10 @@
 #include "kernels/batched_copy.h"
 
 namespace fsdp_ema::ops {
+
+// The byte alignment at which gather_shards starts every piece it packs (its copies move whole
+// 16-byte words): op gather_alignment, so that Python's bucket sizes follow the op's layout.
+int64_t gather_alignment();
 
 // Copies every segment (host code of one device's batched copy kernel).
 using BatchedCopyFn = void (*)(std::vector<kernels::CopySegment>& segments,

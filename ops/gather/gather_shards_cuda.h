@@ -1,5 +1,5 @@
-// CUDA half of gather_shards: its kernel (registered in registration_cuda.cpp) and the pack/unpack
-// copy it runs, which the CUDA gtests also drive directly. Only built with CUDA.
+// CUDA half of gather_shards: its kernel (registered in registration/registration.cpp) and the
+// pack/unpack copy it runs, which the CUDA gtests also drive directly. Only built with CUDA.
 #pragma once
 
 #include <c10/core/Device.h>

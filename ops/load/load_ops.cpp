@@ -7,10 +7,12 @@
 #include <utility>
 
 #include "fsdp_ema/format/shard_file.h"
+#include "fsdp_ema/ops.h"
 #include "ops/checkpoint/checkpoint_info.h"
+#include "ops/common/dispatch.h"
 #include "ops/common/format_bridge.h"
-#include "ops/load/pipeline.h"
 #include "ops/common/tracing.h"
+#include "ops/load/pipeline.h"
 
 namespace fsdp_ema::ops {
 namespace {
@@ -248,3 +250,27 @@ void OpenCheckpoint::check_unchanged() const {
 }
 
 }  // namespace fsdp_ema::ops
+
+// --- the public C++ API (include/fsdp_ema/ops.h): through the dispatcher ------------------------
+namespace fsdp_ema {
+
+std::vector<at::Tensor> load_tensors(const std::string& directory,
+                                     const std::vector<std::string>& names, int64_t rank,
+                                     int64_t world_size, bool verify,
+                                     std::optional<at::Device> device, bool mmap) {
+  static const auto op = ops::typed_op<std::vector<at::Tensor>(
+      c10::string_view, const std::vector<std::string>&, int64_t, int64_t, bool,
+      std::optional<at::Device>, bool)>("fsdp_ema::load_tensors");
+  return op.call(directory, names, rank, world_size, verify, device, mmap);
+}
+
+ShardFileContents load_shard(const std::string& path, bool verify, std::optional<at::Device> device,
+                             bool mmap) {
+  static const auto op =
+      ops::typed_op<ops::ShardContents(c10::string_view, bool, std::optional<at::Device>, bool)>(
+          "fsdp_ema::load_shard");
+  auto [names, shards, offsets, global_shapes] = op.call(path, verify, device, mmap);
+  return {std::move(names), std::move(shards), std::move(offsets), std::move(global_shapes)};
+}
+
+}  // namespace fsdp_ema

@@ -4,7 +4,9 @@
 #include "fsdp_ema/format/json_writer.h"
 #include "fsdp_ema/format/names.h"
 #include "fsdp_ema/format/rows.h"
+#include "fsdp_ema/ops.h"
 #include "kernels/update_cpu.h"
+#include "ops/common/dispatch.h"
 #include "ops/common/format_bridge.h"
 
 namespace fsdp_ema::ops {
@@ -49,3 +51,24 @@ std::string dtypes() {
 std::string cpu_capability() { return kernels::update_cpu_capability(); }
 
 }  // namespace fsdp_ema::ops
+
+// --- the public C++ API (include/fsdp_ema/ops.h)
+// ---------------------------------------------------
+namespace fsdp_ema {
+
+std::pair<int64_t, int64_t> chunk_rows(int64_t rows, int64_t rank, int64_t world_size) {
+  static const auto op =
+      ops::typed_op<std::vector<int64_t>(int64_t, int64_t, int64_t)>("fsdp_ema::chunk_rows");
+  const std::vector<int64_t> r = op.call(rows, rank, world_size);
+  return {r[0], r[1]};
+}
+
+bool built_with_cuda() {
+#if defined(FSDP_EMA_WITH_CUDA)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace fsdp_ema

@@ -8,6 +8,8 @@
 #include <string>
 
 #include "fsdp_ema/format/layout.h"
+#include "fsdp_ema/ops.h"
+#include "ops/common/dispatch.h"
 #include "ops/common/format_bridge.h"
 #include "ops/common/tracing.h"
 
@@ -53,3 +55,23 @@ at::Tensor commit_after_meta(c10::string_view directory, int64_t world_size, at:
 }
 
 }  // namespace fsdp_ema::ops
+
+// --- the public C++ API (include/fsdp_ema/ops.h): through the dispatcher ------------------------
+namespace fsdp_ema {
+
+int64_t commit_checkpoint(const std::string& directory, int64_t world_size, bool overwrite,
+                          bool fsync) {
+  static const auto op =
+      ops::typed_op<int64_t(c10::string_view, int64_t, bool, bool)>("fsdp_ema::commit_checkpoint");
+  return op.call(directory, world_size, overwrite, fsync);
+}
+
+at::Tensor commit_checkpoint(const std::string& directory, int64_t world_size, at::TensorList after,
+                             bool overwrite, bool fsync) {
+  static const auto op =
+      ops::typed_op<at::Tensor(c10::string_view, int64_t, at::TensorList, bool, bool)>(
+          "fsdp_ema::commit_checkpoint", "after");
+  return op.call(directory, world_size, after, overwrite, fsync);
+}
+
+}  // namespace fsdp_ema

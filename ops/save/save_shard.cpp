@@ -12,6 +12,8 @@
 #include "fsdp_ema/format/layout.h"
 #include "fsdp_ema/format/name_hash.h"
 #include "fsdp_ema/format/shard_writer.h"
+#include "fsdp_ema/ops.h"
+#include "ops/common/dispatch.h"
 #include "ops/common/format_bridge.h"
 #include "ops/common/tracing.h"
 
@@ -150,3 +152,20 @@ at::Tensor save_shard_meta(c10::string_view directory, int64_t rank, int64_t wor
 }
 
 }  // namespace fsdp_ema::ops
+
+// --- the public C++ API (include/fsdp_ema/ops.h): through the dispatcher ------------------------
+namespace fsdp_ema {
+
+int64_t save_shard(const std::string& directory, int64_t rank, int64_t world_size,
+                   const std::vector<std::string>& names, at::TensorList shards,
+                   c10::ArrayRef<int64_t> offsets, c10::ArrayRef<int64_t> global_shapes, bool fsync,
+                   bool overwrite) {
+  static const auto op = ops::typed_op<at::Tensor(
+      c10::string_view, int64_t, int64_t, const std::vector<std::string>&, at::TensorList,
+      c10::ArrayRef<int64_t>, c10::ArrayRef<int64_t>, bool, bool)>("fsdp_ema::save_shard");
+  return op
+      .call(directory, rank, world_size, names, shards, offsets, global_shapes, fsync, overwrite)
+      .item<int64_t>();
+}
+
+}  // namespace fsdp_ema

@@ -11,7 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "fsdp_ema/ops.h"
 #include "kernels/update_cpu.h"
+#include "ops/common/dispatch.h"
 #include "ops/common/format_bridge.h"
 #include "ops/common/memory.h"
 
@@ -276,3 +278,48 @@ void update_multi_no_kernel(at::TensorList ema, at::TensorList model,
 }
 
 }  // namespace fsdp_ema::ops
+
+// --- the public C++ API (include/fsdp_ema/ops.h): through the dispatcher ------------------------
+namespace fsdp_ema {
+namespace {
+
+template <typename Decay>
+using UpdateSignature = void(ops::TensorList, ops::TensorList, Decay);
+
+}  // namespace
+
+void update_(ops::TensorList ema, ops::TensorList model, double decay) {
+  static const auto op = ops::typed_op<UpdateSignature<double>>("fsdp_ema::update_");
+  op.call(ema, model, decay);
+}
+
+void update_(ops::TensorList ema, ops::TensorList model, const at::Tensor& decay) {
+  static const auto op =
+      ops::typed_op<UpdateSignature<const at::Tensor&>>("fsdp_ema::update_", "Tensor");
+  op.call(ema, model, decay);
+}
+
+void ema_shard_update_(ops::TensorList ema, ops::TensorList model, double decay) {
+  static const auto op = ops::typed_op<UpdateSignature<double>>("fsdp_ema::ema_shard_update_");
+  op.call(ema, model, decay);
+}
+
+void ema_shard_update_(ops::TensorList ema, ops::TensorList model, const at::Tensor& decay) {
+  static const auto op =
+      ops::typed_op<UpdateSignature<const at::Tensor&>>("fsdp_ema::ema_shard_update_", "Tensor");
+  op.call(ema, model, decay);
+}
+
+void update_multi_(ops::TensorList ema, ops::TensorList model, c10::ArrayRef<double> decays) {
+  static const auto op =
+      ops::typed_op<UpdateSignature<c10::ArrayRef<double>>>("fsdp_ema::update_multi_");
+  op.call(ema, model, decays);
+}
+
+void update_multi_(ops::TensorList ema, ops::TensorList model, ops::TensorList decays) {
+  static const auto op =
+      ops::typed_op<UpdateSignature<ops::TensorList>>("fsdp_ema::update_multi_", "Tensor");
+  op.call(ema, model, decays);
+}
+
+}  // namespace fsdp_ema
