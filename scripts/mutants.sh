@@ -65,10 +65,11 @@ MUTANTS = {
         "kernel(pairs[k * num_tensors + t], lo, hi, decays[k]);",
         "kernel(pairs[k * num_tensors + t], lo, k == 0 ? hi : std::max(lo, hi - 1), decays[k]);",
         [pytest("python_tests/test_update_multi.py", "-k", "bit_for_bit")]),
-    "cpu-decay-zero-not-exact": (
-        "kernels/update_cpu_impl.h",
-        "    if (w < 0.5f) {\n      lerp_float_range<true>(e, m, n, w);",
-        "    if (w <= 1.0f) {\n      lerp_float_range<true>(e, m, n, w);",
+    # The lerp rule (kernels/update_types.h, every kernel's): always from the EMA's side.
+    "decay-zero-not-exact": (
+        "kernels/update_types.h",
+        "  return w < Op(0.5);",
+        "  return w <= Op(1);",
         [pytest("python_tests/test_update.py", "-k", "decay_zero_copies"),
          pytest("python_tests/test_sharded_ema_local.py", "-k", "decay_zero")]),
     # #28: the weight 1 - decay formed from decay rounded to float32 (1.7e-4 off at 0.9999).
