@@ -167,24 +167,6 @@ void start_writeback(int fd, uint64_t offset, uint64_t size) {
 #endif
 }
 
-std::string parent_dir(const std::string& path) {
-  const auto slash = path.find_last_of('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
-}
-
-std::string base_name(const std::string& path) {
-  const auto slash = path.find_last_of('/');
-  return slash == std::string::npos ? path : path.substr(slash + 1);
-}
-
-std::string join_path(const std::string& dir, std::string_view name) {
-  if (dir.empty()) return std::string(name);
-  if (dir.back() == '/') return dir + std::string(name);
-  return dir + "/" + std::string(name);
-}
-
 std::string temp_path_for(const std::string& final_path) {
   static constexpr char kHex[] = "0123456789abcdef";
   std::random_device rd;

@@ -8,7 +8,6 @@
 #include <memory>
 
 #include "fsdp_ema/format/error.h"
-#include "fsdp_ema/format/file_util.h"
 
 namespace fsdp_ema::format {
 
@@ -54,6 +53,28 @@ std::string real_existing_ancestor(std::string path) {
 }
 
 }  // namespace
+
+namespace detail {
+
+std::string parent_dir(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+std::string base_name(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+std::string join_path(const std::string& dir, std::string_view name) {
+  if (dir.empty()) return std::string(name);
+  if (dir.back() == '/') return dir + std::string(name);
+  return dir + "/" + std::string(name);
+}
+
+}  // namespace detail
 
 bool same_or_inside(const std::string& path, const std::string& dir) {
   check_path(path, "same_or_inside");
