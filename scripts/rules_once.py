@@ -1,7 +1,11 @@
 """Fails when a rule that lives in one place (docs/ARCHITECTURE.md, "Where each rule lives")
-gains a second copy in the library's code: a file-name literal outside format's names, a switch
-over torch's ScalarType or a safetensors dtype name outside the generated dtype maps, or a tuple
-of torch dtypes in the Python front (which reads the table through the `dtypes` op).
+gains a second copy in the library's code: a file name in a string outside format's names (as a
+whole literal, or inside a message), a switch over torch's ScalarType or a safetensors dtype name
+outside the generated dtype maps, the update's lerp (its formula or its one-half threshold)
+outside kernels/update_types.h, the dim-0 row rule outside format's rows, the checksum's text
+form outside format's checksum, an alignment constant that mirrors one of the ops in the Python
+front (which asks the op: gather_alignment), or a tuple of torch dtypes in the Python front
+(which reads the table through the `dtypes` op).
 
 Comments are not code: C++ `//` comments and Python `#` comments are skipped (docstrings are
 prose too, and the Python check matches only code shapes). Run by scripts/lint.sh.
@@ -11,12 +15,45 @@ import subprocess
 import sys
 
 CXX = ("format/", "ops/", "kernels/", "registration/", "include/", "tools/")
+NAMES = {"format/core/names.cpp", "format/include/fsdp_ema/format/names.h"}
+
+
+def cxx(f):
+    return f.startswith(CXX) and f.endswith((".cpp", ".h", ".cu", ".cuh"))
+
+
 RULES = [
     # (what, file filter, pattern, files allowed to hold it)
     ("a file-name literal (names live in format/names)",
-     lambda f: f.startswith(CXX) and f.endswith((".cpp", ".h", ".cu", ".cuh")),
+     cxx,
      re.compile(r'"[A-Za-z0-9_.*<>-]*\.safetensors"|"shard-'),
-     {"format/core/names.cpp", "format/include/fsdp_ema/format/names.h"}),
+     NAMES),
+    ("a file name inside a message (say it with format/names' constant: kIndexFileName, ...)",
+     cxx,
+     re.compile(r'"[^"]*(index\.json|\.safetensors|\.metadata\b|\.distcp)[^"]*"'),
+     NAMES),
+    ("the update's lerp, its threshold or formula (kernels/update_types.h: lerp_from_ema, "
+     "lerp_two_sided)",
+     lambda f: cxx(f) and f.startswith(("kernels/", "ops/")),
+     re.compile(r"[<>]=?\s*(\w+\s*\()?0\.5f?\b|\bfmadd\s*\(|"
+                r"\w+\s*-\s*\(\s*\w+\s*-\s*\w+\s*\)\s*\*|"
+                r"\w+\s*\+\s*\w+\s*\*\s*\(\s*\w+\s*-\s*\w+\s*\)"),
+     {"kernels/update_types.h", "kernels/update_cpu_impl.h"}),
+    ("the dim-0 row rule (fsdp_ema/format/rows.h: chunk_rows, tensor_rows)",
+     cxx,
+     re.compile(r"%\s*world\w*\s*!=\s*0|\+\s*world\w*\s*-\s*1\s*\)\s*/\s*world"),
+     {"format/core/rows.cpp"}),
+    ("the checksum's text form (fsdp_ema/format/checksum.h: format_checksum, "
+     "checksum_form_text)",
+     cxx,
+     re.compile(r'"xxh3-64|lowercase hex digits'),
+     {"format/core/checksum.cpp", "format/include/fsdp_ema/format/checksum.h"}),
+    ("an alignment the ops decide, mirrored in Python (ask the op: gather_alignment())",
+     lambda f: f.startswith("python/fsdp_ema/") and f.endswith(".py"),
+     re.compile(r"^\s*_?[A-Z_]*ALIGN[A-Z_]*\s*=\s*\d"),
+     # Until _full_state.py reads torch.ops.fsdp_ema.gather_alignment() (the Python half of
+     # issue 35); then remove this entry.
+     {"python/fsdp_ema/_full_state.py"}),
     ("a switch over ScalarType (the maps are generated from format's dtype table)",
      lambda f: f.startswith(CXX),
      re.compile(r"case\s+(at|c10|torch)::(k[A-Z]|ScalarType::)"),

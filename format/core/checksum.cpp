@@ -31,7 +31,7 @@ int hex_value(char c) {
 
 void write_checksum_digits(char* out, uint64_t value) {
   static constexpr char kHex[] = "0123456789abcdef";
-  for (int i = 15; i >= 0; --i) {
+  for (int i = static_cast<int>(kChecksumDigits) - 1; i >= 0; --i) {
     out[i] = kHex[value & 0xf];
     value >>= 4;
   }
@@ -39,22 +39,33 @@ void write_checksum_digits(char* out, uint64_t value) {
 
 std::string format_checksum(uint64_t value) {
   std::string out(kChecksumPrefix);
-  out.resize(kChecksumPrefix.size() + 16);
+  out.resize(kChecksumPrefix.size() + kChecksumDigits);
   write_checksum_digits(out.data() + kChecksumPrefix.size(), value);
   return out;
 }
 
-std::optional<uint64_t> parse_checksum(std::string_view text) {
-  if (text.size() != kChecksumPrefix.size() + 16 || !text.starts_with(kChecksumPrefix)) {
-    return std::nullopt;
-  }
+std::optional<uint64_t> parse_checksum_digits(std::string_view digits) {
+  if (digits.size() != kChecksumDigits) return std::nullopt;
   uint64_t value = 0;
-  for (char c : text.substr(kChecksumPrefix.size())) {
+  for (char c : digits) {
     const int v = hex_value(c);
     if (v < 0) return std::nullopt;
     value = (value << 4) | static_cast<uint64_t>(v);
   }
   return value;
+}
+
+std::optional<uint64_t> parse_checksum(std::string_view text) {
+  if (!text.starts_with(kChecksumPrefix)) return std::nullopt;
+  return parse_checksum_digits(text.substr(kChecksumPrefix.size()));
+}
+
+std::string checksum_digits_text() {
+  return std::to_string(kChecksumDigits) + " lowercase hex digits";
+}
+
+std::string checksum_form_text() {
+  return "\"" + std::string(kChecksumPrefix) + "<" + checksum_digits_text() + ">\"";
 }
 
 uint64_t checksum_of(const void* data, size_t size) { return ops().oneshot(data, size); }

@@ -309,20 +309,20 @@ void CheckpointDir::Impl::open_dcp_huggingface(const std::vector<std::string>& n
   const std::vector<std::string> st = safetensors_files(names);
   for (const std::string& n : st) {
     if (is_shard_file_name(n)) {
-      throw FormatError(dir + ": incomplete checkpoint: fsdp_ema.index.json missing (found " + n +
+      throw FormatError(dir + ": incomplete checkpoint: " + std::string(kIndexFileName) +
+                        " missing (found " + n +
                         "; the index is written last, after every rank's file)");
     }
   }
   if (st.empty()) {
-    if (std::binary_search(names.begin(), names.end(), std::string(".metadata"))) {
-      throw FormatError(dir +
-                        ": a native torch.distributed.checkpoint directory (pickled "
-                        ".metadata + .distcp files) is not readable here: pickle is never "
-                        "loaded; save with HuggingFaceStorageWriter instead");
+    if (std::binary_search(names.begin(), names.end(), kDcpMetadataFileName)) {
+      throw FormatError(dir + ": a native torch.distributed.checkpoint directory (pickled " +
+                        std::string(kDcpMetadataFileName) +
+                        " and its data files) is not readable here: pickle is never loaded; save "
+                        "with HuggingFaceStorageWriter instead");
     }
-    throw FormatError(dir +
-                      ": not a checkpoint: no fsdp_ema.index.json and no .safetensors "
-                      "files");
+    throw FormatError(dir + ": not a checkpoint: no " + std::string(kIndexFileName) + " and no " +
+                      std::string(kSafetensorsSuffix) + " files");
   }
   check_dcp_file_set(dir, st);
   layout = CheckpointLayout::kDcpHuggingFace;
@@ -332,8 +332,8 @@ void CheckpointDir::Impl::open_dcp_huggingface(const std::vector<std::string>& n
     const size_t fi = open_file(n);
     const ShardFile& f = files[fi];
     if (f.is_fsdp_ema()) {
-      throw FormatError(dir + ": incomplete checkpoint: fsdp_ema.index.json missing (" + n +
-                        " is an fsdp_ema shard file)");
+      throw FormatError(dir + ": incomplete checkpoint: " + std::string(kIndexFileName) +
+                        " missing (" + n + " is an fsdp_ema shard file)");
     }
     for (const TensorInfo& info : f.tensors()) {
       auto [it, inserted] = by_name.try_emplace(info.name);

@@ -176,7 +176,8 @@ void check_piece_file_name(std::string_view name, const std::string& where) {
   if (name.find('\0') != std::string_view::npos) bad("contains a NUL character");
   if (name.front() == '.') bad("starts with '.' (\".\", \"..\" and hidden files are refused)");
   if (!detail::is_valid_utf8(name)) bad("is not valid UTF-8");
-  if (!name.ends_with(kSafetensorsSuffix)) bad("does not end in .safetensors");
+  if (!name.ends_with(kSafetensorsSuffix))
+    bad("does not end in " + std::string(kSafetensorsSuffix));
 }
 
 void check_coverage(const IndexTensor& t, const std::string& where) {
@@ -497,8 +498,7 @@ IndexPiece parse_piece(JsonReader& r, const Ctx& ctx, std::string& checked_file)
   if (!checksum) throw FormatError(pctx() + ": missing \"checksum\"");
   if (checksum->value) p.checksum = parse_checksum(*checksum->value);
   if (!p.checksum) {
-    throw FormatError(pctx() + ": checksum " + checksum->raw +
-                      " is not \"xxh3-64:<16 lowercase hex digits>\"");
+    throw FormatError(pctx() + ": checksum " + checksum->raw + " is not " + checksum_form_text());
   }
   return p;
 }
@@ -693,9 +693,9 @@ CheckpointIndex read_index(const std::string& dir) {
                       "): the commit marker must be the file the writer renamed into place");
   }
   if (!detail::path_exists(path)) {
-    throw FormatError(dir +
-                      ": incomplete checkpoint: fsdp_ema.index.json missing (the index is "
-                      "written last, after every rank's shard file is durable)");
+    throw FormatError(dir + ": incomplete checkpoint: " + std::string(kIndexFileName) +
+                      " missing (the index is written last, after every rank's shard file is "
+                      "durable)");
   }
   CheckpointIndex index = parse_index_json(detail::read_small_file(path, kMaxIndexBytes), path);
   resolve_all_pieces(dir, index);

@@ -105,20 +105,14 @@ uint64_t parse_block_bytes(const std::string& value, const std::string& file) {
   return b;
 }
 
-// "<16 hex digits>" per block, concatenated.
+// A checksum's digits per block, concatenated.
 std::optional<std::vector<uint64_t>> parse_block_digits(std::string_view text, uint64_t blocks) {
-  if (text.size() != blocks * 16) return std::nullopt;
+  if (text.size() != blocks * kChecksumDigits) return std::nullopt;
   std::vector<uint64_t> out(blocks);
   for (uint64_t b = 0; b < blocks; ++b) {
-    uint64_t v = 0;
-    for (char c : text.substr(b * 16, 16)) {
-      int d = -1;
-      if (c >= '0' && c <= '9') d = c - '0';
-      if (c >= 'a' && c <= 'f') d = c - 'a' + 10;
-      if (d < 0) return std::nullopt;
-      v = (v << 4) | static_cast<uint64_t>(d);
-    }
-    out[b] = v;
+    const auto v = parse_checksum_digits(text.substr(b * kChecksumDigits, kChecksumDigits));
+    if (!v) return std::nullopt;
+    out[b] = *v;
   }
   return out;
 }
@@ -255,7 +249,7 @@ ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& fil
             }
             if (!c) {
               throw FormatError(file + ": tensor " + json_quote(t.name) + ": checksum " + text +
-                                " is not \"xxh3-64:<16 lowercase hex digits>\"");
+                                " is not " + checksum_form_text());
             }
             t.checksum = *c;
           });
@@ -286,7 +280,7 @@ ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& fil
             if (!sums) {
               throw FormatError(file + ": tensor " + json_quote(t.name) + ": " +
                                 std::string(kMetaBlockChecksums) + " entry must be a string of " +
-                                std::to_string(blocks) + " x 16 lowercase hex digits (" +
+                                std::to_string(blocks) + " x " + checksum_digits_text() + " (" +
                                 std::to_string(t.nbytes) + " bytes in blocks of " +
                                 std::to_string(block) + ")");
             }

@@ -173,9 +173,10 @@ uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> te
   sums.text.reserve(names_bytes + 30 * order.size());
   for (size_t k = 0; k < order.size(); ++k) {
     const TensorToWrite& t = tensors[order[k]];
-    sums.add(t.name, kChecksumPrefix, 16, k);
+    sums.add(t.name, kChecksumPrefix, kChecksumDigits, k);
     const uint64_t n = raw[order[k]].nbytes;
-    if (block > 0 && n > block) block_sums.add(t.name, "", 16 * checksum_blocks(n, block), k);
+    if (block > 0 && n > block)
+      block_sums.add(t.name, "", kChecksumDigits * checksum_blocks(n, block), k);
   }
   sums.text += '}';
   block_sums.text += '}';
@@ -208,7 +209,7 @@ uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> te
     for (size_t e = 0; e < block_sums.entry.size(); ++e) {
       const std::vector<uint64_t>& blocks = written.block_checksums[order[block_sums.entry[e]]];
       for (size_t b = 0; b < blocks.size(); ++b) {
-        write_checksum_digits(base + block_sums.digits[e] + 16 * b, blocks[b]);
+        write_checksum_digits(base + block_sums.digits[e] + kChecksumDigits * b, blocks[b]);
       }
     }
   };
