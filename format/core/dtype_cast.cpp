@@ -150,7 +150,7 @@ void store(DType t, double v, std::byte* p) {
   }
 }
 
-// f32_to_bf16_bits on the float's bits. Both results are computed, then selected rather than
+// F32 -> BF16 on the float's bits. Both results are computed, then selected rather than
 // branched on, so that cast_elements' loop over it vectorizes (an export casts hundreds of
 // millions of elements).
 inline uint16_t bf16_of_f32_bits(uint32_t bits) {
@@ -167,18 +167,6 @@ bool castable(DType t) { return has_role(t, kRoleCast); }
 }  // namespace
 
 bool can_cast(DType from, DType to) { return castable(from) && castable(to); }
-
-uint16_t f32_to_bf16_bits(float value) { return bf16_of_f32_bits(std::bit_cast<uint32_t>(value)); }
-
-uint16_t f32_to_f16_bits(float value) {
-  return static_cast<uint16_t>(encode<5, 10>(static_cast<double>(value)));
-}
-uint16_t f64_to_bf16_bits(double value) { return static_cast<uint16_t>(encode<8, 7>(value)); }
-uint16_t f64_to_f16_bits(double value) { return static_cast<uint16_t>(encode<5, 10>(value)); }
-float bf16_bits_to_f32(uint16_t bits) {
-  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
-}
-float f16_bits_to_f32(uint16_t bits) { return static_cast<float>(decode<5, 10>(bits)); }
 
 void cast_elements(DType from, const void* src, DType to, void* dst, size_t count) {
   if (!can_cast(from, to)) {

@@ -434,45 +434,6 @@ void CheckpointDir::read_full(std::string_view name, void* dst, size_t dst_bytes
   impl_->read_one(q, dst, dst_bytes, verify, threads);
 }
 
-void CheckpointDir::read_rows(std::string_view name, int64_t row_begin, int64_t row_end, void* dst,
-                              size_t dst_bytes, bool verify, size_t threads) const {
-  const size_t ti = impl_->tensor_index(name);
-  ReadRequest q;
-  q.tensor = impl_->stored_tensor(ti);
-  if (q.tensor.shape.empty()) {
-    throw FormatError(impl_->path + ": tensor " + json_quote(name) + ": is 0-dim, it has no rows");
-  }
-  q.rows = {row_begin, row_end};
-  impl_->read_one(q, dst, dst_bytes, verify, threads);
-}
-
-void CheckpointDir::read_chunk(std::string_view name, int64_t rank, int64_t world, void* dst,
-                               size_t dst_bytes, bool verify, size_t threads) const {
-  const size_t ti = impl_->tensor_index(name);
-  ReadRequest q;
-  q.tensor = impl_->stored_tensor(ti);
-  q.rows = tensor_rows(q.tensor.shape, rank, world);  // checks rank and world
-  impl_->read_one(q, dst, dst_bytes, verify, threads);
-}
-
-void CheckpointDir::read_slice(std::string_view name, std::span<const int64_t> offsets,
-                               std::span<const int64_t> shape, void* dst, size_t dst_bytes,
-                               bool verify, size_t threads) const {
-  const size_t ti = impl_->tensor_index(name);
-  ReadRequest q;
-  q.tensor = impl_->stored_tensor(ti);
-  const size_t ndim = q.tensor.shape.size();
-  if (offsets.size() != ndim || shape.size() != ndim) {
-    throw FormatError(impl_->path + ": tensor " + json_quote(name) + ": slice offsets " +
-                      shape_to_string(offsets) + " and shape " + shape_to_string(shape) + " need " +
-                      std::to_string(ndim) + " entries each (global shape " +
-                      shape_to_string(q.tensor.shape) + ")");
-  }
-  q.box_offsets = offsets;
-  q.box_shape = shape;
-  impl_->read_one(q, dst, dst_bytes, verify, threads);
-}
-
 void CheckpointDir::read_flat(std::string_view name, uint64_t elem_begin, uint64_t elem_end,
                               void* dst, size_t dst_bytes, bool verify,
                               const std::shared_ptr<ReadSession>& session) const {

@@ -318,16 +318,6 @@ CheckpointIndex build_index(std::span<const ShardDescription> shards, int64_t wo
   return index;
 }
 
-CheckpointIndex build_index_from_dir(const std::string& dir, int64_t world_size,
-                                     std::map<std::string, std::string> metadata) {
-  check_path(dir, "checkpoint directory");
-  if (world_size < 1) throw FormatError(dir + ": world_size must be at least 1");
-  std::vector<std::string> names;
-  names.reserve(static_cast<size_t>(world_size));
-  for (int64_t r = 0; r < world_size; ++r) names.push_back(shard_file_name(r, world_size));
-  return build_index_from_files(dir, names, world_size, std::move(metadata));
-}
-
 CheckpointIndex build_index_from_files(const std::string& dir,
                                        std::span<const std::string> file_names, int64_t world_size,
                                        std::map<std::string, std::string> metadata) {

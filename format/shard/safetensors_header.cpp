@@ -200,14 +200,6 @@ SafetensorsHeader parse_safetensors_header(std::string_view header_json, uint64_
   return h;
 }
 
-SafetensorsHeader parse_safetensors_bytes(std::span<const std::byte> file,
-                                          const std::string& name) {
-  const uint64_t n =
-      parse_header_length(file.first(std::min<size_t>(8, file.size())), file.size(), name);
-  std::string_view json(reinterpret_cast<const char*>(file.data()) + 8, n);
-  return parse_safetensors_header(json, file.size(), name);
-}
-
 std::string serialize_safetensors_header(
     std::span<const HeaderEntry> tensors,
     const std::vector<std::pair<std::string, std::string>>& metadata, bool include_metadata,

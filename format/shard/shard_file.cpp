@@ -584,8 +584,6 @@ void ShardFile::check_blocks(const TensorInfo& t, uint64_t offset, const std::by
   }
 }
 
-bool ShardFile::has_data_checks(const TensorInfo& t) { return t.dtype == DType::kBool; }
-
 void ShardFile::check_unchanged() const {
   const auto fd = impl_->fd();  // a reopened descriptor is checked by fd() itself
   ReadFdCache::check_identity(fd->get(), impl_->path, impl_->identity);

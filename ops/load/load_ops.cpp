@@ -23,8 +23,7 @@ constexpr const char* kLoadInto = "fsdp_ema::load_into_: ";
 
 }  // namespace
 
-// --- load_tensors
-// ---------------------------------------------------------------------------------
+// --- load_tensors --------------------------------------------------------------------------------
 
 std::vector<at::Tensor> load_tensors(c10::string_view directory,
                                      const std::vector<std::string>& names, int64_t rank,
@@ -87,8 +86,7 @@ std::vector<at::Tensor> load_tensors_meta(const at::Tensor& target, at::TensorLi
   });
 }
 
-// --- load_shard
-// -----------------------------------------------------------------------------------
+// --- load_shard ----------------------------------------------------------------------------------
 
 namespace {
 
@@ -145,8 +143,7 @@ ShardContents load_shard_meta(const at::Tensor& target, c10::string_view path, b
   });
 }
 
-// --- load_into_
-// -----------------------------------------------------------------------------------
+// --- load_into_ ----------------------------------------------------------------------------------
 
 namespace {
 
@@ -194,8 +191,7 @@ void load_into_meta(c10::string_view directory, const std::vector<std::string>& 
   plan_into(kLoadInto, *dir, names, out, rank, world_size, true);
 }
 
-// --- OpenCheckpoint
-// -------------------------------------------------------------------------------
+// --- OpenCheckpoint ------------------------------------------------------------------------------
 
 OpenCheckpoint::OpenCheckpoint(const std::string& directory)
     : dir_(open_dir("fsdp_ema::open_checkpoint: ", directory)) {}
