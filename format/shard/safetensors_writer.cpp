@@ -180,10 +180,10 @@ std::vector<size_t> file_order(std::span<const RawTensor> tensors) {
   return order;
 }
 
-RawWriteResult write_safetensors_file(const std::string& path, std::span<const RawTensor> tensors,
-                                      const MetadataFn& metadata, const WriteOptions& options,
-                                      std::vector<size_t> order, const HeaderPatchFn& patch) {
-  check_path(path, "safetensors file");
+namespace {
+
+// The options a write needs: staging chunks, buffers and their allocator, the block size.
+void check_write_options(const std::string& path, const WriteOptions& options) {
   if (options.chunk_bytes < 64 || options.chunk_bytes % 64 != 0) {
     throw FormatError(path + ": WriteOptions::chunk_bytes " + std::to_string(options.chunk_bytes) +
                       " must be a positive multiple of 64");
@@ -201,6 +201,85 @@ RawWriteResult write_safetensors_file(const std::string& path, std::span<const R
                       " must be 0 or a power of two in [" + std::to_string(kMinChecksumBlockBytes) +
                       ", " + std::to_string(kMaxChecksumBlockBytes) + "]");
   }
+}
+
+// Streams every tensor's bytes in file order to `fd` (the temporary at `temp_path`, to be renamed
+// to `path`) from byte `data_start` on, through the staging buffers and the background writer (a
+// large host tensor directly), hashing each on the way: fills result.checksums and
+// result.block_checksums.
+void write_data(int fd, const std::string& temp_path, const std::string& path,
+                std::span<const RawTensor> tensors, const WriteOptions& options,
+                uint64_t data_start, RawWriteResult& result) {
+  const uint64_t block = options.checksum_block_bytes;
+  StagingBuffers buffers(options, options.num_buffers);
+  BackgroundWriter writer(fd, temp_path, options.num_buffers, options.fsync);
+  const uint64_t chunk = options.chunk_bytes;
+  int cur = -1;            // staging buffer being filled, -1 if none
+  int next = 0;            // the buffer to fill after it
+  uint64_t cur_fill = 0;   // bytes in the current buffer
+  uint64_t cur_start = 0;  // file offset of the current buffer's first byte
+  uint64_t file_pos = data_start;
+
+  auto flush = [&] {
+    if (cur >= 0 && cur_fill > 0) {
+      writer.submit(buffers.get(static_cast<size_t>(cur)), cur_fill, cur_start, cur);
+      next = (cur + 1) % static_cast<int>(options.num_buffers);
+      cur = -1;
+      cur_fill = 0;
+    }
+  };
+  for (const size_t idx : result.order) {
+    const RawTensor& t = tensors[idx];
+    TensorHasher hasher(t.nbytes, block);
+    if (t.nbytes > 0 && t.host_data == nullptr && !t.fill) {
+      throw FormatError(path + ": tensor '" + std::string(t.name) + "' has no data source");
+    }
+    if (t.host_data != nullptr && t.nbytes >= kDirectWriteBytes) {
+      flush();
+      const auto* src = static_cast<const std::byte*>(t.host_data);
+      for (uint64_t pos = 0; pos < t.nbytes; pos += chunk) {
+        const uint64_t n = std::min(chunk, t.nbytes - pos);
+        hasher.update(src + pos, n);  // overlaps the write of the previous chunk
+        writer.submit(src + pos, n, file_pos, -1);
+        file_pos += n;
+      }
+    } else {
+      uint64_t pos = 0;
+      while (pos < t.nbytes) {
+        if (cur < 0) {
+          writer.wait_free(next);
+          cur = next;
+          cur_fill = 0;
+          cur_start = file_pos;
+        }
+        const uint64_t n = std::min(chunk - cur_fill, t.nbytes - pos);
+        std::byte* dst = buffers.get(static_cast<size_t>(cur)) + cur_fill;
+        if (t.host_data != nullptr) {
+          std::memcpy(dst, static_cast<const std::byte*>(t.host_data) + pos, n);
+        } else {
+          t.fill(pos, n, dst);
+        }
+        hasher.update(dst, n);
+        cur_fill += n;
+        pos += n;
+        file_pos += n;
+        if (cur_fill == chunk) flush();
+      }
+    }
+    result.checksums[idx] = hasher.digest();
+    result.block_checksums[idx] = std::move(hasher.blocks());
+  }
+  flush();
+  writer.finish();
+}
+
+}  // namespace
+
+RawWriteResult write_safetensors_file(const std::string& path, std::span<const RawTensor> tensors,
+                                      const MetadataFn& metadata, const WriteOptions& options,
+                                      std::vector<size_t> order, const HeaderPatchFn& patch) {
+  check_path(path, "safetensors file");
+  check_write_options(path, options);
 
   RawWriteResult result;
   if (order.size() != tensors.size()) order = file_order(tensors);
@@ -231,68 +310,7 @@ RawWriteResult write_safetensors_file(const std::string& path, std::span<const R
 
   TempFileGuard guard{detail::temp_path_for(path)};
   detail::UniqueFd fd = detail::create_exclusive(guard.path);
-  {
-    StagingBuffers buffers(options, options.num_buffers);
-    BackgroundWriter writer(fd.get(), guard.path, options.num_buffers, options.fsync);
-    const uint64_t chunk = options.chunk_bytes;
-    int cur = -1;            // staging buffer being filled, -1 if none
-    int next = 0;            // the buffer to fill after it
-    uint64_t cur_fill = 0;   // bytes in the current buffer
-    uint64_t cur_start = 0;  // file offset of the current buffer's first byte
-    uint64_t file_pos = data_start;
-
-    auto flush = [&] {
-      if (cur >= 0 && cur_fill > 0) {
-        writer.submit(buffers.get(static_cast<size_t>(cur)), cur_fill, cur_start, cur);
-        next = (cur + 1) % static_cast<int>(options.num_buffers);
-        cur = -1;
-        cur_fill = 0;
-      }
-    };
-    for (const size_t idx : result.order) {
-      const RawTensor& t = tensors[idx];
-      TensorHasher hasher(t.nbytes, block);
-      if (t.nbytes > 0 && t.host_data == nullptr && !t.fill) {
-        throw FormatError(path + ": tensor '" + std::string(t.name) + "' has no data source");
-      }
-      if (t.host_data != nullptr && t.nbytes >= kDirectWriteBytes) {
-        flush();
-        const auto* src = static_cast<const std::byte*>(t.host_data);
-        for (uint64_t pos = 0; pos < t.nbytes; pos += chunk) {
-          const uint64_t n = std::min(chunk, t.nbytes - pos);
-          hasher.update(src + pos, n);  // overlaps the write of the previous chunk
-          writer.submit(src + pos, n, file_pos, -1);
-          file_pos += n;
-        }
-      } else {
-        uint64_t pos = 0;
-        while (pos < t.nbytes) {
-          if (cur < 0) {
-            writer.wait_free(next);
-            cur = next;
-            cur_fill = 0;
-            cur_start = file_pos;
-          }
-          const uint64_t n = std::min(chunk - cur_fill, t.nbytes - pos);
-          std::byte* dst = buffers.get(static_cast<size_t>(cur)) + cur_fill;
-          if (t.host_data != nullptr) {
-            std::memcpy(dst, static_cast<const std::byte*>(t.host_data) + pos, n);
-          } else {
-            t.fill(pos, n, dst);
-          }
-          hasher.update(dst, n);
-          cur_fill += n;
-          pos += n;
-          file_pos += n;
-          if (cur_fill == chunk) flush();
-        }
-      }
-      result.checksums[idx] = hasher.digest();
-      result.block_checksums[idx] = std::move(hasher.blocks());
-    }
-    flush();
-    writer.finish();
-  }
+  write_data(fd.get(), guard.path, path, tensors, options, data_start, result);
 
   std::string header;
   if (patch) {

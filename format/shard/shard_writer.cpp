@@ -86,9 +86,10 @@ TensorToWrite TensorToWrite::full(std::string name, DType dtype, Shape shape, co
   return t;
 }
 
-uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> tensors,
-                          const WriteOptions& options, ShardDescription* written) {
-  check_path(path, "shard file");
+namespace {
+
+// The options' rank and world size, and the caller's metadata (not our keys, valid UTF-8).
+void check_write_options(const std::string& path, const WriteOptions& options) {
   if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
     throw FormatError("write_shard_file(" + path + "): rank " + std::to_string(options.rank) +
                       " is not in [0, world_size " + std::to_string(options.world_size) + ")");
@@ -103,6 +104,11 @@ uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> te
                         " is not valid UTF-8");
     }
   }
+}
+
+// The container's view of every tensor, each validated, no name twice.
+std::vector<RawTensor> raw_tensors(const std::string& path,
+                                   const std::vector<TensorToWrite>& tensors) {
   std::vector<RawTensor> raw(tensors.size());
   std::unordered_set<std::string_view, detail::NameHash> names;
   names.reserve(tensors.size());
@@ -119,11 +125,13 @@ uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> te
     raw[i].host_data = t.host_data;
     raw[i].fill = t.fill;
   }
+  return raw;
+}
 
-  // The sharding metadata does not depend on checksums; build it once, in file order.
-  const std::vector<size_t> order = file_order(raw);
-  size_t names_bytes = 0;
-  for (const TensorToWrite& t : tensors) names_bytes += t.name.size() + 4;
+// DCP_SHARDING_INFO and our global shapes, in file order (they do not depend on checksums).
+std::pair<std::string, std::string> sharding_documents(const std::vector<TensorToWrite>& tensors,
+                                                       const std::vector<size_t>& order,
+                                                       size_t names_bytes) {
   std::string sharding = "{", global_shapes = "{";
   sharding.reserve(names_bytes + 40 * order.size());
   global_shapes.reserve(names_bytes + 24 * order.size());
@@ -143,31 +151,74 @@ uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> te
   }
   sharding += '}';
   global_shapes += '}';
+  return {std::move(sharding), std::move(global_shapes)};
+}
 
-  // The checksums documents, written once with zero digits: `digits[k]` is where the k-th
-  // entry's digits land once the document is quoted into the header (each '"' or '\\' before
-  // them gains a backslash there), so they are patched in after the data without serializing
-  // the header again. One entry per tensor in file order for the checksums; for the block
-  // checksums (checksum.h), one per tensor of more than one block, its blocks' digits in a row.
-  struct DigitsDoc {
-    std::string text = "{";
-    std::vector<size_t> digits;      // per entry
-    std::vector<size_t> entry;       // per entry: its index in `order`
-    size_t quoted = 1, scanned = 1;  // quoted size of text[0, scanned)
-    void add(std::string_view name, std::string_view prefix, uint64_t num_digits, size_t k) {
-      if (!digits.empty()) text += ',';
-      detail::append_json_quoted(text, name);
-      text += ":\"";
-      text += prefix;
-      for (; scanned < text.size(); ++scanned) {
-        quoted += text[scanned] == '"' || text[scanned] == '\\' ? 2 : 1;
-      }
-      digits.push_back(quoted);
-      entry.push_back(k);
-      text.append(num_digits, '0');
-      text += '"';
+// A checksums document, written once with zero digits: `digits[k]` is where the k-th entry's
+// digits land once the document is quoted into the header (each '"' or '\\' before them gains a
+// backslash there), so they are patched in after the data without serializing the header again.
+// One entry per tensor in file order for the checksums; for the block checksums (checksum.h),
+// one per tensor of more than one block, its blocks' digits in a row.
+struct DigitsDoc {
+  std::string text = "{";
+  std::vector<size_t> digits;      // per entry
+  std::vector<size_t> entry;       // per entry: its index in `order`
+  size_t quoted = 1, scanned = 1;  // quoted size of text[0, scanned)
+  void add(std::string_view name, std::string_view prefix, uint64_t num_digits, size_t k) {
+    if (!digits.empty()) text += ',';
+    detail::append_json_quoted(text, name);
+    text += ":\"";
+    text += prefix;
+    for (; scanned < text.size(); ++scanned) {
+      quoted += text[scanned] == '"' || text[scanned] == '\\' ? 2 : 1;
     }
-  };
+    digits.push_back(quoted);
+    entry.push_back(k);
+    text.append(num_digits, '0');
+    text += '"';
+  }
+};
+
+// What the header says, for the caller and for a commit in this process
+// (fsdp_ema/format/recent_shards.h), which then need not parse the file back.
+ShardDescription describe_written(const std::string& path, std::vector<TensorToWrite>& tensors,
+                                  const std::vector<RawTensor>& raw, const RawWriteResult& r,
+                                  const WriteOptions& options) {
+  ShardDescription d;
+  d.file = detail::base_name(path);
+  d.rank = options.rank;
+  d.world_size = options.world_size;
+  d.file_bytes = r.file_bytes;
+  d.tensors.reserve(tensors.size());
+  for (const size_t idx : r.order) {
+    TensorToWrite& t = tensors[idx];
+    TensorInfo info;
+    info.name = std::move(t.name);
+    info.dtype = t.dtype;
+    info.shape = std::move(t.shape);
+    info.offsets = std::move(t.offsets);
+    info.global_shape = std::move(t.global_shape);
+    info.checksum = r.checksums[idx];
+    info.block_checksums = r.block_checksums[idx];
+    info.data_offset = r.data_offset[idx];
+    info.nbytes = raw[idx].nbytes;
+    d.tensors.push_back(std::move(info));
+  }
+  return d;
+}
+
+}  // namespace
+
+uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> tensors,
+                          const WriteOptions& options, ShardDescription* written) {
+  check_path(path, "shard file");
+  check_write_options(path, options);
+  const std::vector<RawTensor> raw = raw_tensors(path, tensors);
+  const std::vector<size_t> order = file_order(raw);
+  size_t names_bytes = 0;
+  for (const TensorToWrite& t : tensors) names_bytes += t.name.size() + 4;
+  auto [sharding, global_shapes] = sharding_documents(tensors, order, names_bytes);
+
   const uint64_t block = options.checksum_block_bytes;
   DigitsDoc sums, block_sums;
   sums.text.reserve(names_bytes + 30 * order.size());
@@ -175,8 +226,9 @@ uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> te
     const TensorToWrite& t = tensors[order[k]];
     sums.add(t.name, kChecksumPrefix, kChecksumDigits, k);
     const uint64_t n = raw[order[k]].nbytes;
-    if (block > 0 && n > block)
+    if (block > 0 && n > block) {
       block_sums.add(t.name, "", kChecksumDigits * checksum_blocks(n, block), k);
+    }
   }
   sums.text += '}';
   block_sums.text += '}';
@@ -215,33 +267,9 @@ uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> te
   };
 
   const RawWriteResult r = write_safetensors_file(path, raw, metadata, options, order, patch);
-
-  {
-    // What the header says, for the caller and for a commit in this process
-    // (format/recent_shards.h), which then need not parse the file back.
-    ShardDescription d;
-    d.file = detail::base_name(path);
-    d.rank = options.rank;
-    d.world_size = options.world_size;
-    d.file_bytes = r.file_bytes;
-    d.tensors.reserve(tensors.size());
-    for (const size_t idx : r.order) {
-      TensorToWrite& t = tensors[idx];
-      TensorInfo info;
-      info.name = std::move(t.name);
-      info.dtype = t.dtype;
-      info.shape = std::move(t.shape);
-      info.offsets = std::move(t.offsets);
-      info.global_shape = std::move(t.global_shape);
-      info.checksum = r.checksums[idx];
-      info.block_checksums = r.block_checksums[idx];
-      info.data_offset = r.data_offset[idx];
-      info.nbytes = raw[idx].nbytes;
-      d.tensors.push_back(std::move(info));
-    }
-    if (written != nullptr) *written = d;
-    detail::remember_written_shard(path, std::move(d), r.header_checksum);
-  }
+  ShardDescription d = describe_written(path, tensors, raw, r, options);
+  if (written != nullptr) *written = d;
+  detail::remember_written_shard(path, std::move(d), r.header_checksum);
   return r.file_bytes;
 }
 
