@@ -100,9 +100,12 @@ double power_profile_dot(double t_a, double gamma_a, double t_b, double gamma_b)
   return num_factor * std::pow(t_b / t_a, gamma_a) / t_a;
 }
 
-std::vector<double> posthoc_weights(std::span<const int64_t> steps, std::span<const double> gammas,
-                                    int64_t step, double gamma) {
-  const std::string op = "posthoc_weights: ";
+namespace {
+
+// The arguments of posthoc_weights: one gamma per snapshot, steps >= 1, gammas in range, the
+// target inside the snapshots' steps.
+void check_weights_args(const std::string& op, std::span<const int64_t> steps,
+                        std::span<const double> gammas, int64_t step, double gamma) {
   if (steps.empty()) throw FormatError(op + "no snapshots (steps is empty)");
   if (steps.size() != gammas.size()) {
     throw FormatError(op + "steps has " + std::to_string(steps.size()) + " entries but gammas " +
@@ -130,17 +133,31 @@ std::vector<double> posthoc_weights(std::span<const int64_t> steps, std::span<co
     throw FormatError(op + "gamma must be finite and >= 0 (at most 1e300), got " +
                       short_num(gamma));
   }
+}
+
+// The Gram system [A | b] of the profiles' inner products (row-major, n x (n + 1)), scaled by
+// the diagonal; norm[i] = sqrt(A_ii) of the unscaled system.
+struct GramSystem {
+  size_t n;
+  std::vector<double> norm;
+  std::vector<double> m;
+  double& at(size_t r, size_t c) { return m[r * (n + 1) + c]; }
+};
+
+GramSystem gram_system(std::span<const int64_t> steps, std::span<const double> gammas, int64_t step,
+                       double gamma) {
+  const size_t n = steps.size();
   // The Gram system A w = b of the profiles' inner products, scaled by the diagonal: row and
   // column i divided by sqrt(A_ii), so that A has a unit diagonal (cosines of the profiles) and
   // snapshots 2^63 steps apart are as well conditioned as 10 steps apart (unscaled, a pivot of
   // 1/t next to one of 1/1 looked singular). w_i = w'_i / sqrt(A_ii).
-  std::vector<double> norm(n);
+  GramSystem g{n, std::vector<double>(n), std::vector<double>(n * (n + 1))};
+  std::vector<double>& norm = g.norm;
   for (size_t i = 0; i < n; ++i) {
     const double t = static_cast<double>(steps[i]);
     norm[i] = std::sqrt(power_profile_dot(t, gammas[i], t, gammas[i]));
   }
-  std::vector<double> m(n * (n + 1));  // [A | b], row-major, n x (n + 1)
-  auto at = [&](size_t r, size_t c) -> double& { return m[r * (n + 1) + c]; };
+  auto at = [&](size_t r, size_t c) -> double& { return g.at(r, c); };
   for (size_t i = 0; i < n; ++i) {
     for (size_t j = 0; j < n; ++j) {
       at(i, j) = power_profile_dot(static_cast<double>(steps[i]), gammas[i],
@@ -151,8 +168,15 @@ std::vector<double> posthoc_weights(std::span<const int64_t> steps, std::span<co
                                  static_cast<double>(step), gamma) /
                norm[i];
   }
-  // Two snapshots whose profiles are one and the same (cosine 1 to rounding) are named: the same
-  // step and gamma, or steps past 2^53 that are one number as doubles.
+  return g;
+}
+
+// Two snapshots whose profiles are one and the same (cosine 1 to rounding) are named: the same
+// step and gamma, or steps past 2^53 that are one number as doubles.
+void check_distinct_profiles(const std::string& op, std::span<const int64_t> steps,
+                             std::span<const double> gammas, GramSystem& g) {
+  const size_t n = g.n;
+  auto at = [&](size_t r, size_t c) -> double& { return g.at(r, c); };
   for (size_t i = 0; i < n; ++i) {
     for (size_t j = i + 1; j < n; ++j) {
       if (at(i, j) < 1.0 - 64 * std::numeric_limits<double>::epsilon()) continue;
@@ -169,6 +193,12 @@ std::vector<double> posthoc_weights(std::span<const int64_t> steps, std::span<co
                         "; drop one of them");
     }
   }
+}
+
+// The scaled weights w' of A w' = b.
+std::vector<double> solve(const std::string& op, GramSystem& g) {
+  const size_t n = g.n;
+  auto at = [&](size_t r, size_t c) -> double& { return g.at(r, c); };
   // Gaussian elimination with partial pivoting (what LAPACK's gesv, behind numpy.linalg.solve
   // and torch.linalg.solve, does); on the unit-diagonal system a pivot at rounding level means
   // profiles that are combinations of others.
@@ -200,7 +230,19 @@ std::vector<double> posthoc_weights(std::span<const int64_t> steps, std::span<co
     for (size_t c = i + 1; c < n; ++c) v -= at(i, c) * w[c];
     w[i] = v / at(i, i);
   }
-  for (size_t i = 0; i < n; ++i) w[i] /= norm[i];
+  return w;
+}
+
+}  // namespace
+
+std::vector<double> posthoc_weights(std::span<const int64_t> steps, std::span<const double> gammas,
+                                    int64_t step, double gamma) {
+  const std::string op = "posthoc_weights: ";
+  check_weights_args(op, steps, gammas, step, gamma);
+  GramSystem g = gram_system(steps, gammas, step, gamma);
+  check_distinct_profiles(op, steps, gammas, g);
+  std::vector<double> w = solve(op, g);
+  for (size_t i = 0; i < g.n; ++i) w[i] /= g.norm[i];
   return w;
 }
 
@@ -225,6 +267,73 @@ void check_posthoc_output(const PosthocPlan& plan, const std::string& out_dir) {
     throw FormatError(where + "the output must not hold the snapshot root " + plan.root);
   }
 }
+
+namespace {
+
+// The step and gamma of the snapshot in `dir` (a 0-dim I64 and a 0-dim F64 tensor).
+PosthocSnapshot read_snapshot(const CheckpointDir& ckpt, const std::string& dir,
+                              const std::string& where) {
+  const IndexTensor* st = ckpt.find(kSnapshotStepTensor);
+  const IndexTensor* gt = ckpt.find(kSnapshotGammaTensor);
+  if (st == nullptr || gt == nullptr) {
+    throw FormatError(where + dir + " is a checkpoint but not a power-EMA snapshot (no '" +
+                      std::string(st == nullptr ? kSnapshotStepTensor : kSnapshotGammaTensor) +
+                      "' tensor); snapshot_root must hold only ShardedEMA snapshots");
+  }
+  if (st->dtype != DType::kI64 || !st->shape.empty() || gt->dtype != DType::kF64 ||
+      !gt->shape.empty()) {
+    throw FormatError(where + dir +
+                      ": the snapshot tensors must be a 0-dim I64 step and a 0-dim "
+                      "F64 gamma");
+  }
+  PosthocSnapshot s;
+  s.dir = dir;
+  ckpt.read_full(kSnapshotStepTensor, &s.step, sizeof(s.step));
+  ckpt.read_full(kSnapshotGammaTensor, &s.gamma, sizeof(s.gamma));
+  return s;
+}
+
+// Two snapshots of one model: the same names, dtypes and global shapes.
+void check_same_model(const CheckpointIndex& first, const std::string& first_dir,
+                      const CheckpointIndex& index, const std::string& dir,
+                      const std::string& where) {
+  // Both lists are sorted by name.
+  const auto& a = first.tensors;
+  const auto& b = index.tensors;
+  for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
+    if (i >= a.size() || i >= b.size() || a[i].name != b[i].name) {
+      const std::string extra = i >= a.size()   ? b[i].name
+                                : i >= b.size() ? a[i].name
+                                                : std::min(a[i].name, b[i].name);
+      throw FormatError(where + "snapshots of different models: " + first_dir + " and " + dir +
+                        " differ in tensor names (first difference: '" + extra + "')");
+    }
+    if (a[i].dtype != b[i].dtype || a[i].shape != b[i].shape) {
+      throw FormatError(where + "snapshots of different models: tensor '" + a[i].name + "' is " +
+                        std::string(dtype_name(a[i].dtype)) + shape_to_string(a[i].shape) + " in " +
+                        first_dir + " but " + std::string(dtype_name(b[i].dtype)) +
+                        shape_to_string(b[i].shape) + " in " + dir);
+    }
+  }
+}
+
+// No profile twice (the snapshots sorted by step and gamma).
+void check_distinct_snapshots(const std::vector<PosthocSnapshot>& snapshots,
+                              const std::string& where) {
+  for (size_t i = 1; i < snapshots.size(); ++i) {  // sorted: duplicates are neighbours
+    const PosthocSnapshot& a = snapshots[i - 1];
+    const PosthocSnapshot& b = snapshots[i];
+    if (a.step == b.step && a.gamma == b.gamma) {
+      throw FormatError(where + "snapshots " + a.dir + " and " + b.dir +
+                        " have the same step and gamma (" + std::to_string(a.step) + ", " +
+                        num(a.gamma) +
+                        "): one profile twice makes the least-squares system "
+                        "singular; remove one of them");
+    }
+  }
+}
+
+}  // namespace
 
 PosthocPlan plan_posthoc(const std::string& snapshot_root, double sigma_rel,
                          std::optional<int64_t> step) {
@@ -251,23 +360,7 @@ PosthocPlan plan_posthoc(const std::string& snapshot_root, double sigma_rel,
       continue;
     }
     CheckpointDir ckpt = CheckpointDir::open(dir);
-    const IndexTensor* st = ckpt.find(kSnapshotStepTensor);
-    const IndexTensor* gt = ckpt.find(kSnapshotGammaTensor);
-    if (st == nullptr || gt == nullptr) {
-      throw FormatError(where + dir + " is a checkpoint but not a power-EMA snapshot (no '" +
-                        std::string(st == nullptr ? kSnapshotStepTensor : kSnapshotGammaTensor) +
-                        "' tensor); snapshot_root must hold only ShardedEMA snapshots");
-    }
-    if (st->dtype != DType::kI64 || !st->shape.empty() || gt->dtype != DType::kF64 ||
-        !gt->shape.empty()) {
-      throw FormatError(where + dir +
-                        ": the snapshot tensors must be a 0-dim I64 step and a 0-dim "
-                        "F64 gamma");
-    }
-    PosthocSnapshot s;
-    s.dir = dir;
-    ckpt.read_full(kSnapshotStepTensor, &s.step, sizeof(s.step));
-    ckpt.read_full(kSnapshotGammaTensor, &s.gamma, sizeof(s.gamma));
+    PosthocSnapshot s = read_snapshot(ckpt, dir, where);
     const CheckpointIndex& index = ckpt.index();
     if (first_index == nullptr) {
       plan.world_size = ckpt.world_size();
@@ -280,25 +373,7 @@ PosthocPlan plan_posthoc(const std::string& snapshot_root, double sigma_rel,
                           " at " + std::to_string(plan.world_size) + ", " + dir + " at " +
                           std::to_string(ckpt.world_size()) + " (not one training run)");
       }
-      // One model: the same names, dtypes and global shapes (both lists sorted by name).
-      const auto& a = first_index->tensors;
-      const auto& b = index.tensors;
-      for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
-        if (i >= a.size() || i >= b.size() || a[i].name != b[i].name) {
-          const std::string extra = i >= a.size()   ? b[i].name
-                                    : i >= b.size() ? a[i].name
-                                                    : std::min(a[i].name, b[i].name);
-          throw FormatError(where + "snapshots of different models: " + first_dir + " and " + dir +
-                            " differ in tensor names (first difference: '" + extra + "')");
-        }
-        if (a[i].dtype != b[i].dtype || a[i].shape != b[i].shape) {
-          throw FormatError(where + "snapshots of different models: tensor '" + a[i].name +
-                            "' is " + std::string(dtype_name(a[i].dtype)) +
-                            shape_to_string(a[i].shape) + " in " + first_dir + " but " +
-                            std::string(dtype_name(b[i].dtype)) + shape_to_string(b[i].shape) +
-                            " in " + dir);
-        }
-      }
+      check_same_model(*first_index, first_dir, index, dir, where);
     }
     plan.snapshots.push_back(std::move(s));
     opened.push_back(std::move(ckpt));
@@ -317,17 +392,7 @@ PosthocPlan plan_posthoc(const std::string& snapshot_root, double sigma_rel,
   std::sort(plan.snapshots.begin(), plan.snapshots.end(), [](const auto& x, const auto& y) {
     return std::pair(x.step, x.gamma) < std::pair(y.step, y.gamma);
   });
-  for (size_t i = 1; i < plan.snapshots.size(); ++i) {  // sorted: duplicates are neighbours
-    const PosthocSnapshot& a = plan.snapshots[i - 1];
-    const PosthocSnapshot& b = plan.snapshots[i];
-    if (a.step == b.step && a.gamma == b.gamma) {
-      throw FormatError(where + "snapshots " + a.dir + " and " + b.dir +
-                        " have the same step and gamma (" + std::to_string(a.step) + ", " +
-                        num(a.gamma) +
-                        "): one profile twice makes the least-squares system "
-                        "singular; remove one of them");
-    }
-  }
+  check_distinct_snapshots(plan.snapshots, where);
   plan.step = step.value_or(plan.snapshots.back().step);
   std::vector<int64_t> steps;
   std::vector<double> gammas;
