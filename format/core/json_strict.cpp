@@ -228,6 +228,42 @@ bool JsonReader::next_element() {
   return true;
 }
 
+uint32_t JsonReader::read_hex4() {
+  if (text_.size() - pos_ < 4) syntax_error("4 hex digits after \\u");
+  uint32_t v = 0;
+  for (int k = 0; k < 4; ++k) {
+    const char h = text_[pos_ + static_cast<size_t>(k)];
+    v <<= 4;
+    if (h >= '0' && h <= '9') {
+      v |= static_cast<uint32_t>(h - '0');
+    } else if (h >= 'a' && h <= 'f') {
+      v |= static_cast<uint32_t>(h - 'a' + 10);
+    } else if (h >= 'A' && h <= 'F') {
+      v |= static_cast<uint32_t>(h - 'A' + 10);
+    } else {
+      syntax_error("4 hex digits after \\u");
+    }
+  }
+  pos_ += 4;
+  return v;
+}
+
+void JsonReader::read_unicode_escape(std::string& out) {
+  const size_t n = text_.size();
+  uint32_t cp = read_hex4();
+  if (cp >= 0xDC00 && cp <= 0xDFFF) syntax_error("a high surrogate before a low one");
+  if (cp >= 0xD800 && cp <= 0xDBFF) {
+    if (n - pos_ < 2 || text_[pos_] != '\\' || text_[pos_ + 1] != 'u') {
+      syntax_error("a low surrogate after a high one");
+    }
+    pos_ += 2;
+    const uint32_t lo = read_hex4();
+    if (lo < 0xDC00 || lo > 0xDFFF) syntax_error("a low surrogate after a high one");
+    cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+  }
+  append_utf8(out, cp);
+}
+
 void JsonReader::read_string_into(std::string& out) {
   // At the opening quote.
   ++pos_;
@@ -281,40 +317,9 @@ void JsonReader::read_string_into(std::string& out) {
       case 't':
         out += '\t';
         break;
-      case 'u': {
-        auto hex4 = [&]() -> uint32_t {
-          if (n - pos_ < 4) syntax_error("4 hex digits after \\u");
-          uint32_t v = 0;
-          for (int k = 0; k < 4; ++k) {
-            const char h = text_[pos_ + static_cast<size_t>(k)];
-            v <<= 4;
-            if (h >= '0' && h <= '9') {
-              v |= static_cast<uint32_t>(h - '0');
-            } else if (h >= 'a' && h <= 'f') {
-              v |= static_cast<uint32_t>(h - 'a' + 10);
-            } else if (h >= 'A' && h <= 'F') {
-              v |= static_cast<uint32_t>(h - 'A' + 10);
-            } else {
-              syntax_error("4 hex digits after \\u");
-            }
-          }
-          pos_ += 4;
-          return v;
-        };
-        uint32_t cp = hex4();
-        if (cp >= 0xDC00 && cp <= 0xDFFF) syntax_error("a high surrogate before a low one");
-        if (cp >= 0xD800 && cp <= 0xDBFF) {
-          if (n - pos_ < 2 || text_[pos_] != '\\' || text_[pos_ + 1] != 'u') {
-            syntax_error("a low surrogate after a high one");
-          }
-          pos_ += 2;
-          const uint32_t lo = hex4();
-          if (lo < 0xDC00 || lo > 0xDFFF) syntax_error("a low surrogate after a high one");
-          cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-        }
-        append_utf8(out, cp);
+      case 'u':
+        read_unicode_escape(out);
         break;
-      }
       default:
         pos_ = j;
         syntax_error("a valid escape sequence");

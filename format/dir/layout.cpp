@@ -243,6 +243,36 @@ std::string shard_file_name_to_write(const std::string& dir, int64_t rank, int64
   return plain;
 }
 
+namespace {
+
+// Once the new index is durable: files it does not reference belong to nothing loadable now, a
+// rank's file that holds no tensor included (a rank with nothing to write still writes one for
+// the commit; left behind, every reader that lists the directory would count it as stray).
+void remove_unreferenced(const std::string& dir, const CheckpointIndex& index,
+                         const std::vector<std::string>& listing, bool fsync) {
+  std::unordered_set<std::string, detail::NameHash, std::equal_to<>> keep;
+  for (const IndexTensor& t : index.tensors) {
+    for (const IndexPiece& p : t.pieces) keep.insert(p.file);
+  }
+  bool removed = false;
+  for (const std::string& n : listing) {
+    if (is_shard_file_name(n) && !keep.contains(n)) {
+      detail::remove_quietly(detail::join_path(dir, n));
+      removed = true;
+    }
+  }
+  if (removed && fsync) {
+    try {
+      detail::fsync_directory(dir);
+    } catch (const FormatError&) {
+      // The commit is durable already; a removal that does not persist leaves a stray file that
+      // the next commit removes again.
+    }
+  }
+}
+
+}  // namespace
+
 CheckpointIndex commit_directory(const std::string& dir, int64_t world_size, bool overwrite,
                                  bool fsync) {
   check_path(dir, "checkpoint directory");
@@ -314,28 +344,7 @@ CheckpointIndex commit_directory(const std::string& dir, int64_t world_size, boo
   const CheckpointIndex index = build_index_from_files(dir, names, world_size);
   write_index(dir, index, overwrite, fsync);
 
-  // The new index is durable: files it does not reference belong to nothing loadable now, a
-  // rank's file that holds no tensor included (a rank with nothing to write still writes one for
-  // the commit; left behind, every reader that lists the directory would count it as stray).
-  std::unordered_set<std::string, detail::NameHash, std::equal_to<>> keep;
-  for (const IndexTensor& t : index.tensors) {
-    for (const IndexPiece& p : t.pieces) keep.insert(p.file);
-  }
-  bool removed = false;
-  for (const std::string& n : listing) {
-    if (is_shard_file_name(n) && !keep.contains(n)) {
-      detail::remove_quietly(detail::join_path(dir, n));
-      removed = true;
-    }
-  }
-  if (removed && fsync) {
-    try {
-      detail::fsync_directory(dir);
-    } catch (const FormatError&) {
-      // The commit is durable already; a removal that does not persist leaves a stray file that
-      // the next commit removes again.
-    }
-  }
+  remove_unreferenced(dir, index, listing, fsync);
   return index;
 }
 

@@ -214,6 +214,42 @@ class Stage {
   std::string path_;
 };
 
+// The tensors an export writes, under their exported names: those whose names start with
+// `prefix` (every tensor for an empty one), without it; `source` gets their names as stored.
+std::vector<IndexTensor> select_tensors(const CheckpointDir& ckpt, const std::string& dir,
+                                        const std::string& prefix,
+                                        std::vector<std::string>& source) {
+  std::vector<IndexTensor> tensors;
+  for (const IndexTensor& t : ckpt.tensors()) {
+    if (!t.name.starts_with(prefix) || t.name.size() == prefix.size()) continue;
+    source.push_back(t.name);
+    tensors.push_back(t);
+    tensors.back().name = t.name.substr(prefix.size());
+  }
+  if (!prefix.empty() && tensors.empty()) {
+    throw FormatError(dir + ": no tensor name starts with " + json_quote(prefix));
+  }
+  return tensors;
+}
+
+// Each tensor's output dtype and bytes; returns their total.
+uint64_t size_outputs(const std::vector<IndexTensor>& tensors, const ExportOptions& options,
+                      const std::string& dir, std::vector<DType>& out_dtype,
+                      std::vector<uint64_t>& out_bytes) {
+  uint64_t total_size = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const IndexTensor& t = tensors[i];
+    out_dtype[i] = output_dtype(t.dtype, options);
+    auto b = nbytes(t.shape, out_dtype[i]);
+    if (!b) throw FormatError(dir + ": tensor " + json_quote(t.name) + ": size overflows");
+    out_bytes[i] = *b;
+    auto total = checked_add(total_size, *b);
+    if (!total) throw FormatError(dir + ": total size overflows");
+    total_size = *total;
+  }
+  return total_size;
+}
+
 }  // namespace
 
 ExportResult export_consolidated(const std::string& dir, const std::string& out_dir,
@@ -229,31 +265,12 @@ ExportResult export_consolidated(const std::string& dir, const std::string& out_
   const std::vector<std::string>& existing = out.existing();
 
   // Output dtype and size per tensor, then files in name order, split at max_file_bytes.
-  std::vector<IndexTensor> tensors;  // the selected tensors, under their exported names
-  std::vector<std::string> source;   // their names in the checkpoint
-  const std::string& prefix = options.select_prefix;
-  for (const IndexTensor& t : ckpt.tensors()) {
-    if (!t.name.starts_with(prefix) || t.name.size() == prefix.size()) continue;
-    source.push_back(t.name);
-    tensors.push_back(t);
-    tensors.back().name = t.name.substr(prefix.size());
-  }
-  if (!prefix.empty() && tensors.empty()) {
-    throw FormatError(dir + ": no tensor name starts with " + json_quote(prefix));
-  }
+  std::vector<std::string> source;  // the selected tensors' names in the checkpoint
+  const std::vector<IndexTensor> tensors = select_tensors(ckpt, dir, options.select_prefix, source);
   std::vector<DType> out_dtype(tensors.size());
   std::vector<uint64_t> out_bytes(tensors.size());
   ExportResult result;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const IndexTensor& t = tensors[i];
-    out_dtype[i] = output_dtype(t.dtype, options);
-    auto b = nbytes(t.shape, out_dtype[i]);
-    if (!b) throw FormatError(dir + ": tensor " + json_quote(t.name) + ": size overflows");
-    out_bytes[i] = *b;
-    auto total = checked_add(result.total_size, *b);
-    if (!total) throw FormatError(dir + ": total size overflows");
-    result.total_size = *total;
-  }
+  result.total_size = size_outputs(tensors, options, dir, out_dtype, out_bytes);
   const std::vector<std::vector<size_t>> groups = plan_files(out_bytes, options.max_file_bytes);
 
   const size_t nfiles = groups.size();
