@@ -165,7 +165,7 @@ def main() -> None:
             # Pieces each rank's rows touch: two edges each, one block at most per edge.
             edges = 0
             for rank in range(world):
-                for name, t in state.items():
+                for t in state.values():
                     lo, hi = chunk(t.shape[0], rank, world)
                     for w in range(writers):
                         pb, pe = chunk(t.shape[0], w, writers)

@@ -35,8 +35,8 @@ def test_gather_alignment_comes_from_the_gather_op():
 
 
 def test_overlapping_reports_tied_tensors_exactly():
-    """The memory rule of the in-place ops (ops/common/memory.h), as a query: the collective load sends
-    tied destinations (one tensor under two names) to a copy instead of load_into_."""
+    """The memory rule of the in-place ops (ops/common/memory.h), as a query: the collective load
+    sends tied destinations (one tensor under two names) to a copy instead of load_into_."""
     base = torch.zeros(64)
     other = torch.zeros(8)
     tied = [base, base.view(8, 8), other, base[0::2], base[1::2]]

@@ -66,11 +66,11 @@ def digests(directory: Path) -> dict:
 
 def rank_main(rank: int, world: int, init_file: str, out_dir: str, queue) -> None:
     sys.path.insert(0, str(ROOT / "python"))
-    import fsdp_ema
-
     import random
 
     import numpy
+
+    import fsdp_ema
 
     torch.set_num_threads(1)
     random.seed(rank)  # the training state saves every RNG's state

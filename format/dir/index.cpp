@@ -336,7 +336,7 @@ CheckpointIndex build_index_from_files(const std::string& dir,
     }
   }
   // One header per rank, parsed on the machine's cores (a file this process has just written is
-  // described from memory instead: format/recent_shards.h). Errors in rank order.
+  // described from memory instead: fsdp_ema/format/recent_shards.h). Errors in rank order.
   std::vector<ShardDescription> shards(static_cast<size_t>(world_size));
   const auto errors = detail::run_jobs(shards.size(), [&](size_t r) {
     const std::string& name = file_names[r];

@@ -1,6 +1,6 @@
 // The memory rules of the ops that write into tensors the caller owns (update_, update_multi_,
 // load_into_): which tensors may be written, exact overlap between them, and autograd's version
-// counter. One place for what update.cpp and load_into.cpp each checked their own way.
+// counter. One place for what update_ and load_into_ each checked their own way.
 #pragma once
 
 #include <ATen/core/Tensor.h>

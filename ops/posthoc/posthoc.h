@@ -1,4 +1,4 @@
-// Host side of the post-hoc EMA operators: thin adapters over format/posthoc.h, the one
+// Host side of the post-hoc EMA operators: thin adapters over fsdp_ema/format/posthoc.h, the one
 // implementation of the power-EMA gamma and the least-squares weights (the `fsdp-ema posthoc`
 // command uses it directly).
 #pragma once

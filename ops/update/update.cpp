@@ -33,7 +33,7 @@ void check_no_shared_memory(const char* op, TensorList ema, TensorList model) {
                    "; every EMA tensor needs storage of its own");
 }
 
-// An EMA or model dtype of the update kernels (format/dtype_table.h).
+// An EMA or model dtype of the update kernels (fsdp_ema/format/dtype_table.h).
 void check_float_dtype(const char* op, const at::Tensor& t, const char* name, size_t i,
                        format::DTypeRole role) {
   TORCH_CHECK(has_role(t.scalar_type(), role), op, name, "[", i, "] has dtype ", t.scalar_type(),

@@ -119,7 +119,7 @@ def posthoc(snapshot_root: str | os.PathLike, *, sigma_rel: float, out: str | os
                         if last:
                             acc[n] = x
                         continue
-                    # Product, then sum, each rounded once, in snapshot order: format/posthoc/posthoc.cpp
+                    # Product, then sum, each rounded once, in snapshot order: format/posthoc/
                     # (the CLI) does exactly this, so both give the same bits.
                     p = x.to(torch.float64).mul_(w)
                     acc[n] = p if n not in acc else acc[n].add_(p)
