@@ -1,11 +1,12 @@
 """Fails when the C++ units include each other in a circle.
 
-A unit is a header and the source of the same name (format/include/fsdp_ema/format/paths.h and
-format/core/paths.cpp are the unit format:paths); unit A depends on unit B when A's header or
-source includes B's header. The floors call down (registration -> ops -> kernels / format) and,
-inside a floor, the units form no cycle: a reader can start from the bottom and never meet a
-unit that needs one not read yet. Prints every cycle found as a chain of units. Run by
-scripts/lint.sh.
+A unit is a header and the source of the same name (format/include/fsdp_ema/format/paths.h
+and format/core/paths.cpp are the unit format:paths), with its private header `<name>_impl.h`
+if it has one (format/dir/checkpoint_dir_impl.h belongs to format:checkpoint_dir); unit A
+depends on unit B when A's header or source includes B's header. The floors call down
+(registration -> ops -> kernels / format) and, inside a floor, the units form no cycle: a reader
+can start from the bottom and never meet a unit that needs one not read yet. Prints the units of
+every cycle and the includes between them. Run by scripts/lint.sh.
 """
 import os
 import re
@@ -22,7 +23,7 @@ def unit_of(path):
     """'format:paths' for format/core/paths.cpp and format/include/fsdp_ema/format/paths.h."""
     top = path.split("/", 1)[0]
     stem = os.path.splitext(os.path.basename(path))[0]
-    return f"{top}:{stem}"
+    return f"{top}:{stem.removesuffix('_impl')}"
 
 
 def resolve(included, including, tracked):

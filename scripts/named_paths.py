@@ -2,11 +2,12 @@
 
 Read: docs/*.md, the README files, and the comments of the C++/CUDA, Python, CMake and shell
 files (`//`, `/* */` and `#` comments; Python docstrings too). A word is taken for a repository
-path when it starts with one of the repository's top-level folders (`format/read_plan.cpp`,
-`python/fsdp_ema/_ops.py`), is an include path (`fsdp_ema/format/names.h`, looked up under the
-include roots), or is a bare file name with a source extension (`shard_file.cpp`, looked up by
-name anywhere in the tree); it must then name a tracked file or folder. Names of other projects'
-files, and files the build or a run makes, are in ELSEWHERE. Run by scripts/lint.sh.
+path when it starts with one of the repository's top-level folders
+(`format/read/read_plan.cpp`, `python/fsdp_ema/checkpoint.py`), is an include path
+(`fsdp_ema/format/names.h`, looked up under the include roots), or is a bare file name with a
+source extension (`shard_file.cpp`, looked up by name anywhere in the tree); it must then name a
+tracked file or folder. Names of other projects' files, and files the build or a run makes, are
+in ELSEWHERE. Run by scripts/lint.sh.
 """
 import os
 import re
@@ -41,7 +42,7 @@ ELSEWHERE_PREFIXES = (
 EXTENSIONS = (".cpp", ".cc", ".h", ".hpp", ".cu", ".cuh", ".py", ".sh", ".md", ".cmake", ".txt",
               ".toml", ".in", ".ini")
 INCLUDE_ROOTS = ("format/include/", "include/", "python/")
-WORD = re.compile(r"(?<![\w./*-])([A-Za-z0-9_][\w.+-]*(?:/[\w.+-]+)*/?)(?![\w*])")
+WORD = re.compile(r"(?<![\w./*<>-])([A-Za-z0-9_][\w.+-]*(?:/[\w.+-]+)*/?)(?![\w*])")
 CODE_EXTENSIONS = {".cpp": "c", ".cc": "c", ".h": "c", ".hpp": "c", ".cu": "c", ".cuh": "c",
                    ".py": "py", ".sh": "sh", ".cmake": "sh", ".in": "sh", ".txt": "sh"}
 

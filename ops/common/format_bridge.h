@@ -22,8 +22,8 @@ std::optional<format::DType> format_dtype_of(at::ScalarType t);
 // Same, raising "<what> has dtype X, which safetensors cannot store" for one it cannot.
 format::DType to_format_dtype(at::ScalarType t, const std::string& what);
 at::ScalarType to_scalar_type(format::DType d);
-// Whether a torch dtype may play `role` (fsdp_ema/format/dtype_table.h): the update kernels' EMA and
-// model dtypes, the export casts.
+// Whether a torch dtype may play `role` (fsdp_ema/format/dtype_table.h): the update kernels' EMA
+// and model dtypes, the export casts.
 bool has_role(at::ScalarType t, format::DTypeRole role);
 // "Double, Float, Half or BFloat16": the torch dtypes that may play `role`, for messages.
 std::string torch_dtypes_with_role(format::DTypeRole role);

@@ -1,6 +1,7 @@
 // The ops that tell the Python front (and C++ callers) the rules that live in C++, so that Python
-// never keeps a copy of one: file names (fsdp_ema/format/names.h), the rows of a rank (fsdp_ema/format/rows.h), the
-// dtype table (fsdp_ema/format/dtype_table.h), and the CPU kernel's instruction set.
+// never keeps a copy of one: file names (fsdp_ema/format/names.h), the rows of a rank
+// (fsdp_ema/format/rows.h), the dtype table (fsdp_ema/format/dtype_table.h), and the CPU kernel's
+// instruction set.
 #pragma once
 
 #include <cstdint>

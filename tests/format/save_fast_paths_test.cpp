@@ -1,6 +1,6 @@
 // The save fast paths of issue #11: checksum digits patched into the header written once, and
-// the commit's use of the descriptions this process wrote (fsdp_ema/format/recent_shards.h). Each must
-// give exactly what the slow path (a second serialization, a parse of the file) gives.
+// the commit's use of the descriptions this process wrote (fsdp_ema/format/recent_shards.h). Each
+// must give exactly what the slow path (a second serialization, a parse of the file) gives.
 #include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
