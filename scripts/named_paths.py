@@ -42,7 +42,7 @@ ELSEWHERE_PREFIXES = (
 EXTENSIONS = (".cpp", ".cc", ".h", ".hpp", ".cu", ".cuh", ".py", ".sh", ".md", ".cmake", ".txt",
               ".toml", ".in", ".ini")
 INCLUDE_ROOTS = ("format/include/", "include/", "python/")
-WORD = re.compile(r"(?<![\w./*<>-])([A-Za-z0-9_][\w.+-]*(?:/[\w.+-]+)*/?)(?![\w*])")
+WORD = re.compile(r"(?<![\w./*<>-])([A-Za-z0-9_][\w.+-]*(?:/[\w.+-]+)*/?)(?![\w*<])")
 CODE_EXTENSIONS = {".cpp": "c", ".cc": "c", ".h": "c", ".hpp": "c", ".cu": "c", ".cuh": "c",
                    ".py": "py", ".sh": "sh", ".cmake": "sh", ".in": "sh", ".txt": "sh"}
 
