@@ -54,7 +54,7 @@ constexpr auto kNoTensor = c10::DispatchKey::CompositeExplicitAutograd;
 constexpr auto kComposite = c10::DispatchKey::CompositeImplicitAutograd;
 
 #if defined(FSDP_EMA_WITH_CUDA)
-#define FSDP_EMA_CUDA_IMPL(m, name, fn) m.impl(name, c10::DispatchKey::CUDA, &fn)
+#define FSDP_EMA_CUDA_IMPL(m, name, fn) m.impl(name, c10::DispatchKey::CUDA, fn)
 #else
 #define FSDP_EMA_CUDA_IMPL(m, name, fn) static_cast<void>(m)
 #endif
@@ -67,14 +67,14 @@ void def_update(torch::Library& m, const std::string& name) {
       (tensor + "(Tensor(a! -> *)[] ema, Tensor[] model, Tensor decay) -> ()").c_str()));
   m.impl(tensor.c_str(), kCPU, &ops::update_tensor_cpu);
   m.impl(tensor.c_str(), kMeta, &ops::update_tensor_meta);
-  FSDP_EMA_CUDA_IMPL(m, tensor.c_str(), ops::update_tensor_cuda);
+  FSDP_EMA_CUDA_IMPL(m, tensor.c_str(), &ops::update_tensor_cuda);
   // Decay a float.
   m.def(
       torch::schema((name + "(Tensor(a! -> *)[] ema, Tensor[] model, float decay) -> ()").c_str()));
   m.impl(name.c_str(), kNoTensor, &ops::update_no_kernel);  // empty lists: names the argument
   m.impl(name.c_str(), kCPU, &ops::update_cpu);
   m.impl(name.c_str(), kMeta, &ops::update_meta);
-  FSDP_EMA_CUDA_IMPL(m, name.c_str(), ops::update_cuda);
+  FSDP_EMA_CUDA_IMPL(m, name.c_str(), &ops::update_cuda);
 }
 
 void def_update_ops(torch::Library& m) {
@@ -87,13 +87,13 @@ void def_update_ops(torch::Library& m) {
   m.def("update_multi_.Tensor(Tensor(a! -> *)[] ema, Tensor[] model, Tensor[] decays) -> ()");
   m.impl("update_multi_.Tensor", kCPU, &ops::update_multi_tensor_cpu);
   m.impl("update_multi_.Tensor", kMeta, &ops::update_multi_tensor_meta);
-  FSDP_EMA_CUDA_IMPL(m, "update_multi_.Tensor", ops::update_multi_tensor_cuda);
+  FSDP_EMA_CUDA_IMPL(m, "update_multi_.Tensor", &ops::update_multi_tensor_cuda);
   // The same, with float decays.
   m.def("update_multi_(Tensor(a! -> *)[] ema, Tensor[] model, float[] decays) -> ()");
   m.impl("update_multi_", kNoTensor, &ops::update_multi_no_kernel);
   m.impl("update_multi_", kCPU, &ops::update_multi_cpu);
   m.impl("update_multi_", kMeta, &ops::update_multi_meta);
-  FSDP_EMA_CUDA_IMPL(m, "update_multi_", ops::update_multi_cuda);
+  FSDP_EMA_CUDA_IMPL(m, "update_multi_", &ops::update_multi_cuda);
 }
 
 void def_gather_ops(torch::Library& m) {
@@ -102,7 +102,7 @@ void def_gather_ops(torch::Library& m) {
   m.impl("gather_shards", kNoTensor, &ops::gather_shards_cpu);  // empty lists: joins, sends none
   m.impl("gather_shards", kCPU, &ops::gather_shards_cpu);
   m.impl("gather_shards", kMeta, &ops::gather_shards_meta);  // shapes, no collective
-  FSDP_EMA_CUDA_IMPL(m, "gather_shards", ops::gather_shards_cuda);
+  FSDP_EMA_CUDA_IMPL(m, "gather_shards", &ops::gather_shards_cuda);
   // The byte alignment of every piece gather_shards packs (Python sizes its buckets with it).
   m.def("gather_alignment() -> int");
   m.impl("gather_alignment", kNoTensor, &ops::gather_alignment);
@@ -118,7 +118,7 @@ void def_save_ops(torch::Library& m) {
   m.impl("save_shard", kNoTensor, &ops::save_shard);  // empty lists: validates, writes its file
   m.impl("save_shard", kCPU, &ops::save_shard);
   m.impl("save_shard", kMeta, &ops::save_shard_meta);
-  FSDP_EMA_CUDA_IMPL(m, "save_shard", ops::save_shard_cuda);
+  FSDP_EMA_CUDA_IMPL(m, "save_shard", &ops::save_shard_cuda);
   // The index (the commit marker) once every rank's file is there; the number of tensors.
   m.def(torch::schema(
       "commit_checkpoint(str directory, int world_size, bool overwrite=False, bool fsync=True) "
@@ -133,42 +133,57 @@ void def_save_ops(torch::Library& m) {
   m.impl("commit_checkpoint.after", kNoTensor, &ops::commit_after);
   m.impl("commit_checkpoint.after", kCPU, &ops::commit_after);
   m.impl("commit_checkpoint.after", kMeta, &ops::commit_after_meta);
-  FSDP_EMA_CUDA_IMPL(m, "commit_checkpoint.after", ops::commit_after);
+  FSDP_EMA_CUDA_IMPL(m, "commit_checkpoint.after", &ops::commit_after);
+}
+
+// A load and the private twin it calls with a `target` tensor on the requested device
+// (ops/common/tracing.h says why): the load's CompositeImplicitAutograd kernel `entry`; the twin's
+// kernels `to` (CPU and CUDA: it loads onto its target's device) and `meta` (tracing: the index or
+// a header only).
+template <typename Entry, typename To, typename Meta>
+void def_load_and_twin(torch::Library& m, const char* load, Entry* entry, const char* twin, To* to,
+                       Meta* meta) {
+  const auto name = [](const char* schema) {
+    const std::string s(schema);
+    return s.substr(0, s.find('('));
+  };
+  const std::string load_name = name(load), twin_name = name(twin);
+  m.def(load);
+  m.impl(load_name.c_str(), kComposite, entry);
+  m.def(twin);
+  m.impl(twin_name.c_str(), kCPU, to);
+  m.impl(twin_name.c_str(), kMeta, meta);
+  FSDP_EMA_CUDA_IMPL(m, twin_name.c_str(), to);
 }
 
 // The loads: one read pipeline (ops/load/pipeline.h). load_tensors and load_shard have no tensor
 // argument, so they make one on the requested device and call their private twin with it
 // (ops/common/tracing.h says why).
 void def_load_ops(torch::Library& m) {
-  // One shard file back, verified (owned memory; mmap=True: zero-copy views).
-  m.def(
-      "load_shard(str path, bool verify=True, Device? device=None, bool mmap=False) "
-      "-> (str[] names, Tensor[] shards, int[] offsets, int[] global_shapes)");
-  m.impl("load_shard", kComposite, &ops::load_shard_entry);
-  // Private: what load_shard calls, dispatched on `target`.
-  m.def(
-      "_load_shard(Tensor target, str path, bool verify, bool mmap) "
-      "-> (str[] names, Tensor[] shards, int[] offsets, int[] global_shapes)");
-  m.impl("_load_shard", kCPU, &ops::load_shard_to);
-  m.impl("_load_shard", kMeta, &ops::load_shard_meta);  // the header only
-  FSDP_EMA_CUDA_IMPL(m, "_load_shard", ops::load_shard_to);
-  // Named tensors of a committed checkpoint, whole or the rows of rank `rank` of `world_size`.
-  m.def(
+  // One shard file back, verified (owned memory; mmap=True: zero-copy views); the private
+  // _load_shard it calls, dispatched on `target`.
+  def_load_and_twin(m,
+                    "load_shard(str path, bool verify=True, Device? device=None, bool mmap=False) "
+                    "-> (str[] names, Tensor[] shards, int[] offsets, int[] global_shapes)",
+                    &ops::load_shard_entry,
+                    "_load_shard(Tensor target, str path, bool verify, bool mmap) "
+                    "-> (str[] names, Tensor[] shards, int[] offsets, int[] global_shapes)",
+                    &ops::load_shard_to, &ops::load_shard_meta);
+  // Named tensors of a committed checkpoint, whole or the rows of rank `rank` of `world_size`;
+  // the private _load_tensors it calls, dispatched on `target`.
+  def_load_and_twin(
+      m,
       "load_tensors(str directory, str[] names, int rank=0, int world_size=1, bool verify=True, "
-      "Device? device=None, bool mmap=False) -> Tensor[]");
-  m.impl("load_tensors", kComposite, &ops::load_tensors_entry);
-  // The same, ordered after `after` in a graph (say, commit_checkpoint.after's result).
+      "Device? device=None, bool mmap=False) -> Tensor[]",
+      &ops::load_tensors_entry,
+      "_load_tensors(Tensor target, Tensor[] after, str directory, str[] names, int rank, "
+      "int world_size, bool verify, bool mmap) -> Tensor[]",
+      &ops::load_tensors_to, &ops::load_tensors_meta);
+  // load_tensors ordered after `after` in a graph (say, commit_checkpoint.after's result).
   m.def(
       "load_tensors.after(str directory, str[] names, Tensor[] after, int rank=0, "
       "int world_size=1, bool verify=True, Device? device=None, bool mmap=False) -> Tensor[]");
   m.impl("load_tensors.after", kComposite, &ops::load_tensors_after_entry);
-  // Private: what load_tensors calls, dispatched on `target`.
-  m.def(
-      "_load_tensors(Tensor target, Tensor[] after, str directory, str[] names, int rank, "
-      "int world_size, bool verify, bool mmap) -> Tensor[]");
-  m.impl("_load_tensors", kCPU, &ops::load_tensors_to);
-  m.impl("_load_tensors", kMeta, &ops::load_tensors_meta);  // the index only
-  FSDP_EMA_CUDA_IMPL(m, "_load_tensors", ops::load_tensors_to);
   // The same tensors as load_tensors, read into existing tensors; everything checked first.
   m.def(
       "load_into_(str directory, str[] names, Tensor(a! -> *)[] out, int rank=0, "
@@ -176,7 +191,7 @@ void def_load_ops(torch::Library& m) {
   m.impl("load_into_", kNoTensor, &ops::load_into_);  // empty lists
   m.impl("load_into_", kCPU, &ops::load_into_);
   m.impl("load_into_", kMeta, &ops::load_into_meta);
-  FSDP_EMA_CUDA_IMPL(m, "load_into_", ops::load_into_);  // host reads, then copies to the device
+  FSDP_EMA_CUDA_IMPL(m, "load_into_", &ops::load_into_);  // host reads, then copies to the device
 
   // A checkpoint opened once: a collective load checks everywhere, agrees, then writes.
   m.class_<ops::OpenCheckpoint>("OpenCheckpoint")

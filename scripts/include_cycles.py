@@ -10,8 +10,9 @@ every cycle and the includes between them. Run by scripts/lint.sh.
 """
 import os
 import re
-import subprocess
 import sys
+
+from lint_common import report, tracked, verdict
 
 SOURCES = (".cpp", ".cc", ".h", ".hpp", ".cu", ".cuh")
 # Where a quoted include is looked up, as the build's include directories give it.
@@ -26,20 +27,19 @@ def unit_of(path):
     return f"{top}:{stem.removesuffix('_impl')}"
 
 
-def resolve(included, including, tracked):
+def resolve(included, including, in_tree):
     here = os.path.dirname(including)
     for root in (here + "/" if here else "",) + INCLUDE_ROOTS:
         candidate = os.path.normpath(root + included)
-        if candidate in tracked:
+        if candidate in in_tree:
             return candidate
     return None  # a system or third-party header
 
 
 def main():
-    files = subprocess.run(["git", "ls-files"], check=True, capture_output=True,
-                           text=True).stdout.split()
+    files = tracked()
     product = [f for f in files if f.endswith(SOURCES) and not f.startswith(("tests/", "bench/"))]
-    tracked = set(files)
+    in_tree = set(files)
     edges = {}
     for path in product:
         with open(path, encoding="utf-8") as f:
@@ -47,7 +47,7 @@ def main():
         a = unit_of(path)
         edges.setdefault(a, set())
         for included in INCLUDE.findall(text):
-            target = resolve(included, path, tracked)
+            target = resolve(included, path, in_tree)
             if target is None:
                 continue
             b = unit_of(target)
@@ -84,12 +84,9 @@ def main():
     for component in cycles:
         members = set(component)
         lines = [f"  {a} -> {b}" for a in component for b in sorted(edges[a]) if b in members]
-        print("include cycle between " + ", ".join(component) + ":\n" + "\n".join(lines),
-              file=sys.stderr)
-    if cycles:
-        print(f"include_cycles: {len(cycles)} cycle(s) (a unit is a header and the source of the "
-              "same name; move what both need into a unit below them)", file=sys.stderr)
-    return 1 if cycles else 0
+        report("include cycle between " + ", ".join(component) + ":\n" + "\n".join(lines))
+    return verdict("include_cycles", len(cycles), f"{len(cycles)} cycle(s) (a unit is a header "
+                   "and the source of the same name; move what both need into a unit below them)")
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ a function; lambdas and local classes count toward the function around them. Run
 scripts/lint.sh.
 """
 import re
-import subprocess
 import sys
+
+from lint_common import report, tracked, verdict
 
 LIMIT = 80
 SOURCES = (".cpp", ".cc", ".h", ".hpp", ".cu", ".cuh")
@@ -133,8 +134,7 @@ def has_reason(source_lines, first):
 
 
 def main():
-    files = subprocess.run(["git", "ls-files", *FOLDERS], check=True, capture_output=True,
-                           text=True).stdout.split()
+    files = tracked(*FOLDERS)
     bad = 0
     for path in files:
         if not path.endswith(SOURCES):
@@ -144,14 +144,12 @@ def main():
         source_lines = text.split("\n")
         for first, last, nloc in functions(text):
             if nloc > LIMIT and not has_reason(source_lines, first):
-                print(f"{path}:{first}: a function of {nloc} code lines (lines {first}-{last}; "
-                      f"at most {LIMIT}, or a `// Long: <why>` comment above it): "
-                      f"{source_lines[first - 1].strip()}", file=sys.stderr)
+                report(f"{path}:{first}: a function of {nloc} code lines (lines {first}-{last}; "
+                       f"at most {LIMIT}, or a `// Long: <why>` comment above it): "
+                       f"{source_lines[first - 1].strip()}")
                 bad += 1
-    if bad:
-        print(f"long_functions: {bad} function(s) over {LIMIT} lines without a stated reason "
-              "(split them, or say why in a `// Long:` comment)", file=sys.stderr)
-    return 1 if bad else 0
+    return verdict("long_functions", bad, f"{bad} function(s) over {LIMIT} lines without a "
+                   "stated reason (split them, or say why in a `// Long:` comment)")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ in ELSEWHERE. Run by scripts/lint.sh.
 """
 import os
 import re
-import subprocess
 import sys
+
+from lint_common import report, tracked, verdict
 
 # Other projects' files the docs cite, and what builds and runs write (not in the tree).
 ELSEWHERE = {
@@ -84,7 +85,7 @@ def candidates(text, tops):
             yield word
 
 
-def exists(word, here, tracked, folders, names):
+def exists(word, here, in_tree, folders, names):
     if word in ELSEWHERE or word.rstrip("/") in ELSEWHERE:
         return True
     plain = word.rstrip("/")
@@ -92,22 +93,27 @@ def exists(word, here, tracked, folders, names):
         return True
     options = [plain, os.path.normpath(os.path.join(here, plain))]
     options += [root + plain for root in INCLUDE_ROOTS]
-    if any(o in tracked or o in folders for o in options):
+    if any(o in in_tree or o in folders for o in options):
         return True
     return "/" not in plain and plain in names
 
 
-def main():
-    files = subprocess.run(["git", "ls-files"], check=True, capture_output=True,
-                           text=True).stdout.split()
-    tracked = set(files)
+def prose(path, text, docs):
+    """(line, text) of what is read of a file: a doc whole, a source's comments."""
+    if path in docs:
+        return list(enumerate(text.split("\n"), 1))
+    return comments(path, text)
+
+
+def stale_paths(files):
+    """(path, line, word) for every word of the docs and comments that names no tracked file."""
+    in_tree = set(files)
     folders = {os.path.dirname(f) for f in files}
     folders |= {p for f in folders for p in [f.rsplit("/", k)[0] for k in range(f.count("/") + 1)]}
     names = {os.path.basename(f) for f in files}
     tops = {f.split("/", 1)[0] for f in files if "/" in f}
-    docs = [f for f in files if f.endswith(".md") and (f.startswith("docs/") or
-                                                       os.path.basename(f) == "README.md")]
-    bad = 0
+    docs = {f for f in files if f.endswith(".md") and (f.startswith("docs/") or
+                                                       os.path.basename(f) == "README.md")}
     for path in files:
         if path.startswith(("tests/fuzz/corpus/", "tests/format/data/")):
             continue
@@ -116,22 +122,20 @@ def main():
                 text = f.read()
         except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
             continue
-        if path in docs:
-            chunks = [(n, line) for n, line in enumerate(text.split("\n"), 1)]
-        else:
-            chunks = comments(path, text)
         here = os.path.dirname(path)
-        for first, chunk in chunks:
-            for k, line in enumerate(chunk.split("\n")):
-                for word in candidates(line, tops):
-                    if not exists(word, here, tracked, folders, names):
-                        print(f"{path}:{first + k}: names {word}, which is not in the tree",
-                              file=sys.stderr)
-                        bad += 1
-    if bad:
-        print(f"named_paths: {bad} stale path(s) (fix the text, or add another project's file "
-              "to ELSEWHERE in scripts/named_paths.py)", file=sys.stderr)
-    return 1 if bad else 0
+        for first, chunk in prose(path, text, docs):
+            lines = chunk.split("\n")
+            yield from ((path, first + k, word) for k, line in enumerate(lines)
+                        for word in candidates(line, tops)
+                        if not exists(word, here, in_tree, folders, names))
+
+
+def main():
+    stale = list(stale_paths(tracked()))
+    for path, line, word in stale:
+        report(f"{path}:{line}: names {word}, which is not in the tree")
+    return verdict("named_paths", len(stale), f"{len(stale)} stale path(s) (fix the text, or add "
+                   "another project's file to ELSEWHERE in scripts/named_paths.py)")
 
 
 if __name__ == "__main__":

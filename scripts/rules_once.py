@@ -11,8 +11,9 @@ Comments are not code: C++ `//` comments and Python `#` comments are skipped (do
 prose too, and the Python check matches only code shapes). Run by scripts/lint.sh.
 """
 import re
-import subprocess
 import sys
+
+from lint_common import report, tracked, verdict
 
 CXX = ("format/", "ops/", "kernels/", "registration/", "include/", "tools/")
 NAMES = {"format/core/names.cpp", "format/include/fsdp_ema/format/names.h"}
@@ -81,8 +82,7 @@ def code_lines(path):
 
 
 def main():
-    files = subprocess.run(["git", "ls-files"], check=True, capture_output=True,
-                           text=True).stdout.split()
+    files = tracked()
     found = 0
     for what, wanted, pattern, allowed in RULES:
         for path in files:
@@ -90,12 +90,10 @@ def main():
                 continue
             for n, code in code_lines(path):
                 if pattern.search(code):
-                    print(f"{path}:{n}: {what}: {code.strip()}", file=sys.stderr)
+                    report(f"{path}:{n}: {what}: {code.strip()}")
                     found += 1
-    if found:
-        print(f"rules_once: {found} second cop{'y' if found == 1 else 'ies'} of a rule "
-              "(docs/ARCHITECTURE.md says where each rule lives)", file=sys.stderr)
-    return 1 if found else 0
+    return verdict("rules_once", found, f"{found} second cop{'y' if found == 1 else 'ies'} of a "
+                   "rule (docs/ARCHITECTURE.md says where each rule lives)")
 
 
 if __name__ == "__main__":

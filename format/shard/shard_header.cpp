@@ -120,6 +120,11 @@ struct Metadata {
   const std::string& file;
   bool has(std::string_view key) const { return md.contains(std::string(key)); }
   const std::string& text(std::string_view key) const { return md.at(std::string(key)); }
+  // for_each_tensor_entry over the document under `key`.
+  template <typename... F>
+  void for_each_entry(std::string_view key, F&&... f) const {
+    for_each_tensor_entry(md, key, h.tensors, by_name, file, std::forward<F>(f)...);
+  }
 };
 
 // The tensors of the container, moved out of it (the raw entries would only hold a second copy of
@@ -178,97 +183,82 @@ void check_version(const Metadata& m) {
 
 // DCP_SHARDING_INFO: each tensor's offsets in the global tensor.
 void read_sharding_info(const Metadata& m) {
-  const auto& md = m.md;
   const std::string& file = m.file;
-  ShardHeader& h = m.h;
-  const TensorsByName& by_name = m.by_name;
-  for_each_tensor_entry(
-      md, kMetaDcpShardingInfo, h.tensors, by_name, file, [&](TensorInfo& t, JsonReader& r) {
-        auto ctx = [&] { return file + ": tensor " + json_quote(t.name) + ": DCP_SHARDING_INFO"; };
-        std::optional<Shape> offsets;
-        bool present = false;
-        if (r.peek() == JsonReader::Kind::kObject) {
-          r.begin_object();
-          std::string k;
-          while (r.next_key(k)) {
-            if (k == "saved_offsets") {
-              present = true;
-              offsets = r.read_shape();
-            } else {
-              r.skip_value();
-            }
-          }
+  m.for_each_entry(kMetaDcpShardingInfo, [&](TensorInfo& t, JsonReader& r) {
+    auto ctx = [&] { return file + ": tensor " + json_quote(t.name) + ": DCP_SHARDING_INFO"; };
+    std::optional<Shape> offsets;
+    bool present = false;
+    if (r.peek() == JsonReader::Kind::kObject) {
+      r.begin_object();
+      std::string k;
+      while (r.next_key(k)) {
+        if (k == "saved_offsets") {
+          present = true;
+          offsets = r.read_shape();
+        } else {
+          r.skip_value();
         }
-        if (!present) throw FormatError(ctx() + " entry must be an object with \"saved_offsets\"");
-        if (!offsets || offsets->size() != t.shape.size()) {
-          throw FormatError(ctx() + " saved_offsets must be " + std::to_string(t.shape.size()) +
-                            " non-negative integers (one per dimension of shape " +
-                            shape_to_string(t.shape) + ")");
-        }
-        for (size_t d = 0; d < offsets->size(); ++d) {
-          if ((*offsets)[d] > std::numeric_limits<int64_t>::max() - t.shape[d]) {
-            throw FormatError(ctx() + " saved_offsets " + shape_to_string(*offsets) +
-                              " + shape overflow");
-          }
-        }
-        t.offsets = std::move(*offsets);
-      });
+      }
+    }
+    if (!present) throw FormatError(ctx() + " entry must be an object with \"saved_offsets\"");
+    if (!offsets || offsets->size() != t.shape.size()) {
+      throw FormatError(ctx() + " saved_offsets must be " + std::to_string(t.shape.size()) +
+                        " non-negative integers (one per dimension of shape " +
+                        shape_to_string(t.shape) + ")");
+    }
+    for (size_t d = 0; d < offsets->size(); ++d) {
+      if ((*offsets)[d] > std::numeric_limits<int64_t>::max() - t.shape[d]) {
+        throw FormatError(ctx() + " saved_offsets " + shape_to_string(*offsets) +
+                          " + shape overflow");
+      }
+    }
+    t.offsets = std::move(*offsets);
+  });
 }
 
 // Our global shapes, into globals[i] for tensor i (checked against the offsets afterwards).
 void read_global_shapes(const Metadata& m, std::vector<Shape>& globals) {
-  const auto& md = m.md;
   const std::string& file = m.file;
   ShardHeader& h = m.h;
-  const TensorsByName& by_name = m.by_name;
-  for_each_tensor_entry(
-      md, kMetaGlobalShapes, h.tensors, by_name, file, [&](TensorInfo& t, JsonReader& r) {
-        auto g = r.read_shape();
-        if (!g || g->size() != t.shape.size()) {
-          throw FormatError(file + ": tensor " + json_quote(t.name) + ": " +
-                            std::string(kMetaGlobalShapes) + " entry must be " +
-                            std::to_string(t.shape.size()) +
-                            " non-negative integers (one per dimension of shape " +
-                            shape_to_string(t.shape) + ")");
-        }
-        globals[static_cast<size_t>(&t - h.tensors.data())] = std::move(*g);
-      });
+  m.for_each_entry(kMetaGlobalShapes, [&](TensorInfo& t, JsonReader& r) {
+    auto g = r.read_shape();
+    if (!g || g->size() != t.shape.size()) {
+      throw FormatError(
+          file + ": tensor " + json_quote(t.name) + ": " + std::string(kMetaGlobalShapes) +
+          " entry must be " + std::to_string(t.shape.size()) +
+          " non-negative integers (one per dimension of shape " + shape_to_string(t.shape) + ")");
+    }
+    globals[static_cast<size_t>(&t - h.tensors.data())] = std::move(*g);
+  });
 }
 
 // Our per-tensor checksums.
 void read_checksums(const Metadata& m) {
-  const auto& md = m.md;
   const std::string& file = m.file;
-  ShardHeader& h = m.h;
-  const TensorsByName& by_name = m.by_name;
-  for_each_tensor_entry(
-      md, kMetaChecksums, h.tensors, by_name, file, [&](TensorInfo& t, JsonReader& r) {
-        std::optional<uint64_t> c;
-        std::string text;
-        if (r.peek() == JsonReader::Kind::kString) {
-          text = r.read_string();
-          c = parse_checksum(text);
-          if (!c) text = json_quote(text);
-        } else {
-          text = std::string(r.skip_value());
-        }
-        if (!c) {
-          throw FormatError(file + ": tensor " + json_quote(t.name) + ": checksum " + text +
-                            " is not " + checksum_form_text());
-        }
-        t.checksum = *c;
-      });
+  m.for_each_entry(kMetaChecksums, [&](TensorInfo& t, JsonReader& r) {
+    std::optional<uint64_t> c;
+    std::string text;
+    if (r.peek() == JsonReader::Kind::kString) {
+      text = r.read_string();
+      c = parse_checksum(text);
+      if (!c) text = json_quote(text);
+    } else {
+      text = std::string(r.skip_value());
+    }
+    if (!c) {
+      throw FormatError(file + ": tensor " + json_quote(t.name) + ": checksum " + text +
+                        " is not " + checksum_form_text());
+    }
+    t.checksum = *c;
+  });
 }
 
 // The block checksums of every tensor of more than one block (h.block_bytes set already).
 void read_block_checksums(const Metadata& m) {
-  const auto& md = m.md;
   const std::string& file = m.file;
-  ShardHeader& h = m.h;
-  const TensorsByName& by_name = m.by_name;
-  const uint64_t block = h.block_bytes;
-  for_each_tensor_entry(
-      md, kMetaBlockChecksums, h.tensors, by_name, file,
+  const uint64_t block = m.h.block_bytes;
+  m.for_each_entry(
+      kMetaBlockChecksums,
       [&](TensorInfo& t, JsonReader& r) {
         const uint64_t blocks = checksum_blocks(t.nbytes, block);
         std::optional<std::vector<uint64_t>> sums;

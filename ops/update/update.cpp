@@ -299,15 +299,14 @@ void update_(ops::TensorList ema, ops::TensorList model, const at::Tensor& decay
   op.call(ema, model, decay);
 }
 
+// The seed recipe's name: the same schemas and kernels (registration.cpp's def_update), so the
+// same call.
 void ema_shard_update_(ops::TensorList ema, ops::TensorList model, double decay) {
-  static const auto op = ops::typed_op<UpdateSignature<double>>("fsdp_ema::ema_shard_update_");
-  op.call(ema, model, decay);
+  update_(ema, model, decay);
 }
 
 void ema_shard_update_(ops::TensorList ema, ops::TensorList model, const at::Tensor& decay) {
-  static const auto op =
-      ops::typed_op<UpdateSignature<const at::Tensor&>>("fsdp_ema::ema_shard_update_", "Tensor");
-  op.call(ema, model, decay);
+  update_(ema, model, decay);
 }
 
 void update_multi_(ops::TensorList ema, ops::TensorList model, c10::ArrayRef<double> decays) {
