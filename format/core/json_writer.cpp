@@ -18,31 +18,23 @@ void JsonWriter::separate() {
   }
 }
 
-JsonWriter& JsonWriter::begin_object() {
+JsonWriter& JsonWriter::open(char bracket) {
   separate();
-  out_ += '{';
+  out_ += bracket;
   first_.push_back(true);
   return *this;
 }
 
-JsonWriter& JsonWriter::end_object() {
+JsonWriter& JsonWriter::close(char bracket) {
   first_.pop_back();
-  out_ += '}';
+  out_ += bracket;
   return *this;
 }
 
-JsonWriter& JsonWriter::begin_array() {
-  separate();
-  out_ += '[';
-  first_.push_back(true);
-  return *this;
-}
-
-JsonWriter& JsonWriter::end_array() {
-  first_.pop_back();
-  out_ += ']';
-  return *this;
-}
+JsonWriter& JsonWriter::begin_object() { return open('{'); }
+JsonWriter& JsonWriter::end_object() { return close('}'); }
+JsonWriter& JsonWriter::begin_array() { return open('['); }
+JsonWriter& JsonWriter::end_array() { return close(']'); }
 
 JsonWriter& JsonWriter::key(std::string_view k) {
   separate();
