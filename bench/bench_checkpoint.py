@@ -263,7 +263,7 @@ def run_place(place: str, work: Path, state: dict, repeat: int, diagnose: bool) 
 
 def run_device(work: Path, state: dict, repeat: int) -> dict:
     """Loads from the page cache (tmpfs) into CUDA memory: ours (staged through two pinned
-    buffers, ops/staged_reads.h) against dcp.load, safetensors' load_file(device="cuda") and
+    buffers, format/read/read_exec.cpp) against dcp.load, safetensors' load_file(device="cuda") and
     torch.load(map_location="cuda"), beside the pipeline's two halves measured alone: a read of
     the same bytes into host memory and one host-to-device copy of them from pinned memory. A
     load is done when the device is (a synchronize inside the timing)."""

@@ -88,6 +88,8 @@ bool is_save_step(const Options& o, int64_t step) {
 }
 
 // One rank: everything between the process group's creation and its end.
+// Long: an example read top to bottom, as a training script is (group, shards, optimizer, EMA,
+// steps, checkpoints, the check); cut into helpers it would hide the order it teaches.
 void train_rank(const Options& o, int rank, uint16_t port) {
   at::set_num_threads(1);  // the ranks share the machine's cores
   c10d::TCPStoreOptions store_options;

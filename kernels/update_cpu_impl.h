@@ -44,17 +44,27 @@ inline void store2(T* p, const FVec& a, const FVec& b) {
   }
 }
 
-// torch.lerp's two-sided form: exact at both ends (decay 0 copies the model, decay 1 keeps ema).
-template <bool kSmallWeight>
-inline FVec lerp_vec(const FVec& e, const FVec& m, const FVec& w, const FVec& one_minus_w) {
-  if constexpr (kSmallWeight) {
-    return at::vec::fmadd(w, m - e, e);
-  } else {
-    return m - (m - e) * one_minus_w;
+}  // namespace CPU_CAPABILITY
+
+// The vector loop's a * b + c: one fused multiply-add (lerp_two_sided, update_types.h).
+template <>
+struct LerpMath<CPU_CAPABILITY::FVec> {
+  static inline CPU_CAPABILITY::FVec mul_add(const CPU_CAPABILITY::FVec& a,
+                                             const CPU_CAPABILITY::FVec& b,
+                                             const CPU_CAPABILITY::FVec& c) {
+    return at::vec::fmadd(a, b, c);
   }
+};
+
+inline namespace CPU_CAPABILITY {
+
+// lerp_two_sided on vectors, its side fixed per loop (the weight is one for the whole range).
+template <bool kFromEma>
+inline FVec lerp_vec(const FVec& e, const FVec& m, const FVec& w, const FVec& one_minus_w) {
+  return lerp_two_sided<FVec>(e, m, w, one_minus_w, kFromEma);
 }
 
-template <bool kSmallWeight, typename E, typename M>
+template <bool kFromEma, typename E, typename M>
 void lerp_float_range(E* __restrict e, const M* __restrict m, int64_t n, float w) {
   const FVec wv(w);
   const FVec cv(1.0f - w);
@@ -63,7 +73,7 @@ void lerp_float_range(E* __restrict e, const M* __restrict m, int64_t n, float w
     FVec e0, e1, m0, m1;
     load2(e + i, e0, e1);
     load2(m + i, m0, m1);
-    store2(e + i, lerp_vec<kSmallWeight>(e0, m0, wv, cv), lerp_vec<kSmallWeight>(e1, m1, wv, cv));
+    store2(e + i, lerp_vec<kFromEma>(e0, m0, wv, cv), lerp_vec<kFromEma>(e1, m1, wv, cv));
   }
   if (i < n) {
     // Tail through the same vector code on padded copies, so every element rounds alike.
@@ -75,7 +85,7 @@ void lerp_float_range(E* __restrict e, const M* __restrict m, int64_t n, float w
     FVec e0, e1, m0, m1;
     load2(et, e0, e1);
     load2(mt, m0, m1);
-    store2(et, lerp_vec<kSmallWeight>(e0, m0, wv, cv), lerp_vec<kSmallWeight>(e1, m1, wv, cv));
+    store2(et, lerp_vec<kFromEma>(e0, m0, wv, cv), lerp_vec<kFromEma>(e1, m1, wv, cv));
     std::copy(et, et + rest, e + i);
   }
 }
@@ -84,11 +94,10 @@ void lerp_float_range(E* __restrict e, const M* __restrict m, int64_t n, float w
 template <typename Op, typename E, typename M>
 void lerp_scalar_range(E* __restrict e, const M* __restrict m, int64_t n, Op w) {
   const Op c = Op(1) - w;
-  const bool small = w < Op(0.5);
+  const bool from_ema = lerp_from_ema(w);
   for (int64_t i = 0; i < n; ++i) {
-    const Op ei = static_cast<Op>(e[i]);
-    const Op mi = static_cast<Op>(m[i]);
-    e[i] = static_cast<E>(small ? ei + w * (mi - ei) : mi - (mi - ei) * c);
+    e[i] = static_cast<E>(
+        lerp_two_sided<Op>(static_cast<Op>(e[i]), static_cast<Op>(m[i]), w, c, from_ema));
   }
 }
 
@@ -103,7 +112,7 @@ void update_typed(void* ema, const void* model, int64_t begin, int64_t end, doub
     lerp_scalar_range<float>(e, m, n, ema_weight<float>(decay));
   } else {
     const float w = ema_weight<float>(decay);
-    if (w < 0.5f) {
+    if (lerp_from_ema(w)) {
       lerp_float_range<true>(e, m, n, w);
     } else {
       lerp_float_range<false>(e, m, n, w);

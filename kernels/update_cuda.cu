@@ -13,11 +13,19 @@ namespace fsdp_ema::kernels {
 namespace {
 
 using cuda_math::from_op;
-using cuda_math::lerp;
 using cuda_math::Pack;
 using cuda_math::to_op;
 
 constexpr int kThreads = 256;
+
+// The decay a launch uses: its host value, or the 0-dim device tensor it points at.
+__device__ __forceinline__ double decay_value(const CudaDecay& decay) {
+  const void* p = decay.device_ptr;
+  if (p == nullptr) return decay.value;
+  __builtin_assume(__isGlobal(p));  // a device tensor: a global load, not a generic one
+  return decay.device_is_double ? *static_cast<const double*>(p)
+                                : static_cast<double>(*static_cast<const float*>(p));
+}
 
 template <int K, typename E, typename M>
 __device__ void update_chunk(const CudaUpdateEntry<K>& entry, int64_t chunk,
@@ -40,9 +48,9 @@ __device__ void update_chunk(const CudaUpdateEntry<K>& entry, int64_t chunk,
 #pragma unroll
   for (int j = 0; j < K; ++j) {
     if (j < count) {
-      w[j] = ema_weight<Op>(cuda_math::decay_value(decays[K == 1 ? 0 : entry.decay_index[j]]));
+      w[j] = ema_weight<Op>(decay_value(decays[K == 1 ? 0 : entry.decay_index[j]]));
       c[j] = Op(1) - w[j];
-      small[j] = w[j] < Op(0.5);
+      small[j] = lerp_from_ema(w[j]);
       ema[j] = static_cast<E*>(entry.ema[j]) + begin;
       // The pointers come from the device table, so the compiler cannot tell their address
       // space: without this it emits generic LD/ST instead of global LDG/STG.
@@ -58,7 +66,7 @@ __device__ void update_chunk(const CudaUpdateEntry<K>& entry, int64_t chunk,
       if (j < count) {
         E* e = ema[j];
         __builtin_assume(__isGlobal(e));  // per use: an array element's assumption is lost
-        e[i] = from_op<E>(lerp<Op>(to_op<Op>(e[i]), m, w[j], c[j], small[j]));
+        e[i] = from_op<E>(lerp_two_sided<Op>(to_op<Op>(e[i]), m, w[j], c[j], small[j]));
       }
     }
   };
@@ -96,8 +104,8 @@ __device__ void update_chunk(const CudaUpdateEntry<K>& entry, int64_t chunk,
         if (p < packs) {
 #pragma unroll
           for (int k = 0; k < V; ++k) {
-            e[u].v[k] = from_op<E>(
-                lerp<Op>(to_op<Op>(e[u].v[k]), to_op<Op>(m[u].v[k]), w[j], c[j], small[j]));
+            e[u].v[k] = from_op<E>(lerp_two_sided<Op>(to_op<Op>(e[u].v[k]), to_op<Op>(m[u].v[k]),
+                                                      w[j], c[j], small[j]));
           }
           e[u].store(ema_v + p * V);
         }

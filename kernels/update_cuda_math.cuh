@@ -1,5 +1,5 @@
 // Device helpers of the CUDA update kernel (update_cuda.cu): the element types of the dtype table,
-// conversions to and from the math type, 16-byte packs, and torch.lerp's two-sided form.
+// conversions to and from the math type, and 16-byte packs.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "kernels/update_cuda.h"
+#include "kernels/update_types.h"
 
 namespace fsdp_ema::kernels::cuda_math {
 
@@ -78,20 +78,5 @@ struct alignas(16) Pack {
     }
   }
 };
-
-// torch.lerp's two-sided form: exact at both ends (decay 0 copies the model, decay 1 keeps ema).
-template <typename Op>
-__device__ __forceinline__ Op lerp(Op e, Op m, Op w, Op c, bool small) {
-  return small ? e + w * (m - e) : m - (m - e) * c;
-}
-
-// The decay a launch uses: its host value, or the 0-dim device tensor it points at.
-__device__ __forceinline__ double decay_value(const CudaDecay& decay) {
-  const void* p = decay.device_ptr;
-  if (p == nullptr) return decay.value;
-  __builtin_assume(__isGlobal(p));  // a device tensor: a global load, not a generic one
-  return decay.device_is_double ? *static_cast<const double*>(p)
-                                : static_cast<double>(*static_cast<const float*>(p));
-}
 
 }  // namespace fsdp_ema::kernels::cuda_math

@@ -87,8 +87,9 @@ def test_save_reads_what_the_current_side_stream_wrote(tmp_path):
     assert torch.equal(loaded, torch.full_like(t, 1.75))
 
 
-# Loads to CUDA go through two pinned staging buffers of 64 MiB (ops/staged_reads.h): the device
-# copies one while the file is read into the other. These cases cycle the buffers several times.
+# Loads to CUDA go through two pinned staging buffers of 64 MiB (format/read/read_exec.cpp): the
+# device copies one while the file is read into the other. These cases cycle the buffers several
+# times.
 def staged_tensors():
     g = torch.Generator().manual_seed(1)
     tensors = {"big": torch.randn(150 * 256 + 5, 1024, generator=g)}  # 150 MiB: three steps

@@ -28,9 +28,15 @@ def test_names_come_from_format():
         ops.shard_file_name(2, 2)
 
 
+def test_gather_alignment_comes_from_the_gather_op():
+    """The alignment of gather_shards' packed pieces (ops/gather/gather_shards.cpp), which the
+    Python front's bucket sizes follow: 16 bytes, the width of its vector copies."""
+    assert ops.gather_alignment() == 16
+
+
 def test_overlapping_reports_tied_tensors_exactly():
-    """The memory rule of the in-place ops (ops/memory.h), as a query: the collective load sends
-    tied destinations (one tensor under two names) to a copy instead of load_into_."""
+    """The memory rule of the in-place ops (ops/common/memory.h), as a query: the collective load
+    sends tied destinations (one tensor under two names) to a copy instead of load_into_."""
     base = torch.zeros(64)
     other = torch.zeros(8)
     tied = [base, base.view(8, 8), other, base[0::2], base[1::2]]

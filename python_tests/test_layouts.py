@@ -199,8 +199,8 @@ def test_full_part_of_every_mesh_layout_gathers_the_full_tensor(pool):
 
 
 def test_chunk_rows_is_torch_chunk():
-    """The row rule the layouts use (the chunk_rows op, format/rows.h) is torch.chunk's, for
-    thousands of (rows, world) pairs, every rank."""
+    """The row rule the layouts use (the chunk_rows op, fsdp_ema/format/rows.h) is torch.chunk's,
+    for thousands of (rows, world) pairs, every rank."""
     from fsdp_ema._layouts import chunk_rows
 
     rnd = random.Random(0)

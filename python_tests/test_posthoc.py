@@ -26,7 +26,7 @@ TARGET = 0.07  # tracked directly too, never snapshotted
 
 def gram(t_a, g_a, t_b, g_b):
     """<p_a, p_b> for p(x) = (g + 1) x^g / t^(g + 1) on [0, t], by the integral written out
-    (independent of format/posthoc.cpp)."""
+    (independent of format/posthoc/posthoc.cpp)."""
     m = np.minimum(t_a, t_b)
     return ((g_a + 1) * (g_b + 1) * m ** (g_a + g_b + 1)
             / ((g_a + g_b + 1) * t_a ** (g_a + 1) * t_b ** (g_b + 1)))

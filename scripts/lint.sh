@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Lint, as CI runs it (scripts/test.sh): ruff over the tracked Python files (its rules are in
 # pyproject.toml) and clang-format (.clang-format: Google style, 100 columns) over the tracked
-# C++/CUDA files, scripts/rules_once.py (no second copy of a rule that lives in one place) and
-# scripts/function_length.py (no Python function over 80 lines without a stated reason).
-# Exit 0 only when all are clean.
+# C++/CUDA files, scripts/rules_once.py (no second copy of a rule that lives in one place), and
+# the tree's own checks: scripts/named_paths.py (every repository path the docs and comments name
+# exists), scripts/function_length.py and scripts/long_functions.py (no Python or C++ function
+# over 80 lines without a stated reason) and scripts/include_cycles.py (no two C++ units include
+# each other). Exit 0 only when all are clean.
 #   bash scripts/lint.sh          check only, print what is wrong
 #   bash scripts/lint.sh --fix    rewrite in place (ruff check --fix, clang-format -i), then check
 #                                 again and list what needs a hand (long lines, unused imports)
@@ -49,5 +51,11 @@ echo "== one place per rule (scripts/rules_once.py)"
 "$FSDP_EMA_PYTHON" scripts/rules_once.py || status=1
 echo "== Python functions a reader can hold (scripts/function_length.py)"
 "$FSDP_EMA_PYTHON" scripts/function_length.py || status=1
+echo "== the paths the docs and comments name exist (scripts/named_paths.py)"
+"$FSDP_EMA_PYTHON" scripts/named_paths.py || status=1
+echo "== C++ functions of at most 80 lines, or a stated reason (scripts/long_functions.py)"
+"$FSDP_EMA_PYTHON" scripts/long_functions.py || status=1
+echo "== no include cycle between C++ units (scripts/include_cycles.py)"
+"$FSDP_EMA_PYTHON" scripts/include_cycles.py || status=1
 [ $status -eq 0 ] && echo "lint: clean"
 exit $status

@@ -1,9 +1,12 @@
 """Fails when a rule that lives in one place (docs/ARCHITECTURE.md, "Where each rule lives")
-gains a second copy in the library's code: a file-name literal outside format's names, a switch
-over torch's ScalarType or a safetensors dtype name outside the generated dtype maps, a tuple
-of torch dtypes in the Python front (which reads the table through the `dtypes` op), and in the
-Python front: a call of the ops outside `_ops.py`, the row rule or an alignment constant
-restated, a format/ file name as a literal, or another file name written in two places.
+gains a second copy in the library's code: a file name in a string outside format's names (as a
+whole literal, or inside a message), a switch over torch's ScalarType or a safetensors dtype name
+outside the generated dtype maps, the update's lerp (its formula or its one-half threshold)
+outside kernels/update_types.h, the dim-0 row rule outside format's rows, the checksum's text
+form outside format's checksum, a tuple of torch dtypes in the Python front (which reads the
+table through the `dtypes` op), and in the Python front: a call of the ops outside `_ops.py`, the
+row rule or an alignment constant restated (the alignment is the gather_alignment op's), a
+format/ file name as a literal, or another file name written in two places.
 
 Comments are not code: C++ `//` comments and Python `#` comments are skipped; a rule marked
 `code_only` also skips Python string literals (docstrings are prose). Run by scripts/lint.sh.
@@ -11,22 +14,50 @@ Comments are not code: C++ `//` comments and Python `#` comments are skipped; a 
 import ast
 import io
 import re
-import subprocess
 import sys
 import tokenize
 
+from lint_common import report, tracked, verdict
+
 CXX = ("format/", "ops/", "kernels/", "registration/", "include/", "tools/")
 PY_FRONT = "python/fsdp_ema/"
+NAMES = {"format/core/names.cpp", "format/include/fsdp_ema/format/names.h"}
+
+
+def cxx(f):
+    return f.startswith(CXX) and f.endswith((".cpp", ".h", ".cu", ".cuh"))
+
+
 RULES = [
     # (what, file filter, pattern, files allowed to hold it[, code_only])
     ("a file-name literal (names live in format/names)",
-     lambda f: f.startswith(CXX) and f.endswith((".cpp", ".h", ".cu", ".cuh")),
+     cxx,
      re.compile(r'"[A-Za-z0-9_.*<>-]*\.safetensors"|"shard-'),
-     {"format/names.cpp", "format/include/fsdp_ema/format/names.h"}),
+     NAMES),
+    ("a file name inside a message (say it with format/names' constant: kIndexFileName, ...)",
+     cxx,
+     re.compile(r'"[^"]*(index\.json|\.safetensors|\.metadata\b|\.distcp)[^"]*"'),
+     NAMES),
+    ("the update's lerp, its threshold or formula (kernels/update_types.h: lerp_from_ema, "
+     "lerp_two_sided)",
+     lambda f: cxx(f) and f.startswith(("kernels/", "ops/")),
+     re.compile(r"[<>]=?\s*(\w+\s*\()?0\.5f?\b|\bfmadd\s*\(|"
+                r"\w+\s*-\s*\(\s*\w+\s*-\s*\w+\s*\)\s*\*|"
+                r"\w+\s*\+\s*\w+\s*\*\s*\(\s*\w+\s*-\s*\w+\s*\)"),
+     {"kernels/update_types.h", "kernels/update_cpu_impl.h"}),
+    ("the dim-0 row rule (fsdp_ema/format/rows.h: chunk_rows, tensor_rows)",
+     cxx,
+     re.compile(r"%\s*world\w*\s*!=\s*0|\+\s*world\w*\s*-\s*1\s*\)\s*/\s*world"),
+     {"format/core/rows.cpp"}),
+    ("the checksum's text form (fsdp_ema/format/checksum.h: format_checksum, "
+     "checksum_form_text)",
+     cxx,
+     re.compile(r'"xxh3-64|lowercase hex digits'),
+     {"format/core/checksum.cpp", "format/include/fsdp_ema/format/checksum.h"}),
     ("a switch over ScalarType (the maps are generated from format's dtype table)",
      lambda f: f.startswith(CXX),
      re.compile(r"case\s+(at|c10|torch)::(k[A-Z]|ScalarType::)"),
-     {"ops/format_bridge.cpp"}),
+     {"ops/common/format_bridge.cpp"}),
     ("a safetensors dtype name (format/include/fsdp_ema/format/dtype_table.h holds them)",
      lambda f: f.startswith(CXX) or f.startswith("python/fsdp_ema/"),
      re.compile(r'"(F64|F32|F16|BF16|F8_E4M3|F8_E5M2|I64|I32|I16|I8|U8|BOOL)"'),
@@ -130,8 +161,7 @@ def file_name_literals(files):
 
 
 def main():
-    files = subprocess.run(["git", "ls-files"], check=True, capture_output=True,
-                           text=True).stdout.split()
+    files = tracked()
     found = 0
     for problem in file_name_literals(files):
         print(problem, file=sys.stderr)
@@ -142,12 +172,10 @@ def main():
                 continue
             for n, code in code_lines(path, bool(code_only and code_only[0])):
                 if pattern.search(code):
-                    print(f"{path}:{n}: {what}: {code.strip()}", file=sys.stderr)
+                    report(f"{path}:{n}: {what}: {code.strip()}")
                     found += 1
-    if found:
-        print(f"rules_once: {found} second cop{'y' if found == 1 else 'ies'} of a rule "
-              "(docs/ARCHITECTURE.md says where each rule lives)", file=sys.stderr)
-    return 1 if found else 0
+    return verdict("rules_once", found, f"{found} second cop{'y' if found == 1 else 'ies'} of a "
+                   "rule (docs/ARCHITECTURE.md says where each rule lives)")
 
 
 if __name__ == "__main__":

@@ -92,9 +92,9 @@ TEST(CheckpointReader, LoadAllGivesEveryTensorWholeInNameOrder) {
   fs::remove_all(dir);
 }
 
-// Loads to CUDA go through two 64 MiB pinned staging buffers (format/read_exec.h, execute_staged);
-// a 150 MiB tensor among small ones cycles them. Bit for bit what the CPU loads give. Skips without
-// CUDA.
+// Loads to CUDA go through two 64 MiB pinned staging buffers (fsdp_ema/format/read_exec.h,
+// execute_staged); a 150 MiB tensor among small ones cycles them. Bit for bit what the CPU loads
+// give. Skips without CUDA.
 TEST(CheckpointReaderCuda, LoadAllAndChunksEqualTheCpuLoads) {
   if (!fsdp_ema::testing::cuda_available()) GTEST_SKIP() << "no CUDA device";
   auto tensors = reference();

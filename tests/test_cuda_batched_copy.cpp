@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "kernels/batched_copy.h"
-#include "ops/gather_shards_cuda.h"
+#include "ops/gather/gather_shards_cuda.h"
 #include "test_helpers.h"
 
 namespace {

@@ -207,48 +207,58 @@ int cmd_export(const std::string& dir, const std::string& out, const std::string
   return 0;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{
-      "fsdp-ema: inspect, verify, export and post-hoc-combine fsdp_ema checkpoints (directories of "
-      "safetensors "
-      "shard files + fsdp_ema.index.json) and torch DCP HuggingFace-sharded directories.\n"
-      "Exit status: 0 success, 1 failed check or unreadable checkpoint, 2 usage error."};
-  app.set_version_flag("--version", std::string("fsdp-ema ") + FSDP_EMA_VERSION +
-                                        " (checkpoint format version " +
-                                        std::to_string(fmt::kIndexFormatVersion) + ")");
-  app.require_subcommand(1);
-
+// What the command line says: the subcommand's arguments (one set for inspect, verify, export).
+struct Args {
   std::string dir, out, dtype, what;
   size_t max_failures = 10;
   uint64_t max_file_size = 5'000'000'000;
   bool overwrite = false, no_verify = false, quiet = false, strict = false;
+  fsdp_ema::tools::PosthocArgs posthoc;
+  int64_t posthoc_step = -1;
+};
 
+struct Commands {
+  CLI::App* inspect;
+  CLI::App* verify;
+  CLI::App* exp;
+  CLI::App* posthoc;
+};
+
+CLI::App* add_inspect(CLI::App& app, Args& a) {
   CLI::App* inspect = app.add_subcommand(
       "inspect",
       "Print the format, world size and every tensor (dtype, global shape, bytes, pieces)");
-  inspect->add_option("DIR", dir, "Checkpoint directory")
+  inspect->add_option("DIR", a.dir, "Checkpoint directory")
       ->required()
       ->check(CLI::ExistingDirectory);
+  return inspect;
+}
 
+CLI::App* add_verify(CLI::App& app, Args& a) {
   CLI::App* verify = app.add_subcommand(
       "verify",
       "Check every header, the index, the coverage of every tensor, every checksum and every "
       "byte a load checks; exit 0 exactly when a load would succeed");
-  verify->add_option("DIR", dir, "Checkpoint directory")->required()->check(CLI::ExistingDirectory);
-  verify->add_option("--max-failures", max_failures, "Failures to print (default 10)");
-  verify->add_flag("--strict", strict,
-                   "Also fail on *.safetensors files the index does not list (a warning "
-                   "otherwise: DCP's reader would read them)");
+  verify->add_option("DIR", a.dir, "Checkpoint directory")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  verify->add_option("--max-failures", a.max_failures, "Failures to print (default 10)");
+  verify->add_flag("--strict", a.strict,
+                   "Also fail on *" + std::string(fmt::kSafetensorsSuffix) +
+                       " files the index does not list (a warning otherwise: DCP's reader "
+                       "would read them)");
+  return verify;
+}
 
+CLI::App* add_export(CLI::App& app, Args& a) {
   CLI::App* exp = app.add_subcommand(
-      "export",
-      "Write the full tensors to OUT in Hugging Face layout: model.safetensors, or "
-      "model-0000k-of-0000n.safetensors + model.safetensors.index.json above --max-file-size");
-  exp->add_option("DIR", dir, "Checkpoint directory")->required()->check(CLI::ExistingDirectory);
-  exp->add_option("OUT", out, "Output directory (created if missing)")->required();
-  exp->add_option("--dtype", dtype,
+      "export", "Write the full tensors to OUT in Hugging Face layout: " +
+                    std::string(fmt::kExportSingleFileName) + ", or numbered files (" +
+                    fmt::export_file_name(1, 2) + ", ...) + " +
+                    std::string(fmt::kExportIndexFileName) + " above --max-file-size");
+  exp->add_option("DIR", a.dir, "Checkpoint directory")->required()->check(CLI::ExistingDirectory);
+  exp->add_option("OUT", a.out, "Output directory (created if missing)")->required();
+  exp->add_option("--dtype", a.dtype,
                   "Cast floating tensors to " + cast_dtype_spellings(", ") +
                       " (round to nearest even); integer tensors are kept")
       ->check(CLI::Validator(
@@ -256,68 +266,91 @@ int main(int argc, char** argv) {
             return parse_cast_dtype(s) ? std::string() : "must be " + cast_dtype_spellings(", ");
           },
           cast_dtype_spellings("|")));
-  exp->add_option("--what", what,
+  exp->add_option("--what", a.what,
                   "ema, model or all: the 'ema.' or 'model.' tensors of a training-state "
                   "checkpoint, named without that prefix, or every tensor, names as stored "
                   "(default: ema for a training state, its model if it holds no EMA; all for "
                   "any other checkpoint)")
       ->check(CLI::IsMember({"ema", "model", "all"}));
-  exp->add_option("--max-file-size", max_file_size,
+  exp->add_option("--max-file-size", a.max_file_size,
                   "Largest tensor data per file, e.g. 5GB, 500MB, 2GiB; 0 = one file (default 5GB)")
       ->transform(CLI::AsSizeValue(true));
-  exp->add_flag("--overwrite", overwrite, "Replace model files already in OUT");
-  exp->add_flag("--no-verify", no_verify, "Skip checksum verification while reading");
-  exp->add_flag("-q,--quiet", quiet, "No progress and no summary");
+  exp->add_flag("--overwrite", a.overwrite, "Replace model files already in OUT");
+  exp->add_flag("--no-verify", a.no_verify, "Skip checksum verification while reading");
+  exp->add_flag("-q,--quiet", a.quiet, "No progress and no summary");
+  return exp;
+}
 
-  fsdp_ema::tools::PosthocArgs posthoc_args;
-  int64_t posthoc_step = -1;
+CLI::App* add_posthoc(CLI::App& app, Args& a) {
   CLI::App* posthoc = app.add_subcommand(
       "posthoc",
       "Post-hoc EMA (EDM2): combine the power-EMA snapshots under SNAPSHOT_ROOT (written by "
       "fsdp_ema.ShardedPowerEMA) into the EMA of --sigma-rel, written to OUT as a checkpoint");
-  posthoc->add_option("SNAPSHOT_ROOT", posthoc_args.snapshot_root, "Directory of snapshots")
+  posthoc->add_option("SNAPSHOT_ROOT", a.posthoc.snapshot_root, "Directory of snapshots")
       ->required()
       ->check(CLI::ExistingDirectory);
-  posthoc->add_option("OUT", posthoc_args.out, "Output checkpoint directory")->required();
+  posthoc->add_option("OUT", a.posthoc.out, "Output checkpoint directory")->required();
   posthoc
-      ->add_option("--sigma-rel", posthoc_args.sigma_rel,
+      ->add_option("--sigma-rel", a.posthoc.sigma_rel,
                    "Relative standard deviation of the EMA to synthesize, in (0, 0.2887]")
       ->required();
-  posthoc->add_option("--step", posthoc_step,
+  posthoc->add_option("--step", a.posthoc_step,
                       "Training step (averaging updates) to synthesize at (default: the last "
                       "snapshot's)");
-  posthoc->add_flag("--overwrite", posthoc_args.overwrite, "Replace a checkpoint already in OUT");
-  posthoc->add_flag("--no-verify", posthoc_args.no_verify, "Skip checksum verification");
-  posthoc->add_flag("--dry-run", posthoc_args.dry_run, "Print the snapshots and weights only");
-  posthoc->add_flag("-q,--quiet", posthoc_args.quiet, "No progress and no summary");
+  posthoc->add_flag("--overwrite", a.posthoc.overwrite, "Replace a checkpoint already in OUT");
+  posthoc->add_flag("--no-verify", a.posthoc.no_verify, "Skip checksum verification");
+  posthoc->add_flag("--dry-run", a.posthoc.dry_run, "Print the snapshots and weights only");
+  posthoc->add_flag("-q,--quiet", a.posthoc.quiet, "No progress and no summary");
+  return posthoc;
+}
 
+int run(const Commands& c, Args& a) {
+  // posthoc reads many snapshots and writes its output through format/'s save and commit,
+  // which take the output directory's lock themselves.
+  if (*c.posthoc) {
+    if (a.posthoc_step >= 0) a.posthoc.step = a.posthoc_step;
+    return fsdp_ema::tools::cmd_posthoc(a.posthoc);
+  }
+  // Every other command reads the checkpoint under its shared directory lock (fsdp_ema/format/
+  // layout.h): a commit or a removal (exclusive) never runs while it reads, and it waits for
+  // one that is running; ranks saving shard files (shared) do not block it.
+  const fmt::DirectoryLock lock(a.dir, fmt::DirectoryLock::Mode::kShared);
+  if (*c.inspect) return cmd_inspect(a.dir);
+  if (*c.verify) return cmd_verify(a.dir, a.max_failures, a.strict);
+  if (*c.exp) {
+    return cmd_export(a.dir, a.out, a.dtype, a.what, a.max_file_size, a.overwrite, a.no_verify,
+                      a.quiet);
+  }
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "fsdp-ema: inspect, verify, export and post-hoc-combine fsdp_ema checkpoints "
+      "(directories of safetensors shard files + " +
+      std::string(fmt::kIndexFileName) +
+      ") and torch DCP HuggingFace-sharded directories.\n"
+      "Exit status: 0 success, 1 failed check or unreadable checkpoint, 2 usage error."};
+  app.set_version_flag("--version", std::string("fsdp-ema ") + FSDP_EMA_VERSION +
+                                        " (checkpoint format version " +
+                                        std::to_string(fmt::kIndexFormatVersion) + ")");
+  app.require_subcommand(1);
+  Args args;
+  const Commands commands{add_inspect(app, args), add_verify(app, args), add_export(app, args),
+                          add_posthoc(app, args)};
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);
     return rc == 0 ? 0 : 2;
   }
-
   try {
-    // posthoc reads many snapshots and writes its output through format/'s save and commit,
-    // which take the output directory's lock themselves.
-    if (*posthoc) {
-      if (posthoc_step >= 0) posthoc_args.step = posthoc_step;
-      return fsdp_ema::tools::cmd_posthoc(posthoc_args);
-    }
-    // Every other command reads the checkpoint under its shared directory lock (fsdp_ema/format/
-    // layout.h): a commit or a removal (exclusive) never runs while it reads, and it waits for
-    // one that is running; ranks saving shard files (shared) do not block it.
-    const fmt::DirectoryLock lock(dir, fmt::DirectoryLock::Mode::kShared);
-    if (*inspect) return cmd_inspect(dir);
-    if (*verify) return cmd_verify(dir, max_failures, strict);
-    if (*exp) {
-      return cmd_export(dir, out, dtype, what, max_file_size, overwrite, no_verify, quiet);
-    }
+    return run(commands, args);
   } catch (const std::exception& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "\nfsdp-ema: error: %s\n", printable(e.what()).c_str());
     return 1;
   }
-  return 2;
 }

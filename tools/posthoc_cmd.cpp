@@ -3,6 +3,7 @@
 #include <cinttypes>
 #include <cstdio>
 
+#include "fsdp_ema/format/names.h"
 #include "fsdp_ema/format/posthoc.h"
 #include "tools/progress.h"
 #include "tools/terminal_text.h"
@@ -25,8 +26,8 @@ int cmd_posthoc(const PosthocArgs& args) {
                   plan.weights[i]);
     }
     for (const std::string& d : plan.skipped) {
-      std::printf("  skipped %s (no fsdp_ema.index.json: an incomplete save)\n",
-                  printable(d).c_str());
+      std::printf("  skipped %s (no %s: an incomplete save)\n", printable(d).c_str(),
+                  std::string(fmt::kIndexFileName).c_str());
     }
   }
   if (args.dry_run) return 0;

@@ -1,4 +1,5 @@
-// `fsdp-ema posthoc`: post-hoc EMA reconstruction from power-EMA snapshots (format/posthoc.h).
+// `fsdp-ema posthoc`: post-hoc EMA reconstruction from power-EMA snapshots
+// (fsdp_ema/format/posthoc.h).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
-// Reading fsdp_ema checkpoints from C++ with no Python: a directory written by save_shard +
-// commit_checkpoint (or by ShardedEMA.save), or one written by torch.distributed.checkpoint's
+// Reading fsdp_ema checkpoints from C++ with no Python: a directory written by the checkpoint ops
+// (fsdp_ema/ops.h, or ShardedEMA.save), or one written by torch.distributed.checkpoint's
 // HuggingFace storage writer. Full tensors, the dim-0 slice any rank of any world size needs,
 // checksum verification, and loading into a name->tensor map, a torch::nn::Module or a
 // TorchScript module.

@@ -7,10 +7,12 @@
 #include <utility>
 
 #include "fsdp_ema/format/shard_file.h"
-#include "ops/checkpoint_info.h"
-#include "ops/format_bridge.h"
+#include "fsdp_ema/ops.h"
+#include "ops/checkpoint/checkpoint_info.h"
+#include "ops/common/dispatch.h"
+#include "ops/common/format_bridge.h"
+#include "ops/common/tracing.h"
 #include "ops/load/pipeline.h"
-#include "ops/tracing.h"
 
 namespace fsdp_ema::ops {
 namespace {
@@ -21,8 +23,7 @@ constexpr const char* kLoadInto = "fsdp_ema::load_into_: ";
 
 }  // namespace
 
-// --- load_tensors
-// ---------------------------------------------------------------------------------
+// --- load_tensors --------------------------------------------------------------------------------
 
 std::vector<at::Tensor> load_tensors(c10::string_view directory,
                                      const std::vector<std::string>& names, int64_t rank,
@@ -85,8 +86,7 @@ std::vector<at::Tensor> load_tensors_meta(const at::Tensor& target, at::TensorLi
   });
 }
 
-// --- load_shard
-// -----------------------------------------------------------------------------------
+// --- load_shard ----------------------------------------------------------------------------------
 
 namespace {
 
@@ -143,8 +143,7 @@ ShardContents load_shard_meta(const at::Tensor& target, c10::string_view path, b
   });
 }
 
-// --- load_into_
-// -----------------------------------------------------------------------------------
+// --- load_into_ ----------------------------------------------------------------------------------
 
 namespace {
 
@@ -192,8 +191,7 @@ void load_into_meta(c10::string_view directory, const std::vector<std::string>& 
   plan_into(kLoadInto, *dir, names, out, rank, world_size, true);
 }
 
-// --- OpenCheckpoint
-// -------------------------------------------------------------------------------
+// --- OpenCheckpoint ------------------------------------------------------------------------------
 
 OpenCheckpoint::OpenCheckpoint(const std::string& directory)
     : dir_(open_dir("fsdp_ema::open_checkpoint: ", directory)) {}
@@ -248,3 +246,27 @@ void OpenCheckpoint::check_unchanged() const {
 }
 
 }  // namespace fsdp_ema::ops
+
+// --- the public C++ API (include/fsdp_ema/ops.h): through the dispatcher ------------------------
+namespace fsdp_ema {
+
+std::vector<at::Tensor> load_tensors(const std::string& directory,
+                                     const std::vector<std::string>& names, int64_t rank,
+                                     int64_t world_size, bool verify,
+                                     std::optional<at::Device> device, bool mmap) {
+  static const auto op = ops::typed_op<std::vector<at::Tensor>(
+      c10::string_view, const std::vector<std::string>&, int64_t, int64_t, bool,
+      std::optional<at::Device>, bool)>("fsdp_ema::load_tensors");
+  return op.call(directory, names, rank, world_size, verify, device, mmap);
+}
+
+ShardFileContents load_shard(const std::string& path, bool verify, std::optional<at::Device> device,
+                             bool mmap) {
+  static const auto op =
+      ops::typed_op<ops::ShardContents(c10::string_view, bool, std::optional<at::Device>, bool)>(
+          "fsdp_ema::load_shard");
+  auto [names, shards, offsets, global_shapes] = op.call(path, verify, device, mmap);
+  return {std::move(names), std::move(shards), std::move(offsets), std::move(global_shapes)};
+}
+
+}  // namespace fsdp_ema

@@ -1,5 +1,5 @@
 // Every load op and its kernels, on the one read pipeline (ops/load/pipeline.h):
-//   load_tensors (+ .after and the private _load_tensors it calls; ops/tracing.h says why),
+//   load_tensors (+ .after and the private _load_tensors it calls; ops/common/tracing.h says why),
 //   load_shard (+ _load_shard), load_into_, and the op class OpenCheckpoint.
 // Each byte a load returns or writes was verified in the pass that read it (with verify).
 #pragma once
@@ -19,12 +19,11 @@
 
 namespace fsdp_ema::ops {
 
-// --- load_tensors
-// --------------------------------------------------------------------------------- Tensors of a
-// committed checkpoint (or DCP HuggingFace directory): for world_size == 1 the full tensors, else
-// the dim-0 rows rank `rank` of `world_size` holds (torch.chunk semantics). Owned memory read and
-// verified in one pass; with mmap (opt-in), zero-copy views where one stored piece holds exactly
-// the rows asked for (live views of the file, verified at load time).
+// --- load_tensors --------------------------------------------------------------------------------
+// Tensors of a committed checkpoint (or DCP HuggingFace directory): for world_size == 1 the full
+// tensors, else the dim-0 rows rank `rank` of `world_size` holds (torch.chunk semantics). Owned
+// memory read and verified in one pass; with mmap (opt-in), zero-copy views where one stored piece
+// holds exactly the rows asked for (live views of the file, verified at load time).
 std::vector<at::Tensor> load_tensors(c10::string_view directory,
                                      const std::vector<std::string>& names, int64_t rank,
                                      int64_t world_size, bool verify,
@@ -53,9 +52,8 @@ std::vector<at::Tensor> load_tensors_meta(const at::Tensor& target, at::TensorLi
                                           const std::vector<std::string>& names, int64_t rank,
                                           int64_t world_size, bool verify, bool mmap);
 
-// --- load_shard
-// ----------------------------------------------------------------------------------- names, local
-// shards, concatenated global offsets, concatenated global shapes.
+// --- load_shard ----------------------------------------------------------------------------------
+// Names, local shards, concatenated global offsets, concatenated global shapes.
 using ShardContents = std::tuple<std::vector<std::string>, std::vector<at::Tensor>,
                                  std::vector<int64_t>, std::vector<int64_t>>;
 // One shard file back, read and verified in one pass (mmap: CPU views of the file's mapping).
@@ -69,9 +67,9 @@ ShardContents load_shard_to(const at::Tensor& target, c10::string_view path, boo
 ShardContents load_shard_meta(const at::Tensor& target, c10::string_view path, bool verify,
                               bool mmap);
 
-// --- load_into_
-// ----------------------------------------------------------------------------------- Reads the
-// named tensors (as load_tensors would return them for `rank` of `world_size`) into `out`:
+// --- load_into_ ----------------------------------------------------------------------------------
+// Reads the named tensors (as load_tensors would return them for `rank` of `world_size`) into
+// `out`:
 //   names: [N]  fully qualified names
 //   out:   [N]  destinations (CPU or CUDA, any strides) of the stored dtype and of the shape of
 //               the rows read; no two may share memory
@@ -85,8 +83,7 @@ void load_into_(c10::string_view directory, const std::vector<std::string>& name
 void load_into_meta(c10::string_view directory, const std::vector<std::string>& names,
                     at::TensorList out, int64_t rank, int64_t world_size, bool verify);
 
-// --- OpenCheckpoint
-// -------------------------------------------------------------------------------
+// --- OpenCheckpoint ------------------------------------------------------------------------------
 // torch.classes.fsdp_ema.OpenCheckpoint: a checkpoint directory opened once (index and headers
 // parsed, files held open), so that a collective load can check everything on every rank, agree,
 // and only then write, every read of one rank going to the same files:

@@ -19,9 +19,9 @@
 
 #include "fsdp_ema/format/read_exec.h"
 #include "fsdp_ema/format/read_plan.h"
-#include "ops/format_bridge.h"
-#include "ops/memory.h"
-#include "ops/tracing.h"
+#include "ops/common/format_bridge.h"
+#include "ops/common/memory.h"
+#include "ops/common/tracing.h"
 
 namespace fsdp_ema::ops {
 

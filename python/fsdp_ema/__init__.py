@@ -36,8 +36,7 @@ from .training_state import latest_checkpoint, load_training_state, save_trainin
 # The fake (Meta) kernels of every op live in the library itself (registration/registration.cpp),
 # and so does TorchScript's side-effect mark. torch.compile's mark can only be set from Python
 # (importing _ops sets it): with it, a save_shard whose byte count is unused stays in a compiled
-# graph. (With the library alone, thread the count into commit_checkpoint.after; see the operator
-# reference.)
+# graph. (With the library alone: docs/OPERATORS.md, "torch.compile with the library alone".)
 
 __all__ = ["update_", "update_multi_", "load_library", "library_path", "checkpoint", "ShardedEMA",
            "EMAConfig", "Warmup", "CosineMomentum", "PowerEMA", "ShardedPowerEMA", "posthoc",

@@ -145,7 +145,7 @@ def _in_place(t: LoadTarget, stored: torch.dtype) -> bool:
 def _overlapping(targets: Sequence[LoadTarget]) -> set[str]:
     """Names of the destinations that share memory with another (tied weights in a state dict:
     two names, one tensor), which ``load_into_`` refuses as destinations of one call: they are
-    filled by a copy instead. The rule is ops/memory.h's (the ``overlapping`` op): exact for
+    filled by a copy instead. The rule is ops/common/memory.h's (the ``overlapping`` op): exact for
     interleaved views, sorted extents."""
     if not targets:
         return set()

@@ -30,8 +30,8 @@ from ._full_state import Part
 def chunk_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
     """Rows ``[begin, end)`` of ``torch.chunk(t, world_size)[rank]`` (empty past the last chunk):
     FSDP2's ``Shard(0)`` layout, FSDP1's sharded state dict layout and the layout
-    ``fsdp_ema.checkpoint.load`` returns. The ``chunk_rows`` op's answer (format/rows.h), cached:
-    a training state asks for the same few row counts thousands of times."""
+    ``fsdp_ema.checkpoint.load`` returns. The ``chunk_rows`` op's answer (format/core/rows.cpp),
+    cached: a training state asks for the same few row counts thousands of times."""
     begin, end = _ops.chunk_rows(rows, rank, world_size)
     return begin, end
 

@@ -14,6 +14,7 @@ that write files (the one mark that only Python can set; registration/ says why)
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -48,10 +49,12 @@ def gather_shards(shards: list[torch.Tensor], rows: list[int],
     return torch.ops.fsdp_ema.gather_shards(shards, rows, group_name)
 
 
+@functools.cache
 def gather_align() -> int:
     """The byte alignment ``gather_shards`` starts every packed piece at, in its send and receive
-    buffers (``kAlign`` in ops/gather_shards.cpp); what ``_full_state.part_cost`` counts."""
-    return 16  # mirrors ops/gather_shards.cpp's kAlign until an op exposes it
+    buffers (the ``gather_alignment`` op: ``kAlign`` in ops/gather/gather_shards.cpp); what
+    ``_layouts.part_cost`` counts."""
+    return int(torch.ops.fsdp_ema.gather_alignment())
 
 
 # --- saves and loads ------------------------------------------------------------------------------
@@ -132,17 +135,17 @@ def remove_checkpoint(directory: str) -> None:
 # --- rules that live in C++ -----------------------------------------------------------------------
 
 def index_file_name() -> str:
-    """The index's file name, the commit marker (format/names.h)."""
+    """The index's file name, the commit marker (fsdp_ema/format/names.h)."""
     return torch.ops.fsdp_ema.index_file_name()
 
 
 def shard_file_name(rank: int, world_size: int) -> str:
-    """The name rank ``rank`` of ``world_size`` writes its shard file under (format/names.h)."""
+    """The name rank ``rank`` of ``world_size`` writes its shard file under (format's names)."""
     return torch.ops.fsdp_ema.shard_file_name(rank, world_size)
 
 
 def training_state_names() -> list[str]:
-    """A training state's document tensor and its EMA and model prefixes (format/names.h)."""
+    """A training state's document tensor and its EMA and model prefixes (format's names)."""
     return torch.ops.fsdp_ema.training_state_names()
 
 
@@ -157,7 +160,7 @@ def dtypes() -> str:
 
 
 def overlapping(tensors: list[torch.Tensor]) -> list[int]:
-    """Indices of the tensors that share memory with another of them (ops/memory.h)."""
+    """Indices of the tensors that share memory with another of them (ops/common/memory.h)."""
     return torch.ops.fsdp_ema.overlapping(tensors)
 
 

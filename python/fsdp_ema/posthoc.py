@@ -4,7 +4,7 @@ shard, at any world size, and write it as a normal EMA checkpoint.
 
 The plan (which snapshots, their steps and gammas, the least-squares weights, the checks that
 they are one model at one world size) comes from the ``posthoc_plan`` op, i.e. from
-format/posthoc.cpp, the same code ``fsdp-ema posthoc`` runs, so both solve the same weights.
+format/posthoc/posthoc.cpp, the same code ``fsdp-ema posthoc`` runs, so both solve the same weights.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def posthoc(snapshot_root: str | os.PathLike, *, sigma_rel: float, out: str | os
                         if last:
                             acc[n] = x
                         continue
-                    # Product, then sum, each rounded once, in snapshot order: format/posthoc.cpp
+                    # Product, then sum, each rounded once, in snapshot order: format/posthoc/
                     # (the CLI) does exactly this, so both give the same bits.
                     p = x.to(torch.float64).mul_(w)
                     acc[n] = p if n not in acc else acc[n].add_(p)

@@ -7,7 +7,7 @@ Models", EDM2, 2024): ``PowerEMA``, a ``ShardedEMA`` schedule computed on the de
 The profile of gamma averages the weights of steps ``1..t`` with weights proportional to
 ``tau ** gamma``; as a recurrence, the ``t``-th update uses ``beta_t = (1 - 1/t) ** (gamma + 1)``
 (``beta_1 = 0``: the first update copies the weights). ``sigma_rel``, the profile's standard
-deviation relative to its length, picks gamma (the paper's cubic, solved by format/posthoc.cpp
+deviation relative to its length, picks gamma (the paper's cubic, solved by format/posthoc/
 through the ``power_ema_gamma`` op, the one implementation the CLI uses too).
 """
 
@@ -29,7 +29,7 @@ from .sharded_ema import ShardedEMA
 
 __all__ = ["SNAPSHOT_GAMMA_KEY", "SNAPSHOT_STEP_KEY", "PowerEMA", "ShardedPowerEMA"]
 
-#: Names of the 0-dim tensors every snapshot records next to the EMA tensors (format/posthoc.h).
+#: Names of the 0-dim tensors every snapshot records next to the EMA tensors (format/posthoc/).
 SNAPSHOT_STEP_KEY = "fsdp_ema.snapshot.step"
 SNAPSHOT_GAMMA_KEY = "fsdp_ema.snapshot.gamma"
 

@@ -18,6 +18,20 @@ namespace {
 using testing::error_of;
 using ::testing::HasSubstr;
 
+// One element through cast_elements (the export's conversion), its bits in and out.
+template <typename To, typename From>
+To cast_one(DType from, From value, DType to) {
+  To out{};
+  cast_elements(from, &value, to, &out, 1);
+  return out;
+}
+uint16_t f32_to_bf16_bits(float v) { return cast_one<uint16_t>(DType::kF32, v, DType::kBF16); }
+uint16_t f32_to_f16_bits(float v) { return cast_one<uint16_t>(DType::kF32, v, DType::kF16); }
+uint16_t f64_to_bf16_bits(double v) { return cast_one<uint16_t>(DType::kF64, v, DType::kBF16); }
+uint16_t f64_to_f16_bits(double v) { return cast_one<uint16_t>(DType::kF64, v, DType::kF16); }
+float bf16_bits_to_f32(uint16_t b) { return cast_one<float>(DType::kBF16, b, DType::kF32); }
+float f16_bits_to_f32(uint16_t b) { return cast_one<float>(DType::kF16, b, DType::kF32); }
+
 TEST(DTypeCast, F32ToBf16RoundsToNearestEven) {
   EXPECT_EQ(f32_to_bf16_bits(1.0f), 0x3F80);
   // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to the even mantissa (1.0).

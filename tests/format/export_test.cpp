@@ -31,10 +31,11 @@ using ::testing::ElementsAre;
 using testing::error_of;
 using ::testing::HasSubstr;
 
-// bf16 bits of one element, round to nearest even, computed independently of format/dtype_cast:
-// the usual bit trick on the float value (a NaN keeps its top payload bits, made quiet). A
-// double is first rounded to float, and the one case where that double rounding errs (the float
-// lands exactly on a bf16 tie the double was not on) is decided by the double itself.
+// bf16 bits of one element, round to nearest even, computed independently of
+// fsdp_ema/format/dtype_cast.h: the usual bit trick on the float value (a NaN keeps its top payload
+// bits, made quiet). A double is first rounded to float, and the one case where that double
+// rounding errs (the float lands exactly on a bf16 tie the double was not on) is decided by the
+// double itself.
 uint16_t reference_bf16(DType from, const std::byte* src) {
   float f = 0;
   double d = 0;

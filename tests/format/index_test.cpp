@@ -8,6 +8,7 @@
 #include "fsdp_ema/format/checksum.h"
 #include "fsdp_ema/format/shard_writer.h"
 #include "tests/format/fixture_model.h"
+#include "tests/format/read_helpers.h"
 #include "tests/format/test_util.h"
 
 namespace fsdp_ema::format {
@@ -96,12 +97,12 @@ TEST(Index, BuildFromDirectoryReadsEveryRanksHeader) {
     o.world_size = 4;
     write_shard_file(dir.file(shard_file_name(r, 4)), testing::local_shards(model, r, 4), o);
   }
-  const CheckpointIndex built = build_index_from_dir(dir.path(), 4);
+  const CheckpointIndex built = testing::index_of_rank_files(dir.path(), 4);
   EXPECT_EQ(index_to_json(built), index_to_json(expected));
   ::unlink(dir.file(shard_file_name(2, 4)).c_str());
-  EXPECT_THAT(error_of([&] { build_index_from_dir(dir.path(), 4); }),
+  EXPECT_THAT(error_of([&] { testing::index_of_rank_files(dir.path(), 4); }),
               HasSubstr("missing shard file shard-00002-of-00004.safetensors (rank 2 of 4"));
-  EXPECT_THAT(error_of([&] { build_index_from_dir(dir.path(), 3); }),
+  EXPECT_THAT(error_of([&] { testing::index_of_rank_files(dir.path(), 3); }),
               HasSubstr("missing shard file shard-00000-of-00003.safetensors"));
 }
 

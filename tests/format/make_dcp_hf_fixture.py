@@ -1,7 +1,7 @@
 """Writes tests/format/data/dcp_hf_sharded/: a checkpoint saved by torch.distributed.checkpoint's
 HuggingFaceStorageWriter (save_distributed=True: every rank writes its own shards) from 4
 processes (gloo, CPU) on a 2x2 device mesh, plus dcp_hf_sharded_reference.safetensors with the
-full tensors. The C++ reader test (checkpoint_dir_dcp_test.cpp) reads the first and compares it
+full tensors. The C++ reader test (checkpoint_dir_test.cpp) reads the first and compares it
 with the second. Run with the venv python from anywhere:
 
     /opt/fsdp_ema/venv/bin/python tests/format/make_dcp_hf_fixture.py

@@ -20,6 +20,7 @@
 #include "fsdp_ema/format/read_exec.h"
 #include "fsdp_ema/format/read_plan.h"
 #include "tests/format/fixture_model.h"
+#include "tests/format/read_helpers.h"
 #include "tests/format/test_util.h"
 
 namespace fsdp_ema::format {
@@ -203,13 +204,14 @@ TEST(ReadPipeline, EveryReadHashesWhatItReadsAgain) {
     // Rows 10.. (bytes 520..) never touch block 1: read with blocks; whole-hashed without them.
     std::vector<std::byte> tail(87 * 52);
     if (block == 64) {
-      ckpt.read_rows("w", 10, 97, tail.data(), tail.size());
+      testing::read_rows(ckpt, "w", 10, 97, tail.data(), tail.size());
       EXPECT_TRUE(std::equal(tail.begin(), tail.end(), model[0].data.begin() + 520));
-      EXPECT_THAT(error_of([&] { ckpt.read_rows("w", 1, 2, tail.data(), 52); }),
+      EXPECT_THAT(error_of([&] { testing::read_rows(ckpt, "w", 1, 2, tail.data(), 52); }),
                   AllOf(HasSubstr("checksum mismatch in block 1"), HasSubstr("bytes 64 to 128")));
     } else {
-      EXPECT_THAT(error_of([&] { ckpt.read_rows("w", 10, 97, tail.data(), tail.size()); }),
-                  HasSubstr("checksum mismatch"));
+      EXPECT_THAT(
+          error_of([&] { testing::read_rows(ckpt, "w", 10, 97, tail.data(), tail.size()); }),
+          HasSubstr("checksum mismatch"));
     }
   }
 }

@@ -1,6 +1,6 @@
 // The save fast paths of issue #11: checksum digits patched into the header written once, and
-// the commit's use of the descriptions this process wrote (format/recent_shards.h). Each must
-// give exactly what the slow path (a second serialization, a parse of the file) gives.
+// the commit's use of the descriptions this process wrote (fsdp_ema/format/recent_shards.h). Each
+// must give exactly what the slow path (a second serialization, a parse of the file) gives.
 #include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -18,6 +18,7 @@
 #include "fsdp_ema/format/shard_file.h"
 #include "fsdp_ema/format/shard_writer.h"
 #include "tests/format/fixture_model.h"
+#include "tests/format/read_helpers.h"
 #include "tests/format/test_util.h"
 
 namespace fsdp_ema::format {
@@ -101,9 +102,9 @@ TEST(SaveFastPaths, CommitFromMemoryEqualsCommitFromTheFile) {
   TempDir other;
   const std::string path2 = detail::join_path(other.path(), shard_file_name(0, 1));
   write_shard_file(path2, to_write(refs));
-  const std::string from_memory = index_to_json(build_index_from_dir(other.path(), 1));
+  const std::string from_memory = index_to_json(testing::index_of_rank_files(other.path(), 1));
   ASSERT_FALSE(detail::take_written_shard(path2).has_value()) << "the commit consumed it";
-  const std::string from_file = index_to_json(build_index_from_dir(other.path(), 1));
+  const std::string from_file = index_to_json(testing::index_of_rank_files(other.path(), 1));
   EXPECT_EQ(from_memory, from_file);
 }
 

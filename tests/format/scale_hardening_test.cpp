@@ -22,6 +22,7 @@
 #include "fsdp_ema/format/safetensors_header.h"
 #include "fsdp_ema/format/shard_file.h"
 #include "fsdp_ema/format/shard_writer.h"
+#include "tests/format/read_helpers.h"
 #include "tests/format/test_util.h"
 
 namespace fsdp_ema::format {
@@ -266,7 +267,7 @@ void write_checkpoint(const std::string& dir, size_t n, uint8_t salt = 0) {
   for (size_t i = 0; i < n; ++i) data[i] = std::byte((i + salt) % 251);
   write_shard_file(dir + "/" + shard_file_name(0, 1),
                    {TensorToWrite::full("w", DType::kU8, {static_cast<int64_t>(n)}, data.data())});
-  write_index(dir, build_index_from_dir(dir, 1));
+  write_index(dir, testing::index_of_rank_files(dir, 1));
 }
 
 TEST_F(Hardening, SymlinkedIndexIsRefused) {

@@ -11,6 +11,7 @@
 #include "fsdp_ema/format/shard_file.h"
 #include "fsdp_ema/format/shard_writer.h"
 #include "tests/format/fixture_model.h"
+#include "tests/format/header_bytes.h"
 #include "tests/format/test_util.h"
 
 namespace fsdp_ema::format {
@@ -316,7 +317,7 @@ TEST(SafetensorsHeader, AcceptsWhatTheReferenceAcceptsAndSerializesAligned) {
       R"("a":{"dtype":"I16","shape":[2],"data_offsets":[0,4]},"z":{"dtype":"F32","shape":[0],)"
       R"("data_offsets":[6,6]}})",
       6);
-  const SafetensorsHeader h = parse_safetensors_bytes(bytes, "mem");
+  const SafetensorsHeader h = testing::parse_safetensors_bytes(bytes, "mem");
   ASSERT_EQ(h.tensors.size(), 3u);
   EXPECT_EQ(h.tensors[0].name, "a");
   EXPECT_EQ(h.tensors[1].name, "b");

@@ -13,6 +13,7 @@
 #include "fsdp_ema/format/index.h"
 #include "fsdp_ema/format/safetensors_header.h"
 #include "fsdp_ema/format/shard_file.h"
+#include "tests/format/header_bytes.h"
 
 namespace fmt = fsdp_ema::format;
 
@@ -20,7 +21,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(data), size);
   try {
     fmt::ShardHeader h =
-        fmt::interpret_shard_header(fmt::parse_safetensors_bytes(bytes, "fuzz"), "fuzz");
+        fmt::interpret_shard_header(fmt::testing::parse_safetensors_bytes(bytes, "fuzz"), "fuzz");
     // Invariants of an accepted header: every tensor inside the input, byte counts consistent.
     for (const fmt::TensorInfo& t : h.tensors) {
       if (t.data_offset > size || t.nbytes > size - t.data_offset) __builtin_trap();

@@ -69,22 +69,11 @@ class CheckpointDir {
   ReadPlan plan(std::span<const ReadRequest> requests, std::span<const uint64_t> dst_bytes,
                 const PlanOptions& options = {}) const;
 
-  // Conveniences over plan + execute_reads, on `threads` threads (0: the machine's cores), every
-  // byte verified (with verify) in the pass that reads it:
+  // Conveniences over plan + execute_reads (what the CLI reads through), on `threads` threads
+  // (0: the machine's cores), every byte verified (with verify) in the pass that reads it:
   // the whole tensor (row-major, dst_bytes == tensor_nbytes);
   void read_full(std::string_view name, void* dst, size_t dst_bytes, bool verify = true,
                  size_t threads = 1) const;
-  // rows [row_begin, row_end) of dim 0 (the tensor must have at least one dimension);
-  void read_rows(std::string_view name, int64_t row_begin, int64_t row_end, void* dst,
-                 size_t dst_bytes, bool verify = true, size_t threads = 1) const;
-  // the rows rank `rank` of `world` holds (tensor_rows; a 0-dim tensor whole: every rank holds
-  // it);
-  void read_chunk(std::string_view name, int64_t rank, int64_t world, void* dst, size_t dst_bytes,
-                  bool verify = true, size_t threads = 1) const;
-  // any box [offsets, offsets + shape), row-major;
-  void read_slice(std::string_view name, std::span<const int64_t> offsets,
-                  std::span<const int64_t> shape, void* dst, size_t dst_bytes, bool verify = true,
-                  size_t threads = 1) const;
   // elements [elem_begin, elem_end) of the flattened (row-major) tensor. A reader that reads a
   // tensor in consecutive ranges passes one `session` to every call, so that a piece without
   // block checksums is hashed once across them (read_plan.h: ReadSession).

@@ -11,7 +11,10 @@
 
 namespace fsdp_ema::format {
 
+// The text form of a checksum, the one place it is written and read: kChecksumPrefix followed by
+// kChecksumDigits lowercase hex digits (a block checksum is the digits alone).
 inline constexpr std::string_view kChecksumPrefix = "xxh3-64:";
+inline constexpr size_t kChecksumDigits = 16;
 
 // "xxh3-64:" followed by 16 lowercase hex digits (always 24 characters).
 std::string format_checksum(uint64_t value);
@@ -22,6 +25,13 @@ void write_checksum_digits(char* out, uint64_t value);
 // The value of a string format_checksum wrote; nullopt for anything else (upper-case hex, other
 // lengths, other algorithms).
 std::optional<uint64_t> parse_checksum(std::string_view text);
+// The value of 16 digits write_checksum_digits wrote; nullopt for anything else.
+std::optional<uint64_t> parse_checksum_digits(std::string_view digits);
+
+// How messages name the text form: "16 lowercase hex digits", and the whole form
+// "\"xxh3-64:<16 lowercase hex digits>\"".
+std::string checksum_digits_text();
+std::string checksum_form_text();
 
 // Block checksums (an optional extension of the shard header, FORMAT.md): the bytes of a tensor
 // larger than one block are also hashed per block of kChecksumBlockBytes (the last block may be

@@ -16,11 +16,4 @@ bool can_cast(DType from, DType to);
 // FormatError when !can_cast(from, to).
 void cast_elements(DType from, const void* src, DType to, void* dst, size_t count);
 
-uint16_t f32_to_bf16_bits(float value);
-uint16_t f32_to_f16_bits(float value);
-uint16_t f64_to_bf16_bits(double value);
-uint16_t f64_to_f16_bits(double value);
-float bf16_bits_to_f32(uint16_t bits);
-float f16_bits_to_f32(uint16_t bits);
-
 }  // namespace fsdp_ema::format

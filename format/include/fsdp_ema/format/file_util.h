@@ -9,6 +9,8 @@
 #include <string_view>
 #include <vector>
 
+#include "fsdp_ema/format/paths.h"  // parent_dir, base_name, join_path
+
 namespace fsdp_ema::format::detail {
 
 std::string errno_text(int err);
@@ -68,10 +70,6 @@ void fsync_directory(const std::string& dir);
 // Starts write-back of a range without waiting (sync_file_range), so that a final fsync has
 // little left to do. Errors are ignored: the fsync reports them.
 void start_writeback(int fd, uint64_t offset, uint64_t size);
-
-std::string parent_dir(const std::string& path);  // "." for a bare name
-std::string base_name(const std::string& path);
-std::string join_path(const std::string& dir, std::string_view name);
 
 // "<dir>/.<name>.tmp-<pid>-<16 hex random>": a hidden sibling that never ends in ".safetensors",
 // so DCP's reader (which lists *.safetensors) never picks it up.

@@ -67,12 +67,10 @@ void validate_index(const CheckpointIndex& index, const std::string& where,
 CheckpointIndex build_index(std::span<const ShardDescription> shards, int64_t world_size,
                             std::map<std::string, std::string> metadata = {});
 
-// Reads the headers (not the data) of shard-<r>-of-<world_size>.safetensors for every rank r in
-// `dir` and builds their index. A missing rank's file is an error.
-CheckpointIndex build_index_from_dir(const std::string& dir, int64_t world_size,
-                                     std::map<std::string, std::string> metadata = {});
-// The same with the file of rank r named file_names[r] (an overwrite's alternate names); an empty
-// name: rank r contributes no file (its file held no tensor and an earlier commit removed it).
+// Reads the headers (not the data) of the file of every rank r in `dir`, named file_names[r]
+// (shard_file_name, or an overwrite's alternate name), and builds their index. A missing rank's
+// file is an error; an empty name: rank r contributes no file (its file held no tensor and an
+// earlier commit removed it).
 CheckpointIndex build_index_from_files(const std::string& dir,
                                        std::span<const std::string> file_names, int64_t world_size,
                                        std::map<std::string, std::string> metadata = {});

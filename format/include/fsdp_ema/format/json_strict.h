@@ -64,6 +64,9 @@ class JsonReader {
   void skip_ws();
   void enter();
   void read_string_into(std::string& out);
+  // After "\u": the code point of the escape (a surrogate pair joined), its UTF-8 onto `out`.
+  void read_unicode_escape(std::string& out);
+  uint32_t read_hex4();
   void scan_number();
   bool key_seen_before(std::string_view key);
 

@@ -34,7 +34,9 @@ class JsonWriter {
   const std::string& str() const { return out_; }
 
  private:
-  void separate();  // a comma before every element or member but the first
+  void separate();                  // a comma before every element or member but the first
+  JsonWriter& open(char bracket);   // '{' or '['
+  JsonWriter& close(char bracket);  // '}' or ']'
   std::string out_;
   std::vector<bool> first_;  // per open container: no element written yet
   bool after_key_ = false;

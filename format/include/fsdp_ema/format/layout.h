@@ -1,8 +1,8 @@
 // The on-disk rules of a checkpoint directory, in one place: the directory lock, stale-temporary
 // cleanup, preparing a directory for a save (what an overwrite replaces), the save of one rank's
 // file, the commit, sidecar files, and listing / removing whole checkpoints under a root. The
-// file names themselves are in names.h. The torch ops (ops/checkpoint.cpp), the fsdp-ema command
-// line and, through the ops, the Python front all go through these functions; none of them
+// file names themselves are in names.h. The torch ops (ops/save/, ops/checkpoint/), the fsdp-ema
+// command line and, through the ops, the Python front all go through these functions; none of them
 // creates, renames or removes checkpoint files on its own.
 //
 // Overwrites: every rank's file goes under a name the committed index does not reference (the

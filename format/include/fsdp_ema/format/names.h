@@ -17,6 +17,9 @@ bool is_safetensors_file_name(std::string_view name);
 
 // The commit marker of a checkpoint directory (index.h describes its contents).
 inline constexpr std::string_view kIndexFileName = "fsdp_ema.index.json";
+// The pickled metadata of a native torch.distributed.checkpoint directory: recognized, to refuse
+// the directory by name (pickle is never loaded).
+inline constexpr std::string_view kDcpMetadataFileName = ".metadata";
 
 // "shard-00003-of-00008.safetensors" (5-digit rank and world size, wider if needed).
 std::string shard_file_name(int64_t rank, int64_t world_size);

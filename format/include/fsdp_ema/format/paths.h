@@ -22,4 +22,13 @@ std::string printable_path(std::string_view path);
 // "./s002", "s002/." and a symlink to s002 are all s002. False when `dir` does not exist.
 bool same_or_inside(const std::string& path, const std::string& dir);
 
+namespace detail {
+
+// Plain string work, no file-system call.
+std::string parent_dir(const std::string& path);  // "." for a bare name
+std::string base_name(const std::string& path);
+std::string join_path(const std::string& dir, std::string_view name);
+
+}  // namespace detail
+
 }  // namespace fsdp_ema::format

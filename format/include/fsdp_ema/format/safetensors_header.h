@@ -62,9 +62,6 @@ uint64_t parse_header_length(std::span<const std::byte> first8, uint64_t file_by
 SafetensorsHeader parse_safetensors_header(std::string_view header_json, uint64_t file_bytes,
                                            const std::string& file);
 
-// parse_header_length + parse_safetensors_header on a whole file held in memory (fuzzing, tests).
-SafetensorsHeader parse_safetensors_bytes(std::span<const std::byte> file, const std::string& name);
-
 // The 8-byte length plus the JSON header for tensors already in file order (contiguous offsets),
 // padded with trailing spaces so that its size is a multiple of `alignment`. The metadata entries
 // keep the given order; pass include_metadata = false to write no "__metadata__" at all.

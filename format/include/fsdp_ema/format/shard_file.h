@@ -117,8 +117,6 @@ class ShardFile {
   bool verify(const TensorInfo& tensor) const;
   // verify() for every tensor in one pass over the data section; returns how many had a checksum.
   size_t verify_all() const;
-  // Whether a read checks the tensor's bytes beyond its checksum (BOOL tensors).
-  static bool has_data_checks(const TensorInfo& tensor);
   // fstat of the descriptor reads go through: throws FormatError "changed since it was opened"
   // when its size, mtime or ctime differ from when the header was validated (an in-place
   // rewrite, even with the same size and its mtime set back).
