@@ -180,10 +180,18 @@ std::vector<std::pair<std::string, at::Tensor>> CheckpointReader::read_for(
   TORCH_CHECK(problems.str().empty(), kWhere, "cannot load ", directory(),
               " into the module:", problems.str());
 
+  // Owned reads even on a zero-copy reader: a view of the mapping would be read again by the
+  // copy into the destination, after its verification (another process's write in between would
+  // reach the module unverified). Each value is hashed in the pass that read it.
+  const Impl& r = impl();
   std::vector<std::pair<std::string, at::Tensor>> values;
   for (const auto& [name, target] : targets) {
-    if (impl().dir.find(name) == nullptr) continue;
-    values.emplace_back(name, load(name, target.device(), options.verify).to(target.dtype()));
+    if (r.dir.find(name) == nullptr) continue;
+    at::Tensor value = translate([&] {
+      return ops::read_fresh(r.owner, ops::plan_rows(r.dir, {name}, 0, 1), options.verify,
+                             target.device(), /*mmap=*/false)[0];
+    });
+    values.emplace_back(name, value.to(target.dtype()));
   }
   return values;
 }
