@@ -193,11 +193,17 @@ MUTANTS = {
     # The edge blocks of a dim-0 range (read through a buffer) are checked like the rest.
     "rows-partial-read-skips-checksum": (
         "format/read/read_plan.cpp",
-        "      ReadUnit& u = open_unit(p, begin, end, UnitCheck::kBlocks);",
-        "      ReadUnit& u = open_unit(p, begin, end,\n"
-        "                              begin % b || end % b ? UnitCheck::kNone : UnitCheck::kBlocks);",
+        "        ReadUnit& head = unit(align_down(r.src, b), mid_begin);",
+        "        ReadUnit& head = open_unit(p, align_down(r.src, b), mid_begin, UnitCheck::kNone);",
         [pytest("python_tests/test_checkpoint.py", "-k", "partial_read"),
          ctest("^ReadPipeline\\.EveryRead")]),
+    # The C++ reader's load_into copies from memory its load verified, never from a zero-copy
+    # view of the file (read again by the copy, after the verification).
+    "reader-load-into-copies-a-view": (
+        "ops/reader/checkpoint_reader.cpp",
+        "target.device(), /*mmap=*/false)[0];",
+        "target.device(), r.mmap)[0];",
+        [ctest("^CheckpointReader\\.ZeroCopyReaderLoadsIntoAModuleOnlyVerifiedBytes$")]),
     # A chunk read straight into its destination is checked after the read, like one read into
     # a buffer (the attack's "verified load returns unverified bytes").
     "read-chunk-skips-its-check": (
