@@ -36,7 +36,7 @@ import fsdp_ema  # noqa: E402, F401  (loads the operator library)
 from fsdp_ema import checkpoint as ckpt  # noqa: E402
 
 CASES = [(2, 1), (1, 2), (2, 3)]
-BLOCK = 1 << 20
+BLOCK = 256 << 10  # kChecksumBlockBytes (format/include/fsdp_ema/format/checksum.h)
 
 
 def rchar() -> int:

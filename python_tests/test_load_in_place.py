@@ -331,11 +331,17 @@ def test_open_checkpoint_refuses_corrupted_data_before_writing(tmp_path):
     flip_data_byte(tmp_path / "c" / ckpt.shard_file_name(0, 1), "w")
     opened = ckpt.open_checkpoint(tmp_path / "c")
     dst = {"w": torch.full((6, 3), 5.0)}
-    with pytest.raises(RuntimeError, match="checksum mismatch"):
-        opened.check_into(dst)
-    with pytest.raises(RuntimeError, match="checksum mismatch"):
-        opened.load_into(dst)
+    # Each error names the method the user called, then the file.
+    for method, call in (("check_into", lambda: opened.check_into(dst)),
+                         ("load_into", lambda: opened.load_into(dst)),
+                         ("load", lambda: opened.load(["w"])),
+                         ("load_boxes", lambda: opened.load_boxes({"w": ([0, 0], [2, 3])}))):
+        with pytest.raises(RuntimeError,
+                           match=f"^fsdp_ema::OpenCheckpoint\\.{method}: .*checksum mismatch"):
+            call()
     assert torch.equal(dst["w"], torch.full((6, 3), 5.0))
+    with pytest.raises(RuntimeError, match="^fsdp_ema::open_checkpoint: .*missing"):
+        ckpt.open_checkpoint(tmp_path / "missing")
 
 
 def test_open_checkpoint_reads_the_files_it_opened_after_an_overwrite(tmp_path):

@@ -48,8 +48,10 @@ class CheckpointReader {
   // Loaded tensors are memory the caller owns, read and verified in one pass: truncating or
   // rewriting the files afterwards changes nothing. With mmap = true (opt-in), a CPU load whose
   // rows one stored piece holds exactly is a zero-copy view of a private mapping of the file
-  // instead: faster, but truncating the file while the tensor lives and then touching it raises
-  // SIGBUS (as with torch.load(mmap=True)).
+  // instead: faster, verified at load time, but a live view of the file's pages afterwards: a
+  // change made to the file in place later shows through it, and truncating the file while the
+  // tensor lives and then touching it raises SIGBUS (as with torch.load(mmap=True)). load_into
+  // always reads owned memory, so a destination only ever gets bytes its load verified.
   explicit CheckpointReader(const std::string& directory, bool mmap = false);
   ~CheckpointReader();
   CheckpointReader(CheckpointReader&&) noexcept;

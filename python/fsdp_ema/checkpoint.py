@@ -169,8 +169,9 @@ def load_shard(path: str | os.PathLike, *, verify: bool = True, device=None, mma
     The tensors are memory the caller owns, read and checksum-verified in one pass, so a file
     truncated or rewritten afterwards changes nothing. ``mmap=True`` (CPU only) returns zero-copy
     views of a private mapping of the file instead, as ``torch.load(mmap=True)`` does, with the
-    same risk: truncating the file while the tensors live and then touching them kills the
-    process with SIGBUS.
+    same risks: the views are verified when loaded, but they are the file's pages, so a change
+    made to the file in place afterwards (by any process) shows through them, and truncating the
+    file while the tensors live and then touching them kills the process with SIGBUS.
     """
     names, tensors, offsets, global_shapes = _ops.load_shard(os.fspath(path), verify, device,
                                                              mmap)
@@ -192,7 +193,8 @@ def load(directory: str | os.PathLike, names: Sequence[str] | None = None, *, ra
     ``torch.chunk(t, world_size)[rank]`` would give, whatever world size wrote it.
 
     Owned memory, read and verified in one pass; ``mmap=True`` opts in to zero-copy views where
-    one stored piece holds exactly the rows asked for (see :func:`load_shard` for the risk)."""
+    one stored piece holds exactly the rows asked for: verified at load time, but live views of the
+    file afterwards (see :func:`load_shard` for the risks)."""
     if names is None:
         names = sorted(info(directory)["tensors"])
     with _gc_paused():

@@ -40,9 +40,10 @@ UniqueFd create_exclusive(const std::string& path);
 uint64_t fd_size(int fd, const std::string& path);
 
 // What a reader checks to know that a file it reopens (or holds open) is the one whose header it
-// validated: the same inode, size, modification time and status-change time. A write changes the
-// ctime, and no user can set it back (utime restores mtime, not ctime), so a same-size in-place
-// rewrite with its mtime restored is still seen.
+// validated: the same inode, size, modification time and status-change time. An early refusal,
+// not a proof: write(2) changes the ctime, which no user can set back, but a write through a
+// shared mapping whose page is already dirty moves neither time stamp. What a load returns is
+// proven by hashing it in the pass that read it (fsdp_ema/format/read_exec.h).
 struct FileIdentity {
   uint64_t device = 0;
   uint64_t inode = 0;
