@@ -4,22 +4,38 @@
 # cleanly elsewhere.
 set -euo pipefail
 here="$(dirname "${BASH_SOURCE[0]}")"
+# Every stage's time, and the total, printed at the end whatever the outcome.
+suite_start=$SECONDS stage_start=$SECONDS stage_name="setup" stage_times=""
+stage() {
+  stage_times+="  $stage_name: $((SECONDS - stage_start)) s"$'\n'
+  stage_name="$1" stage_start=$SECONDS
+  echo "== $1"
+}
+report_times() {
+  local status=$?
+  stage_times+="  $stage_name: $((SECONDS - stage_start)) s"$'\n'
+  local total=$((SECONDS - suite_start))
+  printf 'scripts/test.sh: total %d min %d s (exit %d), by stage:\n%s' $((total / 60)) \
+    $((total % 60)) "$status" "$stage_times"
+}
+trap report_times EXIT
 bash "$here/setup.sh"
 source "$here/env.sh"
 # Lint first (seconds), but run the tests whatever it says: the exit status reports both.
-echo "== lint (scripts/lint.sh: ruff, clang-format)"
+stage "lint (scripts/lint.sh: ruff, clang-format)"
 lint_status=0
 bash "$here/lint.sh" || lint_status=$?
 # Seconds: every planted bug of scripts/mutants.sh still has its site (moved code can never
 # silently retire a mutant); running them is not part of the suite (about 10 minutes).
 bash "$here/mutants.sh" --check || lint_status=$?
+stage "build (scripts/build.sh)"
 bash "$here/build.sh"
 
-echo "== C++ tests (ctest)"
+stage "C++ tests (ctest)"
 (cd "$FSDP_EMA_BUILD" && PATH="$FSDP_EMA_VENV/bin:$PATH" \
   ctest --output-on-failure --parallel "$(nproc)" --timeout 900)
 
-echo "== format/ under AddressSanitizer + UBSan (clang), with a short libFuzzer run"
+stage "format/ under AddressSanitizer + UBSan (clang), with a short libFuzzer run"
 # The torch-free checkpoint code on its own: its GoogleTests, CLI checks and the fuzz smoke test.
 SAN_BUILD="$FSDP_EMA_ROOT/build-format-san"
 if [ ! -f "$SAN_BUILD/build.ninja" ]; then
@@ -37,7 +53,7 @@ if ! (cd "$SAN_BUILD" && ctest -N -R '^format_fuzz_smoke$' | grep -q 'Total Test
 fi
 (cd "$SAN_BUILD" && ctest --output-on-failure --parallel "$(nproc)" --timeout 300)
 
-echo "== Python tests (pytest)"
+stage "Python tests (pytest)"
 cd "$FSDP_EMA_ROOT"
 "$FSDP_EMA_PYTHON" -m pytest -q python_tests
 if [ "$lint_status" -ne 0 ]; then
