@@ -600,8 +600,13 @@ def run_resume_refusals(rank, world, root):
             "decay": fit(kind, ShardedEMA(0.9, **OPTIONS), first),
             "decay_allowed": fit(kind, ShardedEMA(0.9, allow_changes={"decay"}, **OPTIONS),
                                  first),
+            "dtype": fit(kind, ShardedEMA(0.875, **OPTIONS, dtype=torch.float64), first),
+            "warmup": fit(kind, ShardedEMA(0.875, **{**OPTIONS, "warmup": None}), first),
             "params": fit(kind, ShardedEMA(0.875, params=lambda n, p: "head" not in n,
                                            **OPTIONS), first)}
+    # A schedule instead of decay and warmup (and no start_step).
+    out["schedule"] = fit("ddp", ShardedEMA(schedule=fsdp_ema.PowerEMA(0.05), update_every=2),
+                          os.path.join(root, "ddp", "epoch=0-step=3.ckpt"))
     # A DDP checkpoint whose model is not the one its EMA was saved beside.
     replaced = os.path.join(root, "replaced.ckpt")
     torch.distributed.barrier()
@@ -630,9 +635,17 @@ def test_resume_refuses_changed_options_another_parameter_set_and_a_model_not_th
             assert "the EMA's options changed since the checkpoint" in c["decay"], c["decay"]
             assert "decay: 0.875 when saved, 0.9 now" in c["decay"], c["decay"]
             assert c["decay_allowed"] == 6  # 3 restored updates + 3 more
+            assert "dtype: 'float32' when saved, 'float64' now" in c["dtype"], c["dtype"]
+            assert "allow_changes={'dtype'}" in c["dtype"], c["dtype"]
+            message = c["warmup"]
+            assert "warmup: {'gamma': 1.0, " in message and "} when saved, None now" in message
+            assert "'power': 0.75" in message and "allow_changes={'warmup'}" in message, message
             # The parameter set: one clear error naming the tensors (not DCP's missing key).
             assert "another set of tensors than the EMA of this model" in c["params"], c
             assert "only in the checkpoint: ['net.head.bias', 'net.head.weight']" in c["params"]
+        message = r["schedule"]
+        assert "schedule: None when saved, 'fsdp_ema.power_ema.PowerEMA: PowerEMA(sigma_rel=0.05" \
+            in message and "start_step: 1 when saved, 0 now" in message, message
         assert "was saved beside other model weights" in r["replaced"], r["replaced"]
         # Rank 1's file of the next save: the checkpoint mixes two saves, whichever of its
         # files holds the binding.

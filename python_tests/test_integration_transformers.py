@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 import warnings
 from pathlib import Path
 
@@ -377,18 +378,35 @@ def test_eval_with_ema_gives_the_loss_of_a_lerp_replica_and_the_export_loads_wit
 
 # --- resume: the EMA of the checkpoint the Trainer restored, or a refusal naming both -------------
 
+class EMAProbe(transformers.TrainerCallback):
+    """Listed after ShardedEMACallback: the EMA as it stands once a resume has loaded it, and
+    after the update of each step."""
+
+    def __init__(self, cb):
+        self.cb, self.begin, self.at = cb, None, {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.begin = self.cb.ema.full_state_dict(rank0_only=False)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.at[state.global_step] = self.cb.ema.full_state_dict(rank0_only=False)
+
+
 def run_resume_refusals(rank, world, root):
     """Run A (6 steps, a checkpoint every 2), run B (other data, a checkpoint at step 4), then
-    resumes from A's checkpoint-4 in ways that must be refused, or accepted when asked."""
+    resumes from A's checkpoint-4 (and from copies of it holding B's ema/ or no ema/) in ways
+    that must be taken, refused, or accepted when asked."""
     a, b, c = (os.path.join(root, n) for n in "abc")
-    a4 = os.path.join(a, "checkpoint-4")
+    a4, b4 = os.path.join(a, "checkpoint-4"), os.path.join(b, "checkpoint-4")
+    mixed, stripped = os.path.join(root, "mixed"), os.path.join(root, "stripped")
     out = {}
 
     def train(output_dir, cb, resume=None, data_seed=1, **kwargs):
         hf_env(rank, world)
         options = dict(save_strategy="steps", save_steps=2, gradient_accumulation_steps=1)
         options.update(kwargs)
-        t = make_trainer("plain", output_dir, [cb], **options)
+        probe = EMAProbe(cb)
+        t = make_trainer("plain", output_dir, [cb, probe], **options)
         t.train_dataset = Tokens(TRAIN_ROWS, data_seed)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -397,49 +415,86 @@ def run_resume_refusals(rank, world, root):
             except (ValueError, RuntimeError) as e:
                 return {"error": str(e)}
         return {"ema": cb.ema.full_state_dict(rank0_only=False), "step": int(cb.ema.step),
+                "begin": probe.begin, "at": probe.at,
                 "warnings": [str(w.message) for w in caught if "strict_resume" in str(w.message)]}
 
-    def callback(decay=0.875, **kwargs):
-        return ShardedEMACallback(decay, warmup=True, **kwargs)
+    def callback(decay=0.875, warmup=True, **kwargs):
+        return ShardedEMACallback(decay, warmup=warmup, **kwargs)
 
     out["a"] = train(a, callback())
     out["b"] = train(b, callback(), data_seed=3, max_steps=4)
-    # B's output_dir holds B's checkpoint-4; the Trainer restores A's.
+    # A's checkpoint-4 with B's ema/ (of the same step), and with none.
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.copytree(a4, mixed, ignore=shutil.ignore_patterns("ema"))
+        shutil.copytree(os.path.join(b4, "ema"), os.path.join(mixed, "ema"))
+        shutil.copytree(a4, stripped, ignore=shutil.ignore_patterns("ema"))
+    torch.distributed.barrier()
+    # Finding 1: B's output_dir holds B's checkpoint-4; the Trainer restores A's, given as the
+    # argument of train() alone: the callback finds it.
     out["other_run"] = train(b, callback(), resume=a4, save_strategy="no")
-    out["other_run_named"] = train(b, callback(resume_from=a4), resume=a4, save_strategy="no")
-    out["nowhere"] = train(c, callback(), resume=a4, save_strategy="no")
-    out["decay"] = train(a, callback(0.9), resume=a4, save_strategy="no")
-    out["decay_allowed"] = train(a, callback(0.9, allow_changes={"decay"}), resume=a4,
-                                 save_strategy="no")
+    out["mixed"] = train(c, callback(), resume=mixed, save_strategy="no")
+    out["mixed_named"] = train(c, callback(resume_from=a4), resume=mixed, save_strategy="no")
+    out["stripped"] = train(c, callback(), resume=stripped, save_strategy="no")
+    no = dict(resume=a4, save_strategy="no")
+    out["decay"] = train(a, callback(0.9), **no)
+    out["decay_allowed"] = train(a, callback(0.9, allow_changes={"decay"}), **no)
+    out["dtype"] = train(a, callback(dtype=torch.float64), **no)
+    out["warmup"] = train(a, callback(warmup=fsdp_ema.Warmup(power=0.5)), **no)
+    out["schedule"] = train(a, callback(warmup=None, schedule=fsdp_ema.PowerEMA(0.05)), **no)
     frozen = {"params": lambda name, p: "embed" not in name}
-    out["params"] = train(a, callback(**frozen), resume=a4, save_strategy="no")
-    out["params_lax"] = train(a, callback(strict_resume=False, **frozen), resume=a4,
-                              save_strategy="no")
+    out["params"] = train(a, callback(**frozen), **no)
+    out["params_lax"] = train(a, callback(strict_resume=False, **frozen), **no)
     return out
 
 
 def test_resume_takes_the_ema_of_the_restored_checkpoint_and_refuses_others_naming_both(
         pools, tmp_path):
     for rank, r in enumerate(pools.get(2).run(run_resume_refusals, str(tmp_path))):
-        a4, b4 = tmp_path / "a" / "checkpoint-4", tmp_path / "b" / "checkpoint-4"
-        # Finding 1: B's checkpoint-4 holds the EMA of another run: refused, naming it and the
-        # model the Trainer restored, and saying what to pass.
-        message = r["other_run"]["error"]
-        assert f"{b4}/ema was saved beside other model weights" in message, message
-        assert "than the model the Trainer restored" in message, message
-        assert "pass ShardedEMACallback(resume_from=" in message, message
-        # Named, A's EMA comes back: the resumed run equals A's uninterrupted one.
+        a4 = tmp_path / "a" / "checkpoint-4"
+        mixed, stripped = tmp_path / "mixed", tmp_path / "stripped"
+        # Finding 1: train(resume_from_checkpoint=A's checkpoint-4), no resume_from=, while
+        # output_dir holds B's checkpoint-4: the EMA loaded is the one saved in A's, bit for bit
+        # (not B's), and the resumed run equals A's uninterrupted one.
+        assert "error" not in r["other_run"], r["other_run"]
+        saved, other = r["a"]["at"][4], r["b"]["at"][4]
+        assert sorted(r["other_run"]["begin"]) == sorted(saved)
+        for name, t in saved.items():
+            assert torch.equal(r["other_run"]["begin"][name], t), name
+        assert any(not torch.equal(other[n], t) for n, t in saved.items())
         for name, t in r["a"]["ema"].items():
-            assert torch.equal(r["other_run_named"]["ema"][name], t), name
-        assert r["other_run_named"]["step"] == r["a"]["step"] == 6
-        message = r["nowhere"]["error"]
-        assert "no committed EMA of that step was found" in message, message
+            assert torch.equal(r["other_run"]["ema"][name], t), name
+        assert r["other_run"]["step"] == r["a"]["step"] == 6
+        # The restored folder holds another run's ema/: refused, naming the folder the Trainer
+        # restored and the ema/ compared, and saying what to pass.
+        message = r["mixed"]["error"]
+        assert f"{mixed}/ema was saved beside other model weights" in message, message
+        assert f"than the model the Trainer restored from {mixed} (fingerprint" in message
+        assert "pass ShardedEMACallback(resume_from=" in message, message
+        # ... which, naming A's checkpoint, takes A's EMA (its fingerprint is the restored one).
+        for name, t in r["a"]["ema"].items():
+            assert torch.equal(r["mixed_named"]["ema"][name], t), name
+        assert r["mixed_named"]["step"] == 6
+        # No ema/ anywhere: refused, naming the restored folder, without claiming a stopped save.
+        message = r["stripped"]["error"]
+        assert f"resumed at step 4 from {stripped}, saved by a run that kept an EMA" in message
+        assert f"{stripped} has no ema/" in message, message
+        assert "copied or moved without its ema/" in message, message
+        assert "while saving it" not in message, message
         assert "pass ShardedEMACallback(resume_from=" in message, message
         # Finding 5: a changed option is refused, naming it, unless allowed.
         message = r["decay"]["error"]
         assert f"the EMA's options changed since {a4}/ema was saved: decay: 0.875 when saved, " \
                f"0.9 now" in message and "allow_changes={'decay'}" in message, message
         assert r["decay_allowed"]["step"] == 6
+        message = r["dtype"]["error"]
+        assert "dtype: 'float32' when saved, 'float64' now" in message, message
+        assert "allow_changes={'dtype'}" in message, message
+        message = r["warmup"]["error"]
+        assert "warmup: {'gamma': 1.0, " in message, message
+        assert "'power': 0.6666666666666666} when saved, {'gamma': 1.0, 'power': 0.5," in message
+        message = r["schedule"]["error"]
+        assert "schedule: None when saved, 'fsdp_ema.power_ema.PowerEMA: " in message, message
         message = r["params"]["error"]
         assert "another set of tensors than the EMA of this model" in message, message
         assert "only in the checkpoint: ['model.embed_tokens.weight']" in message, message
@@ -598,6 +653,66 @@ def test_accelerate_loop_saves_and_resumes_the_ema_with_save_state_and_load_stat
         for name, t in straight.items():
             assert torch.equal(resumed[name], t), name
             assert not torch.equal(first[name], t), name
+
+
+# --- the rotation: by step, never by mtime -------------------------------------------------------
+
+def make_checkpoint(out: Path, step: int, mtime: float, *, whole: bool = True) -> Path:
+    """A ``checkpoint-<step>`` folder: whole (the Trainer's files and a committed-looking ema/),
+    or what a rotation killed inside ``shutil.rmtree`` leaves (one file); ``mtime`` set."""
+    folder = out / f"checkpoint-{step}"
+    (folder / "ema").mkdir(parents=True)
+    names = (["model.safetensors", "optimizer.pt", "trainer_state.json",
+              "ema/fsdp_ema.index.json"] if whole else ["optimizer.pt"])
+    for name in names:
+        (folder / name).write_text("x")
+    if not whole:
+        (folder / "ema").rmdir()
+    os.utime(folder, (mtime, mtime))
+    return folder
+
+
+def test_rotation_orders_by_step_so_a_half_deleted_folder_goes_first(tmp_path):
+    from transformers.trainer_utils import rotate_checkpoints
+
+    now = time.time()
+    for name, rotate in (("ours", None), ("trainer", rotate_checkpoints)):
+        out = tmp_path / name
+        # Killed while the save of step 12 removed checkpoint-8: its rmtree touched the folder
+        # after checkpoint-12 was written. Resumed from 12; step 16 is saved now.
+        make_checkpoint(out, 12, now - 100)
+        make_checkpoint(out, 8, now - 50, whole=False)
+        newest = make_checkpoint(out, 16, now)
+        if rotate is None:
+            cb = ShardedEMACallback(0.9)
+            cb._limit = 2
+            args = types.SimpleNamespace(output_dir=str(out), should_save=True)
+            cb._rotate(args, types.SimpleNamespace(best_model_checkpoint=None), str(newest))
+        else:  # what the Trainer's own rotation (use_mtime=True) would do
+            rotate(output_dir=str(out), save_total_limit=2, use_mtime=True)
+        left = sorted(os.listdir(out))
+        if rotate is None:
+            assert left == ["checkpoint-12", "checkpoint-16"], left
+        else:  # mtime keeps the broken folder and removes a complete one
+            assert left == ["checkpoint-16", "checkpoint-8"], left
+
+
+def test_rotation_keeps_the_checkpoint_just_saved_below_steps_already_on_disk(tmp_path):
+    from fsdp_ema.integrations.transformers import rotate_by_step
+
+    now = time.time()
+    # Resumed from checkpoint-4 while checkpoint-8 of a longer run is there; checkpoint-6 saved.
+    for step, age in ((4, 300), (8, 200), (6, 0)):
+        make_checkpoint(tmp_path, step, now - age)
+    best = tmp_path / "checkpoint-4"
+    removed = rotate_by_step(str(tmp_path), 2, newest=str(tmp_path / "checkpoint-6"),
+                             best=str(best))
+    assert [os.path.basename(p) for p in removed] == ["checkpoint-8"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4", "checkpoint-6"]
+    removed = rotate_by_step(str(tmp_path), 1, newest=str(tmp_path / "checkpoint-6"))
+    assert [os.path.basename(p) for p in removed] == ["checkpoint-4"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-6"]
+    assert rotate_by_step(str(tmp_path), 1, newest=str(tmp_path / "checkpoint-6")) == []
 
 
 # --- refusals -------------------------------------------------------------------------------------

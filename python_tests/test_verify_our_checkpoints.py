@@ -1,9 +1,12 @@
 """`fsdp-ema verify --strict` passes on every kind of checkpoint our code writes (#34 finding 6):
 ``ShardedEMA.save`` and ``save_shard_weights`` of FSDP2 and of a replicated (DDP-like) model at 2
 ranks, training states (rank 1 of the replicated one has no tensor to write: its file goes at
-the commit), power-EMA snapshots, a post-hoc EMA and an export. ``--strict`` fails on any file
-the index does not list; the trainer callbacks' own checkpoints (``checkpoint-N/ema``, an
-Accelerate ``save_state``'s ``ema/``) are verified in test_integration_transformers.py."""
+the commit), power-EMA snapshots, a post-hoc EMA and an export; a single-process
+``checkpoint.save``; the PEFT exports (the EMA adapter and the merged weights of an FSDP2 LoRA
+model) and the Hugging Face callback's ``save_ema_model`` folder (export, ``config.json``,
+``generation_config.json``). ``--strict`` fails on any file the index does not list; the trainer
+callbacks' own checkpoints (``checkpoint-N/ema``, an Accelerate ``save_state``'s ``ema/``) are
+verified in test_integration_transformers.py."""
 
 from __future__ import annotations
 
@@ -59,6 +62,14 @@ def run_saves(rank, world, root):
     return sorted(os.listdir(os.path.join(root, "replicated_state")))
 
 
+def verify_strict(directory) -> None:
+    done = subprocess.run([str(CLI), "verify", "--strict", str(directory)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("OK:"), (directory, done.stdout,
+                                                                    done.stderr)
+    assert "warning" not in done.stdout.lower(), (directory, done.stdout)
+
+
 def test_verify_strict_passes_on_every_checkpoint_we_write(pools, tmp_path):
     assert CLI.exists(), f"{CLI} is missing: scripts/build.sh builds it with the library"
     listing = pools.get(2).run(run_saves, str(tmp_path))[0]
@@ -77,3 +88,49 @@ def test_verify_strict_passes_on_every_checkpoint_we_write(pools, tmp_path):
         assert done.returncode == 0 and done.stdout.startswith("OK:"), (kind, done.stdout,
                                                                         done.stderr)
         assert "warning" not in done.stdout, (kind, done.stdout)
+
+
+def run_exports(rank, world, root):
+    """The PEFT exports of an FSDP2 LoRA model's EMA, and the Hugging Face callback's
+    ``save_ema_model`` (``ShardedEMACallback.save_model``, what ``on_train_end`` calls) of a tiny
+    Llama, each rank holding it whole (DDP-like)."""
+    import transformers
+    from test_lora_ema import build_lora
+
+    from fsdp_ema.integrations.transformers import ShardedEMACallback
+
+    lora = build_lora("fsdp2")
+    ema = fsdp_ema.ShardedEMA(lora, 0.9, params="trainable")
+    ema.update()
+    fsdp_ema.export_peft_adapter(ema, os.path.join(root, "peft_adapter"))
+    fsdp_ema.export_merged(ema, os.path.join(root, "peft_merged"), max_file_bytes=200)
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16))
+    cb = ShardedEMACallback(0.9)
+    cb.attach(llama)
+    cb.update()
+    cb.save_model(os.path.join(root, "hf_save_ema_model"))
+
+
+def test_verify_strict_passes_on_peft_exports_the_hf_ema_model_and_a_single_process_save(
+        pools, tmp_path):
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    assert CLI.exists(), f"{CLI} is missing: scripts/build.sh builds it with the library"
+    pools.get(2).run(run_exports, str(tmp_path))
+    fsdp_ema.checkpoint.save(tmp_path / "single_process",
+                             {"w": torch.randn(5, 3), "b": torch.arange(4.0)})
+    listings = {kind: sorted(os.listdir(tmp_path / kind)) for kind in (
+        "peft_adapter", "peft_merged", "hf_save_ema_model", "single_process")}
+    # What each kind is: PEFT's adapter files; several files and their index (max_file_bytes);
+    # the export with the model's configs; one shard and the index.
+    assert listings["peft_adapter"] == ["adapter_config.json", "adapter_model.safetensors"]
+    assert len([f for f in listings["peft_merged"] if f.endswith(".safetensors")]) > 1
+    assert "model.safetensors.index.json" in listings["peft_merged"], listings
+    assert {"config.json", "generation_config.json"} <= set(listings["hf_save_ema_model"])
+    assert listings["single_process"] == ["fsdp_ema.index.json",
+                                          "shard-00000-of-00001.safetensors"], listings
+    for kind in listings:
+        verify_strict(tmp_path / kind)

@@ -6,13 +6,14 @@ The callback only translates the trainer's events into ``fsdp_ema`` calls:
 
 - ``on_train_begin`` (the trainer has wrapped the model): the EMA is made from the model it hands
   over, shard by shard (FSDP is read from the model, not from the arguments); on a resumed run
-  the EMA comes back from the checkpoint whose model the Trainer restored, proven by the step
-  and the model fingerprint recorded beside it (``_common.ResumeChecks``);
+  the EMA comes back from the checkpoint whose model the Trainer restored (the folder read from
+  the Trainer's own frame, ``restored_checkpoint``), proven by the step and the model fingerprint
+  recorded beside it (``_common.ResumeChecks``);
 - ``on_step_end`` (after the optimizer step; once per accumulated step): ``update()``;
 - ``on_save``: the EMA into ``checkpoint-N/ema/`` (``fsdp_ema.save_training_state``, one file per
   rank, committed by rank 0 once every rank's file is written); the checkpoint rotation
   (``save_total_limit``) runs after that commit, so the previous checkpoint stays until the new
-  one holds its EMA;
+  one holds its EMA, and orders the checkpoints by step (``rotate_by_step``);
 - evaluation during training with ``eval_with_ema``: the EMA weights from the evaluation's first
   forward to its end (or, with ``"both"``, a second forward of each evaluation batch with them);
 - ``on_log``: ``ema/decay`` and ``ema/step`` in the trainer's logs;
@@ -26,6 +27,7 @@ import functools
 import os
 import re
 import shutil
+import sys
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
@@ -65,8 +67,8 @@ __all__ = ["ShardedEMACallback"]
 TRAINER_STATE_NAME = "trainer_state.json"
 #: The key of the binding in the EMA checkpoint's ``extra``.
 BINDING_KEY = "fsdp_ema.binding"
-_NAME_IT = ("pass ShardedEMACallback(resume_from=<the checkpoint folder given to "
-            "train(resume_from_checkpoint=...)>)")
+_NAME_IT = ("pass ShardedEMACallback(resume_from=<a checkpoint folder holding the ema/ saved with "
+            "that checkpoint>)")
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -158,10 +160,11 @@ class ShardedEMACallback(TrainerCallback):
             the background (``fsdp_ema.save_training_state(..., async_=True)``); the rotation
             waits for the commit, the next save, a resume and the end of training wait for it.
         subdir: the EMA's folder inside each ``checkpoint-N/``.
-        resume_from: the checkpoint folder the EMA of a resumed run comes from when it is
-            neither ``args.resume_from_checkpoint`` nor ``output_dir/checkpoint-<global_step>``
-            (the Trainer does not tell callbacks which folder ``train(resume_from_checkpoint=...)``
-            restored; the EMA's recorded model fingerprint proves it is that one).
+        resume_from: another checkpoint folder the EMA of a resumed run may come from. The
+            callback looks first in the folder the Trainer restored (read from the Trainer's
+            ``train`` frame: ``train(resume_from_checkpoint=<anywhere>)``), then here, in
+            ``args.resume_from_checkpoint`` and in ``output_dir/checkpoint-<global_step>``, and
+            takes the EMA whose recorded step and model fingerprint are the restored model's.
         strict_resume, allow_changes: a resume refuses an EMA saved with other options (decay,
             warmup, schedule, update_every, start_step, dtype, params, buffers), with another
             parameter set, or beside other model weights than the Trainer restored, naming the
@@ -277,20 +280,23 @@ class ShardedEMACallback(TrainerCallback):
         return self._load_checked(_Candidate(os.fspath(checkpoint_dir), self.subdir), None)
 
     def _load_checked(self, candidate: _Candidate, global_step: int | None,
-                      fingerprint: str | None = None) -> dict:
+                      fingerprint: str | None = None, restored: str | None = None) -> dict:
+        """Loads the EMA of ``candidate`` after the resume checks; ``restored`` is the folder
+        the Trainer restored the model from, when known (the messages name it)."""
         ema = self._ema("load")
         self.wait()
         if candidate.kind != "committed":
             raise FileNotFoundError(f"{type(self).__name__}: no EMA to load: "
                                     f"{candidate.describe()}")
+        model = "the model the Trainer restored" + (f" from {restored}" if restored else "")
         self.checks.check(
             ema, candidate.binding, global_step=global_step, fingerprint=fingerprint,
             saved_names=(candidate.doc.get("ema") or {}).get("tensors", []),
-            where=candidate.ema_dir,
-            restored="the model the Trainer restored",
+            where=candidate.ema_dir, restored=model,
             step_hint=f"it belongs to another checkpoint; {_NAME_IT}",
             weights_hint=f"it belongs to another training state (another run's checkpoint of "
-                         f"the same step?); {_NAME_IT}")
+                         f"the same step, or an {self.subdir}/ copied from elsewhere?); "
+                         f"{_NAME_IT}")
         return fsdp_ema.load_training_state(candidate.ema_dir, ema=ema, rng=False,
                                             strict=self.checks.strict)
 
@@ -377,13 +383,13 @@ class ShardedEMACallback(TrainerCallback):
             self._limit = None
         # else: a second train() after one that stopped early keeps the limit taken over
 
-    def _rotate(self, args, state) -> None:
+    def _rotate(self, args, state, newest: str | None = None) -> None:
+        """The Trainer's ``save_total_limit`` rotation, once ``newest`` (the checkpoint just
+        saved) holds its EMA; see ``rotate_by_step``."""
         if self._limit is None or not args.should_save:
             return
-        from transformers.trainer_utils import rotate_checkpoints
-
-        rotate_checkpoints(output_dir=args.output_dir, save_total_limit=self._limit,
-                           best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
+        rotate_by_step(args.output_dir, self._limit, newest=newest,
+                       best=state.best_model_checkpoint)
 
     def _end_of_training_rotation(self, args, state) -> None:
         """What the Trainer does at the end of training with ``save_total_limit=1`` and a best
@@ -411,11 +417,16 @@ class ShardedEMACallback(TrainerCallback):
 
     def _resume(self, args, state) -> None:
         step = state.global_step
+        # The folder the Trainer restored, read from its own frame (train(resume_from_checkpoint=
+        # <anywhere>) sets no argument a callback sees); then what the user named, then the
+        # output_dir's checkpoint of that step. The fingerprint decides among them.
+        restored = restored_checkpoint()
         folders = []
-        for c in (self.resume_from, getattr(args, "resume_from_checkpoint", None),
+        for c in (restored, self.resume_from, getattr(args, "resume_from_checkpoint", None),
                   os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")):
             if isinstance(c, (str, os.PathLike)) and os.path.abspath(c) not in folders:
                 folders.append(os.path.abspath(c))
+        restored = os.path.abspath(restored) if restored is not None else None
         ema = self._ema("resume")
         candidates = _agree(lambda: [_Candidate(f, self.subdir) for f in folders if
                                      os.path.isdir(f)], ema, "ShardedEMACallback resume")
@@ -423,34 +434,54 @@ class ShardedEMACallback(TrainerCallback):
         for c in candidates:
             if (c.kind == "committed" and c.binding is not None
                     and c.binding.global_step == step and c.binding.fingerprint == fingerprint):
-                self._load_checked(c, step, fingerprint)
+                self._load_checked(c, step, fingerprint, restored)
                 return
-        marker = (state.stateful_callbacks or {}).get(self._marker_key())
-        # An EMA was kept: the restored trainer_state.json says so, or an ema/ began to be saved.
-        kept = (isinstance(marker, dict) and marker.get("global_step") == step) or any(
-            c.kind == "incomplete" for c in candidates)
         committed = [c for c in candidates if c.kind == "committed"]
         if committed:
             # Committed, but not of the model the Trainer restored (another run's checkpoint of
-            # the same step, say): refused, naming both, unless strict_resume=False.
-            self._load_checked(committed[0], step, fingerprint)
+            # the same step, say; the restored folder's own first): refused, naming both, unless
+            # strict_resume=False.
+            self._load_checked(committed[0], step, fingerprint, restored)
             return
-        others = "; ".join(c.describe() for c in candidates) or (
-            f"none of {folders} exists")
-        if kept:
-            interrupted = next((c for c in candidates if c.kind != "committed"), None)
-            previous = _previous_checkpoint(args.output_dir, step)
-            fix = (f"remove it and resume again (the Trainer then takes the checkpoint before it"
-                   f"{', ' + previous if previous else ''}, which holds model, optimizer and "
-                   f"EMA): rm -r '{interrupted.folder}'" if interrupted is not None else _NAME_IT)
-            raise RuntimeError(
-                f"ShardedEMACallback: the Trainer resumed at step {step} from a checkpoint saved "
-                f"by a run that kept an EMA, but no committed "
-                f"EMA of that step was found ({others}): the run was stopped while saving it. "
-                f"If that is the checkpoint the Trainer restored, {fix}")
-        warn_user(f"ShardedEMACallback: the Trainer resumed at step {step} from a checkpoint "
-                  f"saved without this callback ({others}); the EMA starts from the restored "
-                  f"weights")
+        self._no_ema(args, state, restored, folders, candidates)
+
+    def _no_ema(self, args, state, restored: str | None, folders: list[str],
+                candidates: list[_Candidate]) -> None:
+        """No committed EMA in any candidate: a refusal saying what to do when the restored
+        checkpoint was saved by a run that kept an EMA, else a warning (a fresh EMA)."""
+        step = state.global_step
+        source = f"from {restored}" if restored else "from a checkpoint"
+        others = "; ".join(c.describe() for c in candidates) or f"none of {folders} exists"
+        marker = (state.stateful_callbacks or {}).get(self._marker_key())
+        incomplete = next((c for c in candidates if c.kind == "incomplete"), None)
+        # An EMA was kept: the restored trainer_state.json says so, or an ema/ began to be saved.
+        if not ((isinstance(marker, dict) and marker.get("global_step") == step)
+                or incomplete is not None):
+            warn_user(f"ShardedEMACallback: the Trainer resumed at step {step} {source}, saved "
+                      f"without this callback ({others}); the EMA starts from the restored "
+                      f"weights")
+            return
+        if incomplete is not None:
+            why = (f"the run was stopped while saving it ({incomplete.ema_dir} has files but no "
+                   f"commit)")
+        else:
+            why = (f"no {self.subdir}/ was found: either the run was stopped before saving it, "
+                   f"or the checkpoint was copied or moved without its {self.subdir}/")
+        interrupted = (incomplete.folder if incomplete is not None and restored in (
+            None, incomplete.folder) else restored)
+        if interrupted is None:
+            interrupted = next((c.folder for c in candidates), None)
+        fix = _NAME_IT
+        if interrupted is not None:
+            previous = _previous_checkpoint(os.path.dirname(interrupted), step)
+            fix = (f"if the run was stopped, remove the checkpoint and resume again (from the "
+                   f"checkpoint before it{', ' + previous if previous else ''}, which holds "
+                   f"model, optimizer and EMA): rm -r '{interrupted}'; if its {self.subdir}/ "
+                   f"is elsewhere, {_NAME_IT}")
+        raise RuntimeError(
+            f"ShardedEMACallback: the Trainer resumed at step {step} {source}, saved by a run "
+            f"that kept an EMA, but no committed EMA of that step was found ({others}): {why}. "
+            f"To go on: {fix}")
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._control = control
@@ -599,7 +630,7 @@ class ShardedEMACallback(TrainerCallback):
 
         _agree(exists, ema, f"ShardedEMACallback.on_save({checkpoint!r})")
         self._save(checkpoint, state.global_step)
-        rotate = functools.partial(self._rotate, args, state)
+        rotate = functools.partial(self._rotate, args, state, checkpoint)
         if self._handle is not None:
             self._after_commit = rotate  # once the background commit is done
         else:
@@ -629,3 +660,60 @@ def _previous_checkpoint(output_dir: str, step: int) -> str | None:
         if m and int(m.group(1)) < step and (best is None or int(m.group(1)) > best[0]):
             best = (int(m.group(1)), os.path.join(output_dir, name))
     return best[1] if best else None
+
+
+def restored_checkpoint() -> str | None:
+    """The checkpoint folder the running ``Trainer`` restored, or None: the local
+    ``resume_from_checkpoint`` of the innermost ``Trainer._inner_training_loop`` (or ``train``)
+    frame on the call stack, which ``train()`` has resolved from ``True`` to a path before the
+    loop runs and calls ``on_train_begin``. The Trainer hands callbacks neither that folder nor
+    itself, and ``train(resume_from_checkpoint=...)`` leaves ``args.resume_from_checkpoint``
+    unset."""
+    trainer_cls = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
+    if trainer_cls is None:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if (code.co_name in ("_inner_training_loop", "train")
+                and "resume_from_checkpoint" in code.co_varnames):
+            local = frame.f_locals
+            if isinstance(local.get("self"), trainer_cls):
+                value = local.get("resume_from_checkpoint")
+                return os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+        frame = frame.f_back
+    return None
+
+
+def rotate_by_step(output_dir: str, limit: int, *, newest: str | None = None,
+                   best: str | None = None) -> list[str]:
+    """The Trainer's ``save_total_limit`` rotation (``transformers.trainer_utils.
+    rotate_checkpoints``), with the ``checkpoint-<N>`` folders ordered by their step N, not by
+    modification time as the Trainer orders them (``use_mtime=True``): a rotation killed halfway
+    leaves a half-deleted old folder with a fresh mtime, which the mtime order would keep as
+    "most recent" while removing a complete one. ``newest`` (the checkpoint just saved) is kept
+    and counted as the most recent whatever its step (a run resumed from an older checkpoint
+    saves below steps already on disk), as is ``best``. Returns the folders removed."""
+    found = []
+    for name in os.listdir(output_dir):
+        m = re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name)
+        path = os.path.join(output_dir, name)
+        if m and os.path.isdir(path):
+            found.append((int(m.group(1)), os.path.abspath(path)))
+    ordered = [path for _, path in sorted(found)]
+    newest = os.path.abspath(newest) if newest is not None else None
+    if newest in ordered:
+        ordered.remove(newest)
+        ordered.append(newest)
+    if len(ordered) <= limit:
+        return []
+    protected = {ordered[-1]} | ({os.path.abspath(best)} if best is not None else set())
+    keep = max(limit, len(protected))
+    removed = []
+    for path in ordered:
+        if len(ordered) - len(removed) <= keep:
+            break
+        if path not in protected:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
