@@ -7,7 +7,8 @@ gloo on the CPU (NCCL and one GPU per rank where CUDA is available). The student
 and sharpened (temperatures 0.04 and 0.1), the center follows their batch mean. The teacher is
 ``ema.module()``: the student's structure sharded like the student, whose parameters are the EMA's
 shards, so ``ema.update()`` (with DINO's cosine momentum) is the whole teacher update and there is
-no second copy of the model. ``--resume`` continues from the last checkpoint in ``--out``.
+no second copy of the model. A training-state checkpoint is saved in ``--out`` at the end (and every
+``--save-every`` steps); ``--resume`` continues from the last one, bit for bit the run that went on.
 
 In place of DINOv3's by-hand teacher (a second model built and sharded like the student, and
 ``_foreach_mul_`` + ``_foreach_add_`` over its DTensor parameters each step), three lines:
@@ -75,6 +76,13 @@ def multi_crop(images: torch.Tensor, g: torch.Generator) -> list[torch.Tensor]:
     return views
 
 
+def save(out: str, step: int, student, optimizer, ema, loss_fn) -> None:
+    """The training state after ``step`` steps, in ``out/step-NNNNNN`` (collective)."""
+    fsdp_ema.save_training_state(os.path.join(out, f"step-{step:06d}"), model=student,
+                                 optimizer=optimizer, ema=ema, overwrite=True,
+                                 extra={"step": step, "center": loss_fn.center.cpu()})
+
+
 class DINOLoss(nn.Module):
     def __init__(self, prototypes: int = 65, student_temp: float = 0.1,
                  teacher_temp: float = 0.04, center_momentum: float = 0.9):
@@ -102,6 +110,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--out", default="self_distillation_run")
+    parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
 
@@ -152,6 +161,8 @@ def main() -> None:
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {loss.item():.4f}  momentum "
                   f"{ema.decay_at(step):.6f}")
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            save(args.out, step + 1, student, optimizer, ema, loss_fn)
 
     # The teacher's parameters are the EMA's shards, and its forward is the EMA's.
     same = all(p.to_local().data_ptr() == ema.state_dict()[n].to_local().data_ptr()
@@ -162,9 +173,7 @@ def main() -> None:
         with ema.swap():
             want = student(probe)
     ok = same and len(ema.shapes) == len(list(teacher.parameters())) and torch.equal(got, want)
-    fsdp_ema.save_training_state(os.path.join(args.out, f"step-{args.steps:06d}"), model=student,
-                                 optimizer=optimizer, ema=ema, overwrite=True,
-                                 extra={"step": args.steps, "center": loss_fn.center.cpu()})
+    save(args.out, args.steps, student, optimizer, ema, loss_fn)
     if rank == 0:
         print(f"teacher == EMA: {'OK' if ok else 'FAILED'} ({ema.nbytes} bytes of EMA on rank 0, "
               f"which is all the teacher holds)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -84,8 +85,11 @@ def make(layout: str, **ema_options):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         register_fsdp_forward_method(model, "features")
-    elif layout == "hsdp":  # a 2-D (replicate, shard) mesh
-        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    elif layout in ("hsdp", "hsdp_replicated"):  # a 2-D (replicate, shard) mesh
+        # "hsdp": (1, world), every rank a shard; "hsdp_replicated": (world, 1), every rank a
+        # replica of the whole model (the gradients all-reduced over the replicate dim).
+        shape = (1, world) if layout == "hsdp" else (world, 1)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
         fully_shard(model.proj, mesh=mesh)
         fully_shard(model, mesh=mesh)
     elif layout == "tp":  # a 2-D (dp, tp) mesh: FSDP over TP-sharded (colwise, rowwise) layers
@@ -189,7 +193,8 @@ def run_matches_reference(rank, world, layout):
                 requires_grad=[p.requires_grad for p in teacher.parameters()],
                 training=teacher.training, features=features, kind=type(teacher).__name__,
                 placements=[str(getattr(p, "placements", "")) for p in teacher.parameters()],
-                cached=ema.module() is teacher)
+                cached=ema.module() is teacher, teacher_full=teacher_full,
+                whole=[local(p).shape == p.shape for p in teacher.parameters()])
 
 
 @pytest.fixture(scope="module")
@@ -199,9 +204,10 @@ def pools():
     manager.close()
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "hsdp", "tp", "plain", "ddp"])
+@pytest.mark.parametrize("layout", ["fsdp2", "hsdp", "hsdp_replicated", "tp", "plain", "ddp"])
 def test_teacher_forward_equals_an_unsharded_copy_holding_a_float64_ema(pools, layout):
-    for res in pools.get(2).run(run_matches_reference, layout):
+    results = pools.get(2).run(run_matches_reference, layout)
+    for res in results:
         # fp32 rounding: the EMA's float32 lerp against the float64 reference, rounded once.
         assert max(res["out"]) < 5e-7, res["out"]
         assert max(res["weights"]) < 2e-7, res["weights"]
@@ -209,15 +215,24 @@ def test_teacher_forward_equals_an_unsharded_copy_holding_a_float64_ema(pools, l
         assert all(res["shares"]) and res["shares"], layout
         assert not any(res["requires_grad"]) and res["training"] is False
         assert res["cached"]
-        if layout in ("fsdp2", "hsdp", "tp"):
+        if layout in ("fsdp2", "hsdp", "hsdp_replicated", "tp"):
             assert all(res["same_object"]), layout  # the DTensors' local tensors are the EMA's
             assert res["kind"].startswith("FSDP")
         else:
             assert res["kind"] in ("Backbone", "TPNet")
         if layout == "fsdp2":
             assert res["features"] < 5e-7
-        if layout == "hsdp":
+        if layout in ("hsdp", "hsdp_replicated"):
             assert "Replicate(), Shard(dim=0)" in res["placements"][0]
+        if layout == "hsdp_replicated":  # a shard group of one: each rank holds whole tensors
+            assert all(res["whole"]), res["whole"]
+        if layout == "hsdp":  # each rank its rows
+            assert not any(res["whole"][:8]), res["whole"]
+    if layout == "hsdp_replicated":
+        # The replicas saw different data; their gradients were all-reduced over the replicate
+        # dim, so both ranks' students, EMAs and teachers are the same, bit for bit.
+        a, b = (r["teacher_full"] for r in results)
+        assert all(torch.equal(a[n], b[n]) for n in a) and len(a) == 10
         if layout == "tp":
             assert "_StridedShard" in res["placements"][0]
 
@@ -722,6 +737,216 @@ def test_bad_inputs_are_refused_naming_the_argument(pools):
         assert "FSDP1" in e["fsdp1"] and "fully_shard" in e["fsdp1"], e["fsdp1"]
 
 
+# --- mixed precision, buffers, a student resharded since the EMA ---------------------------------
+
+def run_mixed_precision(rank, world):
+    """A bf16 student (FSDP2 MixedPrecisionPolicy): the default teacher computes as the student
+    does; ``mp_policy=`` replaces the policy of every teacher unit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fp32 = MixedPrecisionPolicy()
+    torch.manual_seed(0)
+    model = TPNet()  # 6 and 5 rows: uneven over 2 ranks; no BatchNorm to meet bf16 inputs
+    plain = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model.inp, mesh=mesh, mp_policy=bf16)
+    fully_shard(model, mesh=mesh, mp_policy=bf16)
+    ema = ShardedEMA(model, decay=0.5)
+    inherited, explicit = ema.module(), ema.module(mp_policy=fp32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        model(torch.randn(8, 7, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update()
+    probe = torch.randn(8, 7, generator=torch.Generator().manual_seed(99))
+    with torch.no_grad():
+        got, got32, own = inherited(probe), explicit(probe), model(probe)
+        with ema.swap():
+            want = model(probe)  # the student, bf16 policy, holding the EMA
+        state = ema.state_dict()
+        plain.load_state_dict({n: full(state[n]) for n in ema.shapes})
+        want32 = plain(probe)  # the EMA's weights, unsharded, in fp32
+
+    def policies(m):
+        return [u._get_fsdp_state()._mp_policy for u in m.modules() if isinstance(u, FSDPModule)]
+
+    return dict(student=policies(model), inherited=policies(inherited),
+                explicit=policies(explicit), bf16=bf16, fp32=fp32,
+                dtypes=(got.dtype, want.dtype, got32.dtype), swap_diff=(got - want).abs().max(),
+                moved=(got - own).abs().max(), diff32=(got32 - want32).abs().max(),
+                rounding=(got.float() - got32).abs().max(), cached=ema.module() is inherited,
+                distinct=explicit is not inherited)
+
+
+def test_teacher_takes_the_students_mixed_precision_policy_or_the_one_given(pools):
+    for res in pools.get(2).run(run_mixed_precision):
+        # Every teacher unit (inp and the root) has the student's policy, or the one given.
+        assert res["student"] == res["inherited"] == [res["bf16"]] * 2, res["inherited"]
+        assert res["explicit"] == [res["fp32"]] * 2, res["explicit"]
+        # Inherited: it computes in bf16 (gloo all-gathers the bf16 shards), exactly as the
+        # student does with the EMA swapped in; the EMA differs from the student's weights.
+        assert res["dtypes"] == (torch.bfloat16, torch.bfloat16, torch.float32), res["dtypes"]
+        assert res["swap_diff"].item() == 0.0 and res["moved"].item() > 1e-2, res
+        # mp_policy=MixedPrecisionPolicy(): fp32, the unsharded EMA's forward to fp32 rounding;
+        # the bf16 teacher is that to bf16's (2^-8 relative) and not closer.
+        assert res["diff32"].item() < 1e-6, res["diff32"]
+        assert 0.0 < res["rounding"].item() < 0.05, res["rounding"]
+        assert res["cached"] and res["distinct"]
+
+
+def buffers_of(m: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in m.named_buffers()}
+
+
+def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def train_step(model, opt, layout, rank, step) -> None:
+    model(batch(layout, rank, step)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def run_own_buffers(rank, world, layout):
+    """``include_buffers=False``: the teacher's buffers are its own; a train()-mode forward of
+    the teacher (MoCo's BatchNorm) updates them and nothing else."""
+    model, _, ema = make(layout, include_buffers=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    train_step(model, opt, layout, rank, 0)  # the student's statistics move from their init
+    ema.update()
+    teacher = ema.module()
+    student = inner(model)
+    at_build, s0, e0 = buffers_of(teacher), buffers_of(student), [t.clone() for t in ema._ema]
+    ema_storages = {t.untyped_storage().data_ptr() for t in ema._ema}
+    student_storages = {b.untyped_storage().data_ptr() for b in student.buffers()}
+    own = [b.untyped_storage().data_ptr() not in ema_storages | student_storages
+           for b in teacher.buffers()]
+    teacher.train()
+    with torch.no_grad():
+        teacher(batch(layout, rank, 50))
+    teacher.eval()
+    after = buffers_of(teacher)
+    untouched = equal(buffers_of(student), s0) and all(
+        torch.equal(a, b) for a, b in zip(ema._ema, e0))
+    train_step(model, opt, layout, rank, 1)
+    ema.update()  # averages the parameters only: the teacher's buffers stay its own
+    return dict(own=own, copied=equal(at_build, s0), after=after, at_build=at_build,
+                untouched=untouched, kept=equal(buffers_of(teacher), after),
+                slots=[slot.buffer for slot in ema._slots], n_params=len(list(
+                    student.parameters())), ema_moved=not all(
+                    torch.equal(a, b) for a, b in zip(ema._ema, e0)))
+
+
+def run_ema_buffers(rank, world, layout, mode):
+    """``include_buffers=True``: the teacher's buffers are the EMA's, averaged or copied from the
+    student's at each update(); a train()-mode teacher forward writes them until the next one."""
+    model, _, ema = make(layout, buffers=mode)
+    teacher = ema.module()
+    student = inner(model)
+    index = ema_index(ema)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    prev = buffers_of(teacher)
+    train_step(model, opt, layout, rank, 0)
+    ema.update()
+    d = ema.last_decay.item()
+    s, t = buffers_of(student), buffers_of(teacher)
+    shared = all(b.data_ptr() == ema._ema[index[n]].data_ptr()
+                 for n, b in teacher.named_buffers())
+    lerp = max((t[n] - (d * prev[n] + (1 - d) * s[n])).abs().max().item()
+               for n in s if s[n].is_floating_point())
+    teacher.train()
+    with torch.no_grad():
+        teacher(batch(layout, rank, 50))
+    teacher.eval()
+    written = buffers_of(teacher)
+    ema_written = not torch.equal(ema._ema[index["bn.running_mean"]], t["bn.running_mean"])
+    ema.update()  # no student step between: what the forward wrote goes
+    return dict(decay=d, student=s, teacher=t, shared=shared, lerp=lerp, written=written,
+                ema_written=ema_written, again=buffers_of(teacher),
+                decay2=ema.last_decay.item())
+
+
+def run_buffers(rank, world):
+    out = {}
+    for layout in ("fsdp2", "plain"):
+        out[layout] = dict(own=run_own_buffers(rank, world, layout),
+                           copy=run_ema_buffers(rank, world, layout, "copy"),
+                           average=run_ema_buffers(rank, world, layout, "average"))
+    return out
+
+
+def test_teacher_buffers_follow_include_buffers_and_the_buffers_option(pools):
+    for res in pools.get(2).run(run_buffers):
+        for layout, r in res.items():
+            own, copied, averaged = r["own"], r["copy"], r["average"]
+            # include_buffers=False: the EMA keeps parameters only; the teacher's buffers are
+            # copies of the student's when module() built it, in storage of neither.
+            assert not any(own["slots"]) and len(own["slots"]) == own["n_params"], layout
+            assert all(own["own"]) and len(own["own"]) == 3 and own["copied"], layout
+            # Its train()-mode forward moved its statistics (MoCo) and touched neither the
+            # student's buffers nor the EMA; the next update() left them as they were.
+            after, built = own["after"], own["at_build"]
+            assert not torch.equal(after["bn.running_mean"], built["bn.running_mean"])
+            assert not torch.equal(after["bn.running_var"], built["bn.running_var"])
+            assert after["bn.num_batches_tracked"].item() == 2, after  # 1 from the student
+            assert own["untouched"] and own["kept"] and own["ema_moved"], layout
+            for mode, m in (("copy", copied), ("average", averaged)):
+                assert m["shared"], (layout, mode)  # the teacher's buffers are the EMA's
+                s, t = m["student"], m["teacher"]
+                assert torch.equal(t["bn.num_batches_tracked"], s["bn.num_batches_tracked"])
+                # The forward wrote the EMA's buffers; update() wrote over it from the student.
+                assert m["ema_written"] and not torch.equal(m["written"]["bn.running_mean"],
+                                                             s["bn.running_mean"]), mode
+            # "copy": the student's, bit for bit, at every update.
+            assert equal(copied["teacher"], copied["student"]), layout
+            assert equal(copied["again"], copied["student"]), layout
+            # "average": the EMA of the student's floating buffers (decay 0.8 here).
+            assert averaged["decay"] == pytest.approx(0.8) and averaged["lerp"] < 1e-6, averaged
+            assert not torch.equal(averaged["teacher"]["bn.running_mean"],
+                                   averaged["student"]["bn.running_mean"])
+            d = averaged["decay2"]  # the second update's
+            want = {n: d * t + (1 - d) * averaged["student"][n]
+                    for n, t in averaged["written"].items() if t.is_floating_point()}
+            assert all((averaged["again"][n] - w).abs().max().item() < 1e-6
+                       for n, w in want.items()), layout
+
+
+def run_resharded(rank, world):
+    """The EMA of a tensor-parallel student (1-D "tp" mesh), which is then sharded with FSDP2
+    over the 2-D (dp, tp) mesh: same local shapes, another mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    model = TPNet()
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"inp": ColwiseParallel(), "out": RowwiseParallel()})
+    ema = ShardedEMA(model, decay=0.5)
+    fully_shard(model, mesh=mesh["dp"])
+    try:
+        ema.module()
+    except RuntimeError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_a_student_resharded_onto_another_mesh_since_the_ema_is_refused(pools):
+    for e in pools.get(2).run(run_resharded):
+        assert e is not None and e.startswith("RuntimeError: ShardedEMA.module(): the EMA of "
+                                              "'inp.weight' was made on mesh "), e
+        assert "the model is sharded on" in e and "make a new ShardedEMA for the new sharding" in e
+
+
 # --- the trainers' callbacks expose the teacher --------------------------------------------------
 
 def run_lightning_teacher(rank, world, root):
@@ -920,12 +1145,35 @@ def test_cosine_momentum_is_dinos_schedule_on_the_device_and_resumes_by_step():
     assert teacher[0].weight.data_ptr() == power._profile_emas[0][0].data_ptr()
 
 
-def test_example_runs_as_written(tmp_path):
-    """examples/self_distillation.py under torchrun, 2 gloo ranks, a few steps."""
+def run_example(tmp_path: Path, *args: str) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node=2", str(ROOT / "examples" / "self_distillation.py"),
-                          "--steps", "4", "--out", str(tmp_path / "run")],
+                          "--steps", "4", "--save-every", "2", *args],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     assert "teacher == EMA: OK" in out.stdout, out.stdout[-3000:]
+    return out.stdout
+
+
+def test_example_runs_as_written(tmp_path):
+    """examples/self_distillation.py under torchrun, 2 gloo ranks, 4 steps with a checkpoint
+    after 2; then, as if killed after that checkpoint, again with ``--resume``: it continues at
+    step 2 and ends bit for bit where the straight run ended."""
+    from fsdp_ema import checkpoint
+
+    run = tmp_path / "run"
+    straight = run_example(tmp_path, "--out", str(run))
+    assert sorted(p.name for p in run.iterdir()) == ["step-000002", "step-000004"]
+    shutil.move(run / "step-000004", tmp_path / "straight")  # the run stopped after step 2
+    resumed = run_example(tmp_path, "--out", str(run), "--resume")
+    assert f"resumed from {run / 'step-000002'} at step 2" in resumed, resumed
+    lines = [[line for line in out.splitlines() if line.startswith("step ")]
+             for out in (straight, resumed)]
+    assert [line.split()[1] for line in lines[0]] == ["0", "3"], lines  # steps 0 and 3 printed
+    assert lines[1] == lines[0][1:], lines  # step 3: the same loss and momentum
+    a, b = checkpoint.load(tmp_path / "straight"), checkpoint.load(run / "step-000004")
+    compared = [n for n in a if n.split(".")[0] in ("model", "optim", "ema")]
+    assert sorted(a) == sorted(b) and sum(n.startswith("ema.") for n in compared) == 9, a.keys()
+    different = [n for n in compared if not torch.equal(a[n], b[n])]
+    assert not different, different
