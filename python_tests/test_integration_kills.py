@@ -129,6 +129,20 @@ def hf_killed_run(rank, world, root, point):
                 die()
             return real_rotate(self, args, state, *rest)
         ShardedEMACallback._rotate = rotate
+    elif point == "during_rotation":  # the previous checkpoint half removed by the rotation
+        real_rotate = ShardedEMACallback._rotate
+
+        def rmtree(path, *args, **kwargs):  # one file gone, then killed
+            os.remove(os.path.join(path, "model.safetensors"))
+            die()
+
+        def rotate(self, args, state, *rest):
+            if state.global_step == HF_KILL_STEP:
+                shutil.rmtree = rmtree  # rank 0 dies in it; the others after their (no) rotation
+                real_rotate(self, args, state, *rest)
+                die()
+            return real_rotate(self, args, state, *rest)
+        ShardedEMACallback._rotate = rotate
     trainer.train()
     return hf_result(trainer, cb)
 
@@ -178,7 +192,8 @@ def hf_straight(rank, world, root):
 # point -> what the resume does: "resumes" (from checkpoint-4), "ours" (the callback refuses with
 # the command), "trainer" (the Trainer itself refuses: its state file is missing)
 HF_CASES = {"trainer_files": "trainer", "before_ema": "ours", "ema_files": "ours",
-            "async_ema_files": "ours", "before_rotation": "resumes"}
+            "async_ema_files": "ours", "before_rotation": "resumes",
+            "during_rotation": "resumes"}
 
 
 def test_hf_kill_in_each_window_of_a_save_resumes_bit_for_bit_or_says_what_to_do(ranks,
@@ -190,9 +205,12 @@ def test_hf_kill_in_each_window_of_a_save_resumes_bit_for_bit_or_says_what_to_do
         assert killed == [("killed", None)] * 2, (point, killed)
         out = os.path.join(root, "out")
         # The previous checkpoint is still there, whole, whatever the window (the rotation runs
-        # only once the new one holds its EMA); past the commit the new one is whole too.
+        # only once the new one holds its EMA); past the commit the new one is whole too, and a
+        # rotation killed halfway leaves only the new one whole (the resume takes it, and its
+        # rotation, by step, removes the half-deleted one).
         complete = complete_hf_checkpoints(out)
-        assert complete == (["checkpoint-2", "checkpoint-4"] if expect == "resumes"
+        assert complete == (["checkpoint-4"] if point == "during_rotation" else
+                            ["checkpoint-2", "checkpoint-4"] if expect == "resumes"
                             else ["checkpoint-2"]), (point, sorted(os.listdir(out)))
         results = ranks.run(hf_resume, root)
         for rank, (status, r) in enumerate(results):

@@ -31,8 +31,8 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"   # what torchrun sets anyway, wi
 case " $* " in *" --resume "*) ;; *) rm -rf "$OUT" ;; esac
 mkdir -p "$OUT"
 
-echo "== training: torchrun --nproc-per-node $NPROC examples/train.py --out $OUT $*"
-"$FSDP_EMA_VENV/bin/torchrun" --nproc-per-node "$NPROC" \
+echo "== training: torchrun --standalone --nproc-per-node $NPROC examples/train.py --out $OUT $*"
+"$FSDP_EMA_VENV/bin/torchrun" --standalone --nproc-per-node "$NPROC" \
   "$FSDP_EMA_ROOT/examples/train.py" --out "$OUT" "$@"
 
 field() { "$FSDP_EMA_PYTHON" -c "import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$OUT/result.json" "$1"; }
