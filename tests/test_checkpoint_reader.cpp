@@ -4,11 +4,11 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <fsdp_ema/checkpoint.h>
 #include <fsdp_ema/ops.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <torch/script.h>
 #include <unistd.h>
 
