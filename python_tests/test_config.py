@@ -51,6 +51,12 @@ def test_values_are_normalized_and_checked_naming_the_caller():
         ShardedEMA(net(), warmupp=True)
     with pytest.raises(TypeError, match="the decay given twice"):
         ShardedEMA(net(), 0.9, decay=0.8)
+    with pytest.raises(TypeError, match=r"^ShardedEMA: include_buffers must be True or False, "
+                                        r"got 'no'"):
+        ShardedEMA(net(), include_buffers="no")
+    with pytest.raises(TypeError, match=r"^EMAConfig: process_group must be None \(the default "
+                                        r"group\) or a torch.distributed.ProcessGroup, got 2"):
+        EMAConfig(process_group=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.decay = 0.5
 

@@ -687,7 +687,8 @@ def test_rotation_orders_by_step_so_a_half_deleted_folder_goes_first(tmp_path):
             cb = ShardedEMACallback(0.9)
             cb._limit = 2
             args = types.SimpleNamespace(output_dir=str(out), should_save=True)
-            cb._rotate(args, types.SimpleNamespace(best_model_checkpoint=None), str(newest))
+            state = types.SimpleNamespace(best_model_checkpoint=None, global_step=16)
+            cb._rotate(args, state, str(newest))
         else:  # what the Trainer's own rotation (use_mtime=True) would do
             rotate(output_dir=str(out), save_total_limit=2, use_mtime=True)
         left = sorted(os.listdir(out))
@@ -706,13 +707,44 @@ def test_rotation_keeps_the_checkpoint_just_saved_below_steps_already_on_disk(tm
         make_checkpoint(tmp_path, step, now - age)
     best = tmp_path / "checkpoint-4"
     removed = rotate_by_step(str(tmp_path), 2, newest=str(tmp_path / "checkpoint-6"),
-                             best=str(best))
+                             keep=(str(best),))
     assert [os.path.basename(p) for p in removed] == ["checkpoint-8"]
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4", "checkpoint-6"]
     removed = rotate_by_step(str(tmp_path), 1, newest=str(tmp_path / "checkpoint-6"))
     assert [os.path.basename(p) for p in removed] == ["checkpoint-4"]
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-6"]
     assert rotate_by_step(str(tmp_path), 1, newest=str(tmp_path / "checkpoint-6")) == []
+
+
+def test_rotation_removes_an_abandoned_higher_step_before_this_runs_checkpoints(tmp_path):
+    from fsdp_ema.integrations.transformers import rotate_by_step
+
+    # Resumed from checkpoint-4 while checkpoint-8 of an abandoned branch is there; limit 2.
+    # This run's checkpoints are the ones kept (a resume would otherwise take the stale 8).
+    for step in (4, 8):
+        make_checkpoint(tmp_path, step, time.time())
+    for saved, want in ((6, ["checkpoint-4", "checkpoint-6"]),
+                        (7, ["checkpoint-6", "checkpoint-7"])):
+        newest = make_checkpoint(tmp_path, saved, time.time())
+        rotate_by_step(str(tmp_path), 2, newest=str(newest))
+        assert sorted(os.listdir(tmp_path)) == want, (saved, sorted(os.listdir(tmp_path)))
+
+
+def test_rotation_never_removes_the_step_being_saved(tmp_path):
+    from fsdp_ema.integrations.transformers import ShardedEMACallback
+
+    # async_save: the rotation of checkpoint-6 runs at the save of step 8, whose folder another
+    # rank has already begun (its RNG file); that folder is kept, the older complete one goes.
+    make_checkpoint(tmp_path, 4, time.time())
+    newest = make_checkpoint(tmp_path, 6, time.time())
+    (tmp_path / "checkpoint-8").mkdir()
+    (tmp_path / "checkpoint-8" / "rng_state_1.pth").write_text("x")
+    cb = ShardedEMACallback(0.9)
+    cb._limit = 1
+    args = types.SimpleNamespace(output_dir=str(tmp_path), should_save=True)
+    cb._rotate(args, types.SimpleNamespace(best_model_checkpoint=None, global_step=8),
+               str(newest))
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-6", "checkpoint-8"]
 
 
 # --- refusals -------------------------------------------------------------------------------------

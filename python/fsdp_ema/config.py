@@ -161,6 +161,13 @@ class EMAConfig:
         if device is not None and torch.device(device) != torch.device("cpu"):
             raise ValueError(f"{what}: device must be None (beside the weights) or 'cpu' "
                              f"(host memory), got {device!r}")
+        if not isinstance(self.include_buffers, bool):
+            raise TypeError(f"{what}: include_buffers must be True or False, got "
+                            f"{self.include_buffers!r}")
+        group = self.process_group
+        if group is not None and not isinstance(group, torch.distributed.ProcessGroup):
+            raise TypeError(f"{what}: process_group must be None (the default group) or a "
+                            f"torch.distributed.ProcessGroup, got {group!r}")
 
     @classmethod
     def of(cls, what: str, config: Any = None, options: Mapping[str, Any] | None = None, *,

@@ -294,9 +294,11 @@ class ShardedEMACallback(TrainerCallback):
             saved_names=(candidate.doc.get("ema") or {}).get("tensors", []),
             where=candidate.ema_dir, restored=model,
             step_hint=f"it belongs to another checkpoint; {_NAME_IT}",
-            weights_hint=f"it belongs to another training state (another run's checkpoint of "
-                         f"the same step, or an {self.subdir}/ copied from elsewhere?); "
-                         f"{_NAME_IT}")
+            weights_hint=f"it belongs to another training state: another run's checkpoint of "
+                         f"the same step, or an {self.subdir}/ copied from elsewhere ({_NAME_IT}), "
+                         f"or a save of this step into {candidate.folder} again that was "
+                         f"stopped after the Trainer rewrote the model (then remove it and "
+                         f"resume from the checkpoint before it: rm -r '{candidate.folder}')")
         return fsdp_ema.load_training_state(candidate.ema_dir, ema=ema, rng=False,
                                             strict=self.checks.strict)
 
@@ -388,8 +390,11 @@ class ShardedEMACallback(TrainerCallback):
         saved) holds its EMA; see ``rotate_by_step``."""
         if self._limit is None or not args.should_save:
             return
+        # The step being saved now is protected too: with async_save this rotation runs at the
+        # next save, whose folder other ranks may already have begun (their RNG files).
+        current = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         rotate_by_step(args.output_dir, self._limit, newest=newest,
-                       best=state.best_model_checkpoint)
+                       keep=(state.best_model_checkpoint, current))
 
     def _end_of_training_rotation(self, args, state) -> None:
         """What the Trainer does at the end of training with ``save_total_limit=1`` and a best
@@ -461,16 +466,17 @@ class ShardedEMACallback(TrainerCallback):
                       f"without this callback ({others}); the EMA starts from the restored "
                       f"weights")
             return
-        if incomplete is not None:
+        # The folder the message is about: the restored one, or the interrupted save's when the
+        # restored one is not known; what it says and the command it gives both name it.
+        if incomplete is not None and restored in (None, incomplete.folder):
+            interrupted = incomplete.folder
             why = (f"the run was stopped while saving it ({incomplete.ema_dir} has files but no "
                    f"commit)")
         else:
-            why = (f"no {self.subdir}/ was found: either the run was stopped before saving it, "
-                   f"or the checkpoint was copied or moved without its {self.subdir}/")
-        interrupted = (incomplete.folder if incomplete is not None and restored in (
-            None, incomplete.folder) else restored)
-        if interrupted is None:
-            interrupted = next((c.folder for c in candidates), None)
+            interrupted = restored or next((c.folder for c in candidates), None)
+            why = (f"{interrupted or 'the restored checkpoint'} has no committed {self.subdir}/: "
+                   f"either the run was stopped before saving it, or the checkpoint was copied "
+                   f"or moved without its {self.subdir}/")
         fix = _NAME_IT
         if interrupted is not None:
             previous = _previous_checkpoint(os.path.dirname(interrupted), step)
@@ -686,28 +692,30 @@ def restored_checkpoint() -> str | None:
 
 
 def rotate_by_step(output_dir: str, limit: int, *, newest: str | None = None,
-                   best: str | None = None) -> list[str]:
+                   keep: Collection[str | None] = ()) -> list[str]:
     """The Trainer's ``save_total_limit`` rotation (``transformers.trainer_utils.
     rotate_checkpoints``), with the ``checkpoint-<N>`` folders ordered by their step N, not by
     modification time as the Trainer orders them (``use_mtime=True``): a rotation killed halfway
     leaves a half-deleted old folder with a fresh mtime, which the mtime order would keep as
     "most recent" while removing a complete one. ``newest`` (the checkpoint just saved) is kept
     and counted as the most recent whatever its step (a run resumed from an older checkpoint
-    saves below steps already on disk), as is ``best``. Returns the folders removed."""
+    saves below steps already on disk); folders of a higher step than it (an abandoned branch's,
+    or an older run's in the same output_dir) count as older than every step up to it, as the
+    Trainer's modification-time order would have them. The folders of ``keep`` (the best
+    checkpoint, the step being saved) are never removed. Returns the folders removed."""
     found = []
     for name in os.listdir(output_dir):
         m = re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name)
         path = os.path.join(output_dir, name)
         if m and os.path.isdir(path):
             found.append((int(m.group(1)), os.path.abspath(path)))
-    ordered = [path for _, path in sorted(found)]
     newest = os.path.abspath(newest) if newest is not None else None
-    if newest in ordered:
-        ordered.remove(newest)
-        ordered.append(newest)
+    top = next((step for step, path in found if path == newest), None)
+    ordered = [path for _, path in sorted(
+        found, key=lambda f: (f[1] == newest, top is None or f[0] <= top, f[0]))]
     if len(ordered) <= limit:
         return []
-    protected = {ordered[-1]} | ({os.path.abspath(best)} if best is not None else set())
+    protected = {ordered[-1]} | {os.path.abspath(k) for k in keep if k is not None}
     keep = max(limit, len(protected))
     removed = []
     for path in ordered:
