@@ -192,6 +192,44 @@ def test_an_unsupported_placement_is_refused_naming_the_parameter_and_placement(
         check_placements("w", [_StridedShard(0, split_factor=2)], mesh=None)
 
 
+def run_resharded(rank, world):
+    """The model's DTensor weight re-made on a mesh of the reversed rank order: every rank's shard
+    has the same shape, but holds the other rank's rows. Then on a 2-D mesh whose first dimension
+    has size 1: the same rows as before."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    model = nn.Linear(6, 4, bias=False)
+    model.weight = nn.Parameter(distribute_tensor(full, init_device_mesh("cpu", (world,)),
+                                                  [Shard(0)]))
+    ema = ShardedEMA(model, decay=0.5)
+    before = ema.state_dict()["weight"].full_tensor()
+    out = {}
+    for name, mesh in (("same rows", init_device_mesh("cpu", (1, world))),
+                       ("other rows", DeviceMesh("cpu", list(reversed(range(world)))))):
+        placements = [Shard(0)] * mesh.ndim  # the (1, world) mesh's first dimension splits nothing
+        model.weight = nn.Parameter(distribute_tensor(full + 1, mesh, placements))
+        try:
+            ema.update()
+            out[name] = None
+        except RuntimeError as e:
+            out[name] = str(e)
+    # One update (the first), at decay 0.5 towards full + 1; the refused one changed nothing.
+    out["updated_once"] = torch.equal(ema.state_dict()["weight"].full_tensor(), before + 0.5)
+    return out
+
+
+def test_a_model_resharded_onto_other_elements_is_refused_by_update(pools):
+    for res in pools.get(2).run(run_resharded):
+        assert res["same rows"] is None, res  # another mesh, the same elements: updated
+        assert res["other rows"] is not None and res["other rows"].startswith(
+            "ShardedEMA: the model's sharding changed since the EMA was made: 'weight' holds "
+            "the elements at offsets "), res
+        assert "make a new ShardedEMA for the new sharding" in res["other rows"], res
+        assert res["updated_once"], res
+
+
 # --- FSDP1 NO_SHARD (2 ranks) and HYBRID_SHARD (4 ranks) ---------------------------------------
 
 def run_fsdp1_strategy(rank, world, strategy, ckpt, export_dir):

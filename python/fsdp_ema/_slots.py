@@ -258,6 +258,26 @@ class _Sharded(_Slot):
         # FSDP2 leaves a module's parameters unsharded after a forward without backward (the
         # root's, under no_grad); the sharded DTensor it keeps holds the same (sharded) data.
         self.get = lambda: (owner[name] if is_dtensor(owner[name]) else param)._local_tensor
+        self._live = lambda: owner[name] if is_dtensor(owner[name]) else param
+
+    def sharding_changed(self) -> str | None:
+        """Why this rank's shard of the model no longer holds the elements the EMA's does (its
+        offsets in the full tensor moved: another mesh order, another placement of the same local
+        shape), or None. Another mesh that leaves the rank the same elements (a tensor-parallel
+        model sharded over a data-parallel dimension of size 1) is no change."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        live = self._live()
+        if live.device_mesh is self.mesh and tuple(live.placements) == self.placements:
+            return None
+        shape, offsets = compute_local_shape_and_global_offset(
+            self.global_shape, live.device_mesh, tuple(live.placements))
+        offsets = [min(o, s) for o, s in zip(offsets, self.global_shape)]
+        if tuple(shape) == tuple(self.local_shape) and offsets == self.offsets:
+            return None
+        return (f"{self.fqn!r} holds the elements at offsets {offsets} ({tuple(live.placements)} "
+                f"on {live.device_mesh}) here, its EMA those at {self.offsets} "
+                f"({self.placements} on {self.mesh})")
 
     def names(self):
         return [(self.fqn, self.global_shape)]

@@ -169,6 +169,13 @@ class ShardedEMA(ScheduleMixin, CheckpointMixin, FullStateMixin, SwapMixin):
                     f"{slot.describe()} has a local shard of shape {list(t.shape)} here, it had "
                     f"{list(slot.local_shape)}; make a new ShardedEMA for the new sharding (and "
                     f"load_state_dict() or load() the old one into it)")
+            moved = getattr(slot, "sharding_changed", None)
+            why = moved() if moved is not None else None
+            if why is not None:
+                raise RuntimeError(
+                    f"ShardedEMA: the model's sharding changed since the EMA was made: {why}; "
+                    f"make a new ShardedEMA for the new sharding (and load_state_dict() or "
+                    f"load() the old one into it)")
             if t.device != ema.device and self._host is None:
                 raise RuntimeError(f"ShardedEMA: {slot.describe()} moved from {ema.device} to "
                                    f"{t.device} since the EMA was made")
