@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "checkpoint_fixture.h"
+#include "tests/format/test_util.h"
 #include "test_helpers.h"
 
 namespace {
@@ -255,32 +256,14 @@ TEST(CheckpointReader, ZeroCopyReaderLoadsIntoAModuleOnlyVerifiedBytes) {
   write_sharded(dir, {{"big", big}}, 1);
   const std::string file = (dir / "shard-00000-of-00001.safetensors").string();
   const fsdp_ema::CheckpointReader reader(dir.string(), /*mmap=*/true);
-  std::atomic<bool> stop{false};
-  std::thread writer([&] {
-    const int fd = ::open(file.c_str(), O_RDWR);
-    ASSERT_GE(fd, 0);
-    const auto size = static_cast<size_t>(::lseek(fd, 0, SEEK_END));
-    auto* map = static_cast<unsigned char*>(
-        ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
-    ASSERT_NE(map, MAP_FAILED);
-    const size_t data = size - static_cast<size_t>(big.nbytes());  // one tensor: the tail
-    uint64_t x = 3;
-    while (!stop.load()) {
-      x = x * 6364136223846793005u + 1442695040888963407u;
-      const size_t at = data + (x >> 20) % static_cast<size_t>(big.nbytes());
-      // Changed for a while, then restored: long enough to fall between a verification and a
-      // later read of the same bytes (a view verified, then copied, would return it).
-      map[at] ^= 0x40;
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-      map[at] ^= 0x40;
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-    ::munmap(map, size);
-    ::close(fd);
-  });
+  // Each change held 100 us: long enough to fall between a verification and a later read of
+  // the same bytes (a view verified, then copied, would return it).
+  const fsdp_ema::format::testing::InPlaceWriter writer(
+      file, static_cast<uint64_t>(fs::file_size(file) - big.nbytes()),  // one tensor: the tail
+      static_cast<uint64_t>(big.nbytes()), /*mapped=*/true, std::chrono::microseconds(100));
   int wrong = 0, refused = 0, right = 0;
-  for (int trial = 0; trial < 100; ++trial) {
-    const std::map<std::string, at::Tensor> targets = {{"big", at::zeros({10096, 64})}};
+  for (int trial = 0; trial < 300; ++trial) {
+    const std::map<std::string, at::Tensor> targets = {{"big", at::zeros({4096, 64})}};
     try {
       reader.load_into(targets);
       (at::equal(targets.at("big"), big) ? right : wrong)++;
@@ -289,8 +272,6 @@ TEST(CheckpointReader, ZeroCopyReaderLoadsIntoAModuleOnlyVerifiedBytes) {
       ++refused;
     }
   }
-  stop = true;
-  writer.join();
   EXPECT_EQ(wrong, 0) << right << " right, " << refused << " refused";
   fs::remove_all(dir);
 }

@@ -29,6 +29,7 @@ namespace {
 using ::testing::AllOf;
 using testing::error_of;
 using testing::flip_byte;
+using testing::InPlaceWriter;
 using ::testing::HasSubstr;
 using testing::RefTensor;
 using testing::TempDir;
@@ -232,34 +233,7 @@ TEST(ReadPipeline, FileChangedInPlaceDuringReadsNeverYieldsChangedBytes) {
       const std::string file = dir.file(shard_file_name(0, 2));
       const TensorInfo info = ShardFile::open(file).tensor("w");
       const CheckpointDir ckpt = CheckpointDir::open(dir.path());
-      std::atomic<bool> stop{false};
-      std::thread writer([&] {
-        const int fd = ::open(file.c_str(), O_RDWR);
-        ASSERT_GE(fd, 0);
-        const auto size = static_cast<size_t>(::lseek(fd, 0, SEEK_END));
-        auto* map = static_cast<unsigned char*>(
-            ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
-        ASSERT_NE(map, MAP_FAILED);
-        map[0] = map[0];  // dirty the first page: later writes to it move no time stamp
-        uint64_t x = 7;
-        while (!stop.load()) {
-          x = x * 6364136223846793005u + 1442695040888963407u;
-          const uint64_t at = info.data_offset + (x >> 20) % info.nbytes;
-          if (mapped_writes) {
-            map[at] ^= 0x40;
-            map[at] ^= 0x40;
-          } else {
-            unsigned char c = 0;
-            ASSERT_EQ(::pread(fd, &c, 1, static_cast<off_t>(at)), 1);
-            c ^= 0x40;
-            ASSERT_EQ(::pwrite(fd, &c, 1, static_cast<off_t>(at)), 1);
-            c ^= 0x40;
-            ASSERT_EQ(::pwrite(fd, &c, 1, static_cast<off_t>(at)), 1);
-          }
-        }
-        ::munmap(map, size);
-        ::close(fd);
-      });
+      InPlaceWriter writer(file, info.data_offset, info.nbytes, mapped_writes);
       int wrong = 0, refused = 0, right = 0;
       for (int trial = 0; trial < 60; ++trial) {
         const int64_t readers = 1 + trial % 3;
@@ -271,8 +245,6 @@ TEST(ReadPipeline, FileChangedInPlaceDuringReadsNeverYieldsChangedBytes) {
           ++refused;
         }
       }
-      stop = true;
-      writer.join();
       EXPECT_EQ(wrong, 0) << "block " << block << " mapped " << mapped_writes << ": " << right
                           << " right, " << refused << " refused";
     }

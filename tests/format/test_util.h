@@ -4,10 +4,13 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -17,6 +20,7 @@
 #include <iterator>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fsdp_ema/format/error.h"
@@ -96,6 +100,61 @@ inline std::map<std::string, std::vector<std::byte>> files_of(const std::string&
   for (const std::string& n : list_names(dir)) out[n] = read_bytes(dir + "/" + n);
   return out;
 }
+
+// A second writer of `path`, as another process would be: from construction to destruction a
+// thread of its own flips random bytes of [begin, begin + length) in place and restores each,
+// by pwrite or through a MAP_SHARED mapping whose first page it dirties first (a write to a dirty
+// shared page moves neither mtime nor ctime). `hold`: how long each change stays before it is
+// restored (and before the next), so that it can fall between a verification and a later read.
+class InPlaceWriter {
+ public:
+  InPlaceWriter(const std::string& path, uint64_t begin, uint64_t length, bool mapped,
+                std::chrono::microseconds hold = std::chrono::microseconds(0))
+      : thread_([this, path, begin, length, mapped, hold] {
+          const int fd = ::open(path.c_str(), O_RDWR);
+          EXPECT_GE(fd, 0) << path;
+          if (fd < 0) return;
+          const auto size = static_cast<size_t>(::lseek(fd, 0, SEEK_END));
+          auto* map = static_cast<unsigned char*>(
+              ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+          EXPECT_NE(map, MAP_FAILED) << path;
+          if (map != MAP_FAILED) {
+            map[0] = map[0];  // dirty the first page: later writes to it move no time stamp
+            uint64_t x = 7;
+            while (!stop_.load()) {
+              x = x * 6364136223846793005u + 1442695040888963407u;
+              const uint64_t at = begin + (x >> 20) % length;
+              flip(fd, map, at, mapped);
+              if (hold.count() > 0) std::this_thread::sleep_for(hold);
+              flip(fd, map, at, mapped);
+              if (hold.count() > 0) std::this_thread::sleep_for(hold);
+            }
+            ::munmap(map, size);
+          }
+          ::close(fd);
+        }) {}
+  ~InPlaceWriter() {
+    stop_ = true;
+    thread_.join();
+  }
+  InPlaceWriter(const InPlaceWriter&) = delete;
+  InPlaceWriter& operator=(const InPlaceWriter&) = delete;
+
+ private:
+  static void flip(int fd, unsigned char* map, uint64_t at, bool mapped) {
+    if (mapped) {
+      map[at] ^= 0x40;
+      return;
+    }
+    unsigned char c = 0;
+    EXPECT_EQ(::pread(fd, &c, 1, static_cast<off_t>(at)), 1);
+    c ^= 0x40;
+    EXPECT_EQ(::pwrite(fd, &c, 1, static_cast<off_t>(at)), 1);
+  }
+
+  std::atomic<bool> stop_{false};
+  std::thread thread_;  // last: started once stop_ exists
+};
 
 // The FormatError message `f` throws; a test failure (and "") if it throws nothing or another
 // type.
