@@ -23,8 +23,8 @@
 #include <thread>
 
 #include "checkpoint_fixture.h"
-#include "tests/format/test_util.h"
 #include "test_helpers.h"
+#include "tests/format/test_util.h"
 
 namespace {
 

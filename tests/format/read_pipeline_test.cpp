@@ -29,8 +29,8 @@ namespace {
 using ::testing::AllOf;
 using testing::error_of;
 using testing::flip_byte;
-using testing::InPlaceWriter;
 using ::testing::HasSubstr;
+using testing::InPlaceWriter;
 using testing::RefTensor;
 using testing::TempDir;
 
