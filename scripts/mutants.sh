@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Planted bugs the tests must catch (not part of CI; about 10 minutes for all on 2 cores).
+# Planted bugs the tests must catch (not part of CI; about 16 minutes for all on 2 cores).
 #
 # Each mutant is (file, exact old text, new text) plus the tests that must fail once it is in:
 # targeted ctest -R / pytest selections, not the whole suite. The mutants are applied one at a

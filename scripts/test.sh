@@ -26,7 +26,7 @@ stage "lint (scripts/lint.sh: ruff, clang-format)"
 lint_status=0
 bash "$here/lint.sh" || lint_status=$?
 # Seconds: every planted bug of scripts/mutants.sh still has its site (moved code can never
-# silently retire a mutant); running them is not part of the suite (about 10 minutes).
+# silently retire a mutant); running them is not part of the suite (about 16 minutes).
 bash "$here/mutants.sh" --check || lint_status=$?
 stage "build (scripts/build.sh)"
 bash "$here/build.sh"
