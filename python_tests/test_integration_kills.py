@@ -339,7 +339,8 @@ def pl_straight(rank, world, root):
 # (recipe, point) -> "resumes" or "torn" (the callback refuses: the checkpoint mixes two saves)
 PL_CASES = {("overwrite", "before_data"): "resumes", ("overwrite", "before_metadata"): "torn",
             ("overwrite", "before_meta"): "torn", ("overwrite", "after_meta"): "resumes",
-            ("versioned", "before_meta"): "resumes"}
+            ("versioned", "before_data"): "resumes", ("versioned", "before_metadata"): "resumes",
+            ("versioned", "before_meta"): "resumes", ("versioned", "after_meta"): "resumes"}
 
 
 def test_lightning_kill_in_each_window_of_a_save_resumes_bit_for_bit_or_refuses_a_torn_one(
