@@ -204,6 +204,7 @@ def run_resharded(rank, world):
     model.weight = nn.Parameter(distribute_tensor(full, init_device_mesh("cpu", (world,)),
                                                   [Shard(0)]))
     ema = ShardedEMA(model, decay=0.5)
+    teacher = ema.module()  # cached: later calls check the model as update() does
     before = ema.state_dict()["weight"].full_tensor()
     out = {}
     for name, mesh in (("same rows", init_device_mesh("cpu", (1, world))),
@@ -215,6 +216,10 @@ def run_resharded(rank, world):
             out[name] = None
         except RuntimeError as e:
             out[name] = str(e)
+        try:
+            out[f"module, {name}"] = ema.module() is teacher
+        except RuntimeError as e:
+            out[f"module, {name}"] = str(e)
     # One update (the first), at decay 0.5 towards full + 1; the refused one changed nothing.
     out["updated_once"] = torch.equal(ema.state_dict()["weight"].full_tensor(), before + 0.5)
     return out
@@ -227,6 +232,8 @@ def test_a_model_resharded_onto_other_elements_is_refused_by_update(pools):
             "ShardedEMA: the model's sharding changed since the EMA was made: 'weight' holds "
             "the elements at offsets "), res
         assert "make a new ShardedEMA for the new sharding" in res["other rows"], res
+        assert res["module, same rows"] is True, res  # the cached teacher, the EMA's tensors
+        assert res["module, other rows"] == res["other rows"], res  # the same refusal
         assert res["updated_once"], res
 
 
