@@ -57,7 +57,7 @@ stage "Python tests (pytest)"
 cd "$FSDP_EMA_ROOT"
 # Two workers (FSDP_EMA_TEST_WORKERS), each given whole test files (a file's gloo pool and
 # module fixtures stay in one worker): most tests wait on processes they start (gloo ranks,
-# torchrun, compilers), so two workers keep both cores busy (8 min instead of 12-14 here).
+# torchrun, compilers), so two workers keep both cores busy (8 min instead of 14-15 here).
 "$FSDP_EMA_PYTHON" -m pytest -q python_tests --numprocesses "${FSDP_EMA_TEST_WORKERS:-2}" \
   --dist loadfile --durations=15
 if [ "$lint_status" -ne 0 ]; then
