@@ -207,8 +207,8 @@ MUTANTS = {
     # update() refuses a model whose shards now hold other elements (same local shapes).
     "update-ignores-a-resharded-model": (
         "python/fsdp_ema/sharded_ema.py",
-        "why = moved() if moved is not None else None",
-        "why = None",
+        "                   else slot.sharding_changed())",
+        "                   else None)",
         [pytest("python_tests/test_mesh_layouts.py", "-k", "resharded")]),
     # A chunk read straight into its destination is checked after the read, like one read into
     # a buffer (the attack's "verified load returns unverified bytes").

@@ -177,6 +177,11 @@ class _Slot:
         """How ``full_state_dict`` / ``export`` produce this slot's full tensors (``Part``)."""
         raise NotImplementedError
 
+    def sharding_changed(self) -> str | None:
+        """Why the model's tensor no longer holds the elements this slot's EMA does, or None
+        (only a DTensor's shard can move without changing shape)."""
+        return None
+
     def reshard(self) -> None:
         """Frees an unsharded copy of the model's tensor that a forward would use instead of the
         shard (FSDP1 keeps the root's); nothing for most slots."""
@@ -230,8 +235,6 @@ class _Replicated(_Slot):
 
 class _Sharded(_Slot):
     def __init__(self, fqn: str, owner: dict[str, torch.Tensor], name: str, param, average: bool):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         self.fqn, self.average = fqn, average
         self.mesh, self.placements = param.device_mesh, tuple(param.placements)
         self.global_shape = torch.Size(param.shape)
@@ -244,8 +247,7 @@ class _Sharded(_Slot):
             check_placements(fqn, self.placements, self.mesh)
         except ValueError as e:
             raise ValueError(f"ShardedEMA: {e}") from None
-        shape, offsets = compute_local_shape_and_global_offset(self.global_shape, self.mesh,
-                                                               self.placements)
+        shape, self.offsets = self._box(self.mesh, self.placements)
         if tuple(shape) != tuple(local.shape):
             raise RuntimeError(
                 f"ShardedEMA: {fqn!r} has a local shard of shape {list(local.shape)} where its "
@@ -254,26 +256,30 @@ class _Sharded(_Slot):
         # (offsets clamped for an empty shard, as the checkpoint index stores them).
         self.read = self._layout(local).read()
         self.chunk = self.read.request if self.read.box is None and len(self.global_shape) else None
-        self.offsets = [min(o, s) for o, s in zip(offsets, self.global_shape)]
         # FSDP2 leaves a module's parameters unsharded after a forward without backward (the
         # root's, under no_grad); the sharded DTensor it keeps holds the same (sharded) data.
-        self.get = lambda: (owner[name] if is_dtensor(owner[name]) else param)._local_tensor
         self._live = lambda: owner[name] if is_dtensor(owner[name]) else param
+        self.get = lambda: self._live()._local_tensor
+
+    def _box(self, mesh, placements) -> tuple[torch.Size, list[int]]:
+        """This rank's local shape and offsets in the full tensor under ``mesh`` and
+        ``placements`` (offsets clamped for an empty shard, as the checkpoint index stores them)."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offsets = compute_local_shape_and_global_offset(self.global_shape, mesh,
+                                                               tuple(placements))
+        return torch.Size(shape), [min(o, s) for o, s in zip(offsets, self.global_shape)]
 
     def sharding_changed(self) -> str | None:
         """Why this rank's shard of the model no longer holds the elements the EMA's does (its
         offsets in the full tensor moved: another mesh order, another placement of the same local
         shape), or None. Another mesh that leaves the rank the same elements (a tensor-parallel
         model sharded over a data-parallel dimension of size 1) is no change."""
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         live = self._live()
         if live.device_mesh is self.mesh and tuple(live.placements) == self.placements:
             return None
-        shape, offsets = compute_local_shape_and_global_offset(
-            self.global_shape, live.device_mesh, tuple(live.placements))
-        offsets = [min(o, s) for o, s in zip(offsets, self.global_shape)]
-        if tuple(shape) == tuple(self.local_shape) and offsets == self.offsets:
+        shape, offsets = self._box(live.device_mesh, live.placements)
+        if shape == self.local_shape and offsets == self.offsets:
             return None
         return (f"{self.fqn!r} holds the elements at offsets {offsets} ({tuple(live.placements)} "
                 f"on {live.device_mesh}) here, its EMA those at {self.offsets} "

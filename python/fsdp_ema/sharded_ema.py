@@ -163,14 +163,9 @@ class ShardedEMA(ScheduleMixin, CheckpointMixin, FullStateMixin, SwapMixin):
 
     def _bind(self, tensors: list[torch.Tensor]) -> None:
         for slot, t, ema in zip(self._slots, tensors, self._ema):
-            if t.shape != slot.local_shape:
-                raise RuntimeError(
-                    f"ShardedEMA: the model's sharding changed since the EMA was made: "
-                    f"{slot.describe()} has a local shard of shape {list(t.shape)} here, it had "
-                    f"{list(slot.local_shape)}; make a new ShardedEMA for the new sharding (and "
-                    f"load_state_dict() or load() the old one into it)")
-            moved = getattr(slot, "sharding_changed", None)
-            why = moved() if moved is not None else None
+            why = (f"{slot.describe()} has a local shard of shape {list(t.shape)} here, it had "
+                   f"{list(slot.local_shape)}" if t.shape != slot.local_shape
+                   else slot.sharding_changed())
             if why is not None:
                 raise RuntimeError(
                     f"ShardedEMA: the model's sharding changed since the EMA was made: {why}; "

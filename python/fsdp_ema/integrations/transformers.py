@@ -654,18 +654,25 @@ class ShardedEMACallback(TrainerCallback):
             self.save_model(self.save_ema_model)
 
 
-def _previous_checkpoint(output_dir: str, step: int) -> str | None:
-    """The last ``checkpoint-<k>`` folder in ``output_dir`` with ``k < step``, or None."""
-    best = None
+def _checkpoint_folders(output_dir: str) -> list[tuple[int, str]]:
+    """``(N, path)`` of each ``checkpoint-<N>`` folder in ``output_dir`` (none if unreadable)."""
     try:
         names = os.listdir(output_dir)
     except OSError:
-        return None
+        return []
+    found = []
     for name in names:
         m = re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name)
-        if m and int(m.group(1)) < step and (best is None or int(m.group(1)) > best[0]):
-            best = (int(m.group(1)), os.path.join(output_dir, name))
-    return best[1] if best else None
+        path = os.path.join(output_dir, name)
+        if m and os.path.isdir(path):
+            found.append((int(m.group(1)), path))
+    return found
+
+
+def _previous_checkpoint(output_dir: str, step: int) -> str | None:
+    """The last ``checkpoint-<k>`` folder in ``output_dir`` with ``k < step``, or None."""
+    earlier = [f for f in _checkpoint_folders(output_dir) if f[0] < step]
+    return max(earlier)[1] if earlier else None
 
 
 def restored_checkpoint() -> str | None:
@@ -703,12 +710,7 @@ def rotate_by_step(output_dir: str, limit: int, *, newest: str | None = None,
     or an older run's in the same output_dir) count as older than every step up to it, as the
     Trainer's modification-time order would have them. The folders of ``keep`` (the best
     checkpoint, the step being saved) are never removed. Returns the folders removed."""
-    found = []
-    for name in os.listdir(output_dir):
-        m = re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name)
-        path = os.path.join(output_dir, name)
-        if m and os.path.isdir(path):
-            found.append((int(m.group(1)), os.path.abspath(path)))
+    found = [(step, os.path.abspath(path)) for step, path in _checkpoint_folders(output_dir)]
     newest = os.path.abspath(newest) if newest is not None else None
     top = next((step for step, path in found if path == newest), None)
     ordered = [path for _, path in sorted(
@@ -716,10 +718,10 @@ def rotate_by_step(output_dir: str, limit: int, *, newest: str | None = None,
     if len(ordered) <= limit:
         return []
     protected = {ordered[-1]} | {os.path.abspath(k) for k in keep if k is not None}
-    keep = max(limit, len(protected))
+    kept = max(limit, len(protected))
     removed = []
     for path in ordered:
-        if len(ordered) - len(removed) <= keep:
+        if len(ordered) - len(removed) <= kept:
             break
         if path not in protected:
             shutil.rmtree(path, ignore_errors=True)
