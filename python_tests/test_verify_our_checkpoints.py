@@ -83,11 +83,7 @@ def test_verify_strict_passes_on_every_checkpoint_we_write(pools, tmp_path):
              *(f"snapshots/{d}" for d in sorted(os.listdir(tmp_path / "snapshots")))]
     assert len(kinds) == 7 + 4  # two snapshots of two profiles
     for kind in kinds:
-        done = subprocess.run([str(CLI), "verify", "--strict", str(tmp_path / kind)],
-                              capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0 and done.stdout.startswith("OK:"), (kind, done.stdout,
-                                                                        done.stderr)
-        assert "warning" not in done.stdout, (kind, done.stdout)
+        verify_strict(tmp_path / kind)
 
 
 def run_exports(rank, world, root):
