@@ -85,7 +85,7 @@ def worker(rank, init_file, args, out_queue):
     from torch.distributed.fsdp import fully_shard
 
     import fsdp_ema
-    from fsdp_ema._offload import forced_for_cpu_models
+    from fsdp_ema.ema.offload import forced_for_cpu_models
 
     warnings.filterwarnings("ignore")
     cuda = args.device == "cuda"

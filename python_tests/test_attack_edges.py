@@ -320,7 +320,7 @@ def test_sharded_ema_export_that_fails_midway_leaves_the_earlier_export_whole(tm
     # The export is staged by format::ExportWriter (the writer `fsdp-ema export` uses, whose
     # switch order format's export tests pin): a failure after some tensors are written leaves
     # the earlier export byte for byte, and no staging directory behind.
-    from fsdp_ema import _full_state
+    from fsdp_ema.store import full_state as _full_state
 
     model, _, ema = plain(0)
     out = tmp_path / "out"

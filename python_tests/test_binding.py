@@ -1,4 +1,4 @@
-"""What ties an EMA checkpoint to its training state (``fsdp_ema._binding``, #34): the model
+"""What ties an EMA checkpoint to its training state (``fsdp_ema.store.binding``, #34): the model
 fingerprint is the same at any world size and sharding (FSDP2 over 3 gloo ranks with uneven
 and empty shards, a plain model in one process) and changes with any bit, any moved
 element and any renamed tensor; the settings name what a resume compares; and
@@ -12,7 +12,7 @@ from dist_utils import PoolManager
 from models import UnevenMLP
 
 import fsdp_ema
-from fsdp_ema import _binding
+from fsdp_ema.store import binding as _binding
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,7 @@ def test_destroy_process_group_settles_without_the_gil_after_destroying(monkeypa
     import torch.distributed as dist
 
     import fsdp_ema
-    from fsdp_ema import _shutdown
+    from fsdp_ema.distributed import shutdown as _shutdown
 
     calls = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)

@@ -101,7 +101,7 @@ def test_power_ema_takes_the_fields_its_profiles_leave_open():
 
 
 def test_the_host_memory_test_hook_is_out_of_the_public_signature():
-    from fsdp_ema._offload import forced_for_cpu_models
+    from fsdp_ema.ema.offload import forced_for_cpu_models
 
     assert "_offload" not in inspect.signature(ShardedEMA).parameters
     with pytest.raises(TypeError, match="'_offload'"):

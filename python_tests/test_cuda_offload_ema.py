@@ -110,7 +110,7 @@ def test_optimizer_step_right_after_update_waits_for_the_copy():
 
 
 def test_async_save_of_cuda_tensors_uses_pinned_staging(tmp_path):
-    from fsdp_ema import _async
+    from fsdp_ema.store import async_save as _async
 
     t = torch.randn(1 << 20, device="cuda")
     expected = t.cpu()

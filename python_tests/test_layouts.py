@@ -1,5 +1,5 @@
-"""``fsdp_ema._layouts.Layout``: one tensor's layout on a rank. The pieces the ranks write cover
-the full tensor exactly once for every kind (DTensors on 1-D and 2-D meshes, uneven and empty
+"""``fsdp_ema.model.layouts.Layout``: one tensor's layout on a rank. The pieces the ranks write
+cover the full tensor exactly once for every kind (DTensors on 1-D and 2-D meshes, uneven and empty
 shards, 0-dim tensors, ShardedTensors, FSDP1 member rows, replicated tensors), and what a rank
 reads back through ``read()`` and ``assign()`` (or ``target()`` in a collective load) is its own
 local tensor again, through a real checkpoint written by 4 gloo ranks."""
@@ -46,8 +46,8 @@ def local_tensors(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
-    from fsdp_ema import _layouts
-    from fsdp_ema._fsdp1 import sharded_tensor
+    from fsdp_ema.model import layouts as _layouts
+    from fsdp_ema.model.fsdp1 import sharded_tensor
 
     group = torch.distributed.group.WORLD
     out = {}
@@ -85,7 +85,7 @@ def run_round_trip(rank, world, directory):
     """Save every case's pieces, then read each back: ``read()`` + ``take`` + ``assign`` into a
     zeroed local tensor, and ``target()`` through the collective load into another."""
     from fsdp_ema import checkpoint as ckpt
-    from fsdp_ema._collective import load_collective, save_collective
+    from fsdp_ema.store.collective import load_collective, save_collective
 
     group = torch.distributed.group.WORLD
     layouts = local_tensors(rank, world)
@@ -116,7 +116,7 @@ def run_round_trip(rank, world, directory):
 
 def run_full_parts(rank, world):
     """The full tensors the gather makes of every DTensor and whole layout's ``full_part``."""
-    from fsdp_ema._full_state import full_buckets
+    from fsdp_ema.store.full_state import full_buckets
 
     parts = [layout.full_part() for name, layout in local_tensors(rank, world).items()
              if not name.startswith(("st_", "flat_"))]
@@ -201,7 +201,7 @@ def test_full_part_of_every_mesh_layout_gathers_the_full_tensor(pool):
 def test_chunk_rows_is_torch_chunk():
     """The row rule the layouts use (the chunk_rows op, fsdp_ema/format/rows.h) is torch.chunk's,
     for thousands of (rows, world) pairs, every rank."""
-    from fsdp_ema._layouts import chunk_rows
+    from fsdp_ema.model.layouts import chunk_rows
 
     rnd = random.Random(0)
     cases = [(rows, world) for rows in range(0, 40) for world in range(1, 12)]

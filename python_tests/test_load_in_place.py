@@ -290,7 +290,7 @@ def test_host_memory_ema_waits_for_the_update_in_flight(tmp_path, monkeypatch):
     saved = nn.Linear(64, 64)
     ShardedEMA(saved, 0.9).save(tmp_path / "e")
     model = nn.Linear(64, 64)
-    from fsdp_ema._offload import forced_for_cpu_models
+    from fsdp_ema.ema.offload import forced_for_cpu_models
 
     with forced_for_cpu_models():  # the host-memory path for a CPU model
         ema = ShardedEMA(model, 0.5, device="cpu")

@@ -183,7 +183,7 @@ def run_unsupported(rank, world):
 def test_an_unsupported_placement_is_refused_naming_the_parameter_and_placement(pools):
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from fsdp_ema._layouts import check_placements
+    from fsdp_ema.model.layouts import check_placements
 
     for message in pools.get(4).run(run_unsupported):
         assert message is not None and "'weight'" in message and "Partial" in message

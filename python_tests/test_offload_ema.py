@@ -1,7 +1,7 @@
 """EMA in host memory (#17): ``ShardedEMA(..., device="cpu")``.
 
 Without a GPU the same path (staging snapshot, worker thread, synchronize) runs for CPU models
-when forced (``fsdp_ema._offload.forced_for_cpu_models()``, via ``offloaded`` below); it must
+when forced (``fsdp_ema.ema.offload.forced_for_cpu_models()``, via ``offloaded`` below); it must
 give bit for bit the EMA of the ordinary EMA (an independent reference, the on-device path, run
 beside it), with warmup, update_every, start_step, copied and averaged buffers, bf16 weights under
 an fp32 EMA, and FSDP2 local shards at 2 ranks. The device-specific parts (pinned memory, the
@@ -17,7 +17,7 @@ from torch import nn
 
 from fsdp_ema import ShardedEMA, Warmup
 from fsdp_ema import checkpoint as ckpt
-from fsdp_ema._offload import forced_for_cpu_models
+from fsdp_ema.ema.offload import forced_for_cpu_models
 
 
 def offloaded(model, *args, **kwargs):
@@ -160,7 +160,7 @@ def run_fsdp2(rank, world):
     # over the EMA tensor itself: uneven shards (7 rows over 2 ranks) keep their global shape.
     from torch.distributed.tensor import DTensor
 
-    from fsdp_ema._slots import dtensor_view
+    from fsdp_ema.model.slots import dtensor_view
 
     off.synchronize()  # the last update may still be running on the worker thread
     for slot, ema in zip(off._slots, off._ema):

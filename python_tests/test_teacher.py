@@ -702,7 +702,7 @@ def run_bad_inputs(rank, world):
         else:
             errors[name] = None
 
-    from fsdp_ema._offload import forced_for_cpu_models
+    from fsdp_ema.ema.offload import forced_for_cpu_models
 
     with forced_for_cpu_models():  # the host-memory path for a CPU model
         model, _, ema = make("fsdp2", device="cpu")

@@ -153,7 +153,7 @@ MUTANTS = {
         [pytest("python_tests/test_load_into.py", "-k", "rewrit")]),
     # #28: the clean exit without its GIL-free settling time (gloo's workers abort the exit).
     "clean-exit-without-settling": (
-        "python/fsdp_ema/_shutdown.py",
+        "python/fsdp_ema/distributed/shutdown.py",
         "    time.sleep(settle)",
         "    pass",
         [pytest("python_tests/test_clean_exit.py", "-k", "exits_zero or settles")]),
@@ -206,7 +206,7 @@ MUTANTS = {
         [ctest("^CheckpointReader\\.ZeroCopyReaderLoadsIntoAModuleOnlyVerifiedBytes$")]),
     # update() refuses a model whose shards now hold other elements (same local shapes).
     "update-ignores-a-resharded-model": (
-        "python/fsdp_ema/sharded_ema.py",
+        "python/fsdp_ema/ema/sharded.py",
         "                   else slot.sharding_changed())",
         "                   else None)",
         [pytest("python_tests/test_mesh_layouts.py", "-k", "resharded")]),
@@ -314,48 +314,48 @@ MUTANTS = {
         "if (s >= 2 && false) target.acquire(b);",
         [ctest("^StagedReads\\.LateCopies")]),
     "layout-every-replica-writes": (
-        "python/fsdp_ema/_layouts.py",
+        "python/fsdp_ema/model/layouts.py",
         "if any(c for c, p in zip(coordinate, self.placements) if not is_shard(p)):",
         "if False:",
         [pytest("python_tests/test_layouts.py", "-k", "exactly_once")]),
     "warmup-ignores-start-step": (
-        "python/fsdp_ema/_ema_schedule.py",
+        "python/fsdp_ema/ema/schedule.py",
         "s = (k - self.start_step).clamp_min(0).to(torch.float64)",
         "s = k.clamp_min(0).to(torch.float64)",
         [pytest("python_tests/test_sharded_ema_local.py", "-k", "written_out")]),
     "update-every-counted-from-start-step": (
-        "python/fsdp_ema/_ema_schedule.py",
+        "python/fsdp_ema/ema/schedule.py",
         "d = torch.where(k % self.update_every == 0, d, 1.0)",
         "d = torch.where((k - self.start_step) % self.update_every == 0, d, 1.0)",
         [pytest("python_tests/test_sharded_ema_local.py", "-k", "written_out")]),
     "decay-at-ignores-start-step": (
-        "python/fsdp_ema/_ema_schedule.py",
+        "python/fsdp_ema/ema/schedule.py",
         "return self.warmup(step - self.start_step, self.decay) if self.warmup else self.decay",
         "return self.warmup(step, self.decay) if self.warmup else self.decay",
         [pytest("python_tests/test_sharded_ema_local.py", "-k", "written_out")]),
     "commit-before-the-barrier": (
-        "python/fsdp_ema/_collective.py",
+        "python/fsdp_ema/store/collective.py",
         "    nbytes = run(write)  # also the barrier: every rank's file is durable past here\n",
         "    nbytes = write()\n",
         [pytest("python_tests/test_sharded_ema.py", "-k", "slow_rank")]),
     "strict-false-load-state-dict-loads-nothing": (
-        "python/fsdp_ema/_ema_io.py",
+        "python/fsdp_ema/ema/persist.py",
         "for fqn, _ in slot.names() if fqn in state_dict}",
         "for fqn, _ in slot.names() if fqn in state_dict and strict}",
         [pytest("python_tests/test_sharded_ema_local.py", "-k", "strict_false")]),
     "strict-false-load-directory-loads-nothing": (
-        "python/fsdp_ema/_ema_io.py",
+        "python/fsdp_ema/ema/persist.py",
         "check_names=lambda available: self._check_names(available, strict, \"load\"),",
         "check_names=lambda available: self._check_names(available, strict, \"load\") or "
         "(not strict and available.clear()),",
         [pytest("python_tests/test_sharded_ema_local.py", "-k", "strict_false")]),
     "power-ema-counts-t-from-0": (
-        "python/fsdp_ema/power_ema.py",
+        "python/fsdp_ema/ema/power.py",
         "return (1.0 - 1.0 / t.to(torch.float64)) ** self._exponent",
         "return (1.0 - 1.0 / (t + 1).to(torch.float64)) ** self._exponent",
         [pytest("python_tests/test_power_ema.py", "-k", "direct_float64")]),
     "posthoc-python-sums-without-the-last-snapshot": (
-        "python/fsdp_ema/posthoc.py",
+        "python/fsdp_ema/store/posthoc.py",
         "p = x.to(torch.float64).mul_(w)",
         "p = x.to(torch.float64).mul_(0.0 if last else w)",
         [pytest("python_tests/test_posthoc.py", "-k", "cli_equals_python or 2_ranks")]),

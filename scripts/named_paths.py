@@ -3,7 +3,7 @@
 Read: docs/*.md, the README files, and the comments of the C++/CUDA, Python, CMake and shell
 files (`//`, `/* */` and `#` comments; Python docstrings too). A word is taken for a repository
 path when it starts with one of the repository's top-level folders
-(`format/read/read_plan.cpp`, `python/fsdp_ema/checkpoint.py`), is an include path
+(`format/read/read_plan.cpp`, `python/fsdp_ema/store/checkpoint.py`), is an include path
 (`fsdp_ema/format/names.h`, looked up under the include roots), or is a bare file name with a
 source extension (`shard_file.cpp`, looked up by name anywhere in the tree); it must then name a
 tracked file or folder. Names of other projects' files, and files the build or a run makes, are

@@ -75,8 +75,8 @@ RULES = [
      lambda f: f.startswith(PY_FRONT) and f.endswith(".py"),
      re.compile(r"torch\s*\.\s*(ops|classes)\s*\.\s*fsdp_ema\b|\bops\s*\.\s*fsdp_ema\b"),
      {"python/fsdp_ema/_ops.py"}, True),
-    ("a ceiling division, the row rule's shape (the rows of a rank: fsdp_ema._layouts.chunk_rows,"
-     " the chunk_rows op)",
+    ("a ceiling division, the row rule's shape (the rows of a rank: "
+     "fsdp_ema.model.layouts.chunk_rows, the chunk_rows op)",
      lambda f: f.startswith(PY_FRONT) and f.endswith(".py"),
      re.compile(r"-\s*\(\s*-[^()]*//|math\.ceil\s*\([^()]*/"),
      set(), True),

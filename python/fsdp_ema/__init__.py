@@ -22,16 +22,20 @@ from ._library import library_path, load_library
 load_library()
 
 from . import _ops, checkpoint  # noqa: E402  (_ops: the one door to the ops)
-from ._apply import load_model_weights  # noqa: E402
-from ._async import SaveHandle, init_async_groups  # noqa: E402
-from ._peft import export_merged, export_peft_adapter  # noqa: E402
-from ._shutdown import destroy_process_group  # noqa: E402
-from .config import EMAConfig  # noqa: E402
-from .momentum import CosineMomentum  # noqa: E402
-from .posthoc import posthoc, posthoc_plan  # noqa: E402
-from .power_ema import PowerEMA, ShardedPowerEMA  # noqa: E402
-from .sharded_ema import ShardedEMA, Warmup  # noqa: E402
-from .training_state import latest_checkpoint, load_training_state, save_training_state  # noqa: E402
+from .distributed.shutdown import destroy_process_group  # noqa: E402
+from .ema.config import EMAConfig  # noqa: E402
+from .ema.momentum import CosineMomentum  # noqa: E402
+from .ema.power import PowerEMA, ShardedPowerEMA  # noqa: E402
+from .ema.sharded import ShardedEMA, Warmup  # noqa: E402
+from .store.async_save import SaveHandle, init_async_groups  # noqa: E402
+from .store.model_weights import load_model_weights  # noqa: E402
+from .store.peft import export_merged, export_peft_adapter  # noqa: E402
+from .store.posthoc import posthoc, posthoc_plan  # noqa: E402
+from .store.training_state import (  # noqa: E402
+    latest_checkpoint,
+    load_training_state,
+    save_training_state,
+)
 
 # The fake (Meta) kernels of every op live in the library itself (registration/registration.cpp),
 # and so does TorchScript's side-effect mark. torch.compile's mark can only be set from Python

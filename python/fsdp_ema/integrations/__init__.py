@@ -12,6 +12,6 @@ are ShardedEMA's and fsdp_ema's, the options one ``fsdp_ema.EMAConfig``, and wha
 check and do alike is ``_common``'s.
 """
 
-from ._common import HeldSwap, missing_framework
+from .common import HeldSwap, missing_framework
 
 __all__ = ["HeldSwap", "missing_framework"]

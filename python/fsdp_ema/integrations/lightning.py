@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ._common import (
+from .common import (
     HeldSwap,
     ResumeChecks,
     check_metric_name,
@@ -51,9 +51,9 @@ except ImportError as _e:
 
 import fsdp_ema
 
-from .. import _binding
-from .._layouts import is_dtensor, is_sharded_tensor
-from ..config import EMAConfig
+from ..ema.config import EMAConfig
+from ..model.layouts import is_dtensor, is_sharded_tensor
+from ..store import binding as _binding
 
 __all__ = ["ShardedEMA"]
 

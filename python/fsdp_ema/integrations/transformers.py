@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._common import (
+from .common import (
     HeldSwap,
     ResumeChecks,
     check_metric_name,
@@ -56,10 +56,11 @@ except ImportError as _e:
 
 import fsdp_ema
 
-from .. import _binding, _ops
-from .._collective import agreed
-from .._dist import comm_device, default_group, rank_world
-from ..config import EMAConfig
+from .. import _ops
+from ..distributed.groups import comm_device, default_group, rank_world
+from ..ema.config import EMAConfig
+from ..store import binding as _binding
+from ..store.collective import agreed
 
 __all__ = ["ShardedEMACallback"]
 

@@ -47,7 +47,7 @@ std::string export_file_name(size_t k, size_t n);
 // model-*.safetensors.
 bool is_export_file_name(std::string_view name);
 
-// The tensors of a training-state checkpoint (python/fsdp_ema/training_state.py): the uint8
+// The tensors of a training-state checkpoint (python/fsdp_ema/store/training_state.py): the uint8
 // tensor holding its JSON document (rank 0's file), and the prefixes of the EMA's and the model's
 // tensors. `fsdp-ema export` recognizes a training state by the first and exports its EMA.
 inline constexpr std::string_view kTrainingStateDocTensor = "meta.training_state";

@@ -13,10 +13,10 @@ import os
 
 import torch
 
-from ._dtypes import check_ema_dtype
-from ._ema_io import list_names
-from ._full_state import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_FILE_BYTES, Part, full_buckets
-from ._full_state import export as _export
+from .._dtypes import check_ema_dtype
+from ..store.full_state import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_FILE_BYTES, Part, full_buckets
+from ..store.full_state import export as _export
+from .persist import list_names
 
 
 class FullStateMixin:

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._dist import comm_device
-from ._dtypes import name_of
-from .config import RESUME_SETTINGS
+from .._dtypes import name_of
+from ..distributed.groups import comm_device
+from ..ema.config import RESUME_SETTINGS
 
 # Arithmetic modulo the Mersenne prime 2^31 - 1 in int64, every product of two reduced values
 # below 2^62: exact on every device, so each rank's partial sums add up to the same total

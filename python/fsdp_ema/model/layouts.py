@@ -22,8 +22,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import _ops
-from ._full_state import Part
+from .. import _ops
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -34,6 +33,24 @@ def chunk_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
     cached: a training state asks for the same few row counts thousands of times."""
     begin, end = _ops.chunk_rows(rows, rank, world_size)
     return begin, end
+
+
+class Part(NamedTuple):
+    """One full tensor to produce. ``kind``: ``"full"`` (``value`` is already the full tensor),
+    ``"rows"`` (``value`` holds this rank's torch.chunk rows: gathered), ``"flat"`` (the rows
+    come from the FSDP1 exchange of ``slot``'s member ``member`` out of the flat slice
+    ``value``; a 0-dim member needs no gather), ``"dtensor"`` (``value()`` makes a DTensor of
+    another layout, only when its turn comes: ``full_tensor()``)."""
+
+    fqn: str
+    shape: torch.Size
+    dtype: torch.dtype
+    kind: str
+    value: Any
+    group: Any = None       # the process group of "rows" and "flat" parts
+    cost: int = 0           # bytes one bucket holds for it (see _layouts.part_cost)
+    slot: Any = None
+    member: int = -1
 
 
 def part_cost(shape: torch.Size, dtype: torch.dtype, world: int) -> int:

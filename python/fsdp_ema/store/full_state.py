@@ -10,35 +10,18 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from . import _ops
-from ._dist import broadcast_int, comm_device, raise_if_any_rank_failed, rank_world
+from .. import _ops
+from ..distributed.groups import broadcast_int, comm_device, raise_if_any_rank_failed, rank_world
+from ..model.layouts import Part
 
 #: Default ``bucket_bytes`` of ``full_state_dict``, ``export`` and ``posthoc``.
 DEFAULT_BUCKET_BYTES = 256 << 20
 #: Default ``max_file_bytes`` of ``export`` (tensor data per file; Hugging Face's 5 GB).
 DEFAULT_MAX_FILE_BYTES = 5 * 1000**3
-
-
-class Part(NamedTuple):
-    """One full tensor to produce. ``kind``: ``"full"`` (``value`` is already the full tensor),
-    ``"rows"`` (``value`` holds this rank's torch.chunk rows: gathered), ``"flat"`` (the rows
-    come from the FSDP1 exchange of ``slot``'s member ``member`` out of the flat slice
-    ``value``; a 0-dim member needs no gather), ``"dtensor"`` (``value()`` makes a DTensor of
-    another layout, only when its turn comes: ``full_tensor()``)."""
-
-    fqn: str
-    shape: torch.Size
-    dtype: torch.dtype
-    kind: str
-    value: Any
-    group: Any = None       # the process group of "rows" and "flat" parts
-    cost: int = 0           # bytes one bucket holds for it (see _layouts.part_cost)
-    slot: Any = None
-    member: int = -1
 
 
 def gather_bucket(bucket: list[Part]) -> list[torch.Tensor]:

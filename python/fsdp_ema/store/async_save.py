@@ -269,7 +269,7 @@ class AsyncSaver:
 
 
 def _flag_device(group) -> torch.device:
-    from ._dist import comm_device
+    from ..distributed.groups import comm_device
 
     return comm_device(group, torch.device("cpu"))
 

@@ -15,11 +15,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ._apply import reshard_fsdp2
-from ._dist import raise_if_any_rank_failed, rank_world
-from ._full_state import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_FILE_BYTES
-from ._full_state import export as _export
-from ._slots import _discover, _join, _modules
+from ..distributed.groups import raise_if_any_rank_failed, rank_world
+from ..model.apply import reshard_fsdp2
+from ..model.slots import clean_modules, discover, join_name
+from .full_state import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_FILE_BYTES
+from .full_state import export as _export
 
 ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's file names (peft.utils.constants)
 
@@ -36,7 +36,7 @@ def _peft_root(model: nn.Module, what: str) -> tuple[str, Any]:
         from peft import PeftModel
     except ImportError as e:
         raise ImportError(f"{what} needs peft (pip install peft)") from e
-    for prefix, module in _modules(model):
+    for prefix, module in clean_modules(model):
         if isinstance(module, PeftModel):
             return prefix, module
     raise ValueError(f"{what}: {type(model).__name__} holds no peft PeftModel")
@@ -47,7 +47,7 @@ def _lora_layers(model: nn.Module, adapter: str, what: str) -> dict[str, _Lora]:
     from peft.tuners.lora import LoraLayer
 
     out = {}
-    for prefix, module in _modules(model):
+    for prefix, module in clean_modules(model):
         if not isinstance(module, LoraLayer) or adapter not in module.lora_A:
             continue
         kind = type(module).__name__  # fully_shard subclasses it (FSDPLinear)
@@ -64,8 +64,8 @@ def _lora_layers(model: nn.Module, adapter: str, what: str) -> dict[str, _Lora]:
 
 
 def _lora_names(layer: _Lora, adapter: str) -> tuple[str, str]:
-    return (_join(layer.prefix, f"lora_A.{adapter}.weight"),
-            _join(layer.prefix, f"lora_B.{adapter}.weight"))
+    return (join_name(layer.prefix, f"lora_A.{adapter}.weight"),
+            join_name(layer.prefix, f"lora_B.{adapter}.weight"))
 
 
 def _ema_adapters(ema, layers: dict[str, _Lora], adapter: str, what: str) -> None:
@@ -143,9 +143,9 @@ def export_merged(ema, path: str | os.PathLike, *, adapter_name: str = "default"
         layers = _lora_layers(model, adapter_name, what)
         _ema_adapters(ema, layers, adapter_name, what)
         reshard_fsdp2(model)
-        slots = _discover(model, True, "copy")
+        slots = discover(model, True, "copy")
         lora_names = {n for layer in layers.values() for n in _lora_names(layer, adapter_name)}
-        base_prefix = _join(root, "base_model.model") + "."
+        base_prefix = join_name(root, "base_model.model") + "."
         for slot in slots:
             for part in slot.full_parts(slot.get()):
                 if part.fqn in lora_names:
@@ -155,7 +155,7 @@ def export_merged(ema, path: str | os.PathLike, *, adapter_name: str = "default"
                                               f"or LoRA kind; only {adapter_name!r} is merged")
                 out = part.fqn.removeprefix(base_prefix)
                 for prefix in _layer_prefixes(part.fqn, layers):
-                    out = (_join(prefix, "") + part.fqn[len(prefix) + len(".base_layer."):]
+                    out = (join_name(prefix, "") + part.fqn[len(prefix) + len(".base_layer."):]
                            ).removeprefix(base_prefix)
                 parts.append(part)
                 names[part.fqn] = out
@@ -163,7 +163,7 @@ def export_merged(ema, path: str | os.PathLike, *, adapter_name: str = "default"
         error = e
     _agree(ema, error, what)
     adapters = ema.full_state_dict(rank0_only=True)  # the EMA's tensors (the adapters, ...)
-    weights = {_join(prefix, "base_layer.weight"): layer for prefix, layer in layers.items()}
+    weights = {join_name(prefix, "base_layer.weight"): layer for prefix, layer in layers.items()}
 
     def merged(fqn: str, t: torch.Tensor) -> torch.Tensor:  # on rank 0, as each tensor arrives
         dtype = t.dtype

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from . import _ops
+from .. import _ops
 
 _forced = False
 

@@ -18,8 +18,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ._dist import comm_device
-from ._layouts import chunk_rows
+from ..distributed.groups import comm_device
+from .layouts import chunk_rows
 
 
 class Member(NamedTuple):
@@ -70,7 +70,7 @@ class FlatLayout:
                     f"this torch version lays out flat parameters differently than expected")
 
     def require_sharded(self, what: str, hybrid: bool = True) -> None:
-        # NO_SHARD replicates the flat parameter (its own slot, _FlatReplicated); the HYBRID
+        # NO_SHARD replicates the flat parameter (its own slot, FlatReplicatedSlot); the HYBRID
         # strategies shard it within a replica group (the unit's group): chunks, gathers and
         # checkpoint pieces work within it (``hybrid``), ShardedTensor state dicts do not.
         if not self.sharded or (not hybrid and "HYBRID" in self.strategy):

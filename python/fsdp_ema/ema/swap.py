@@ -63,7 +63,7 @@ class SwapMixin:
             self._reshard()
             targets = self._refresh()
         else:
-            from ._apply import matching_tensors
+            from ..model.apply import matching_tensors
 
             targets = matching_tensors(model, self._slots, "ShardedEMA.copy_to")
         torch._foreach_copy_(targets, self._ema)
@@ -108,7 +108,7 @@ class SwapMixin:
 
         Built once per set of arguments; later calls return the same module.
         """
-        from ._teacher import module
+        from .teacher import module
 
         return module(self, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
                       mesh=mesh, compile=compile)

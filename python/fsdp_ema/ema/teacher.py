@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._layouts import is_dtensor
-from ._slots import _WRAPPER_ATTRS, _Flat, _is_ddp, _join
+from ..model.layouts import is_dtensor
+from ..model.slots import WRAPPER_ATTRS, FlatSlot, is_ddp, join_name
 
 # Attributes of a module's __dict__ that belong to the wrappers around it, not to the module:
 # FSDP2's markers for dynamo and nn.Module.compile's compiled call (bound to the student).
@@ -137,7 +137,7 @@ class _Clone:
     def _clone(self, m: nn.Module, prefix: str) -> nn.Module:
         if id(m) in self.of:
             return self.of[id(m)]
-        if _is_ddp(m):
+        if is_ddp(m):
             return self._clone(m.module, prefix)
         if isinstance(m, self._optimized):
             if self.of:  # a module was cloned before it: it is below the root
@@ -187,8 +187,8 @@ class _Clone:
             if child is None:
                 children[name] = None
                 continue
-            skip = name in _WRAPPER_ATTRS or (name == "module" and _is_ddp(m))
-            children[name] = self._clone(child, prefix if skip else _join(prefix, name))
+            skip = name in WRAPPER_ATTRS or (name == "module" and is_ddp(m))
+            children[name] = self._clone(child, prefix if skip else join_name(prefix, name))
         new._modules = children
         return new
 
@@ -291,7 +291,7 @@ class TeacherBuilder:
         if ema._swapped:
             raise RuntimeError("ShardedEMA.module() inside swap(): the model holds the EMA "
                                "weights there; make the teacher outside the swap() block")
-        if any(isinstance(slot, _Flat) for slot in ema._slots):
+        if any(isinstance(slot, FlatSlot) for slot in ema._slots):
             raise ValueError(
                 "ShardedEMA.module(): FSDP1 (FullyShardedDataParallel) models are not supported: "
                 "an FSDP1 teacher would be its own FullyShardedDataParallel, which materializes "
@@ -400,7 +400,7 @@ class TeacherBuilder:
     def _unmanaged(self, p, i: int | None) -> nn.Parameter:
         """A parameter FSDP2 does not shard: over the EMA's tensor, or the student's own tensor
         where the EMA does not keep it."""
-        from ._slots import dtensor_view
+        from ..model.slots import dtensor_view
 
         if i is None:
             data = p.detach()
@@ -438,7 +438,7 @@ class TeacherBuilder:
                     continue
                 sp = student_param(student, name, p)
                 i = slot_index(sp)
-                fqn = _join(prefix, name)
+                fqn = join_name(prefix, name)
                 if i is None and (select is None or select(fqn, sp)):
                     raise RuntimeError(
                         f"ShardedEMA.module(): the model has a parameter {fqn!r} "
@@ -504,7 +504,7 @@ class TeacherBuilder:
                     info = fp._module_info
                     student = clone.student[id(info.module)]
                     sfp = managed[(id(student), info.param_name)]
-                    fqn = _join(clone.names[id(student)], info.param_name)
+                    fqn = join_name(clone.names[id(student)], info.param_name)
                     if (fp.sharded_size != sfp.sharded_size
                             or fp.padded_sharded_param_size != sfp.padded_sharded_param_size
                             or fp.fsdp_placement != sfp.fsdp_placement):
@@ -577,6 +577,6 @@ class _ReshardWhenStale:
 
 
 def _named(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    from ._slots import _modules
+    from ..model.slots import clean_modules
 
-    return [(m, n) for n, m in _modules(model)]
+    return [(m, n) for n, m in clean_modules(model)]

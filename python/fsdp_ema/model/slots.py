@@ -1,8 +1,8 @@
 """What a model holds, as ``ShardedEMA`` keeps it: model discovery and slots.
 
 ``discover`` walks a (wrapped) model once and returns one slot per tensor the EMA keeps on this
-rank: ``_Replicated`` (a parameter or buffer every rank holds whole: plain, DDP, buffers),
-``_Sharded`` (the local shard of a DTensor: FSDP2) or ``_Flat`` (the local slice of an FSDP1
+rank: ``ReplicatedSlot`` (a parameter or buffer every rank holds whole: plain, DDP, buffers),
+``ShardedSlot`` (the local shard of a DTensor: FSDP2) or ``FlatSlot`` (the local slice of an FSDP1
 FlatParameter, which holds several named tensors). Each slot knows its names, the
 ``_layouts.Layout`` of each of its tensors over the EMA's or the model's storage (what a save
 writes, what a load reads), its state-dict values and how its full tensors are produced
@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._collective import LoadTarget, load_collective
-from ._full_state import Part
-from ._layouts import (
+from .layouts import (
     Layout,
+    LoadTarget,
+    Part,
     ReadRequest,
     box,
     check_placements,
@@ -34,21 +34,21 @@ from ._layouts import (
 )
 
 # Attributes through which wrappers hold the wrapped module; they are not part of clean names.
-_WRAPPER_ATTRS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+WRAPPER_ATTRS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
-def _join(prefix: str, name: str) -> str:
+def join_name(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _clean(fqn: str) -> str:
-    return ".".join(part for part in fqn.split(".") if part not in _WRAPPER_ATTRS)
+def clean_name(fqn: str) -> str:
+    return ".".join(part for part in fqn.split(".") if part not in WRAPPER_ATTRS)
 
 
-def _is_ddp(module: nn.Module) -> bool:
+def is_ddp(module: nn.Module) -> bool:
     return isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel))
 
 
-def _modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+def clean_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every module once, in ``named_modules`` order, under its clean name: the attributes
     through which torch.compile, FSDP1, activation checkpointing and DDP hold the wrapped module
     (``_orig_mod``, ``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``, DDP's ``module``)
@@ -62,14 +62,14 @@ def _modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
         out.append((prefix, module))
         for name, child in module._modules.items():
             if child is not None:
-                skip = name in _WRAPPER_ATTRS or (name == "module" and _is_ddp(module))
-                visit(prefix if skip else _join(prefix, name), child)
+                skip = name in WRAPPER_ATTRS or (name == "module" and is_ddp(module))
+                visit(prefix if skip else join_name(prefix, name), child)
 
     visit("", root)
     return out
 
 
-def _global_shape(value) -> torch.Size:
+def global_shape(value) -> torch.Size:
     return torch.Size(value.size())
 
 
@@ -116,11 +116,11 @@ def dtensor_view(local: torch.Tensor, mesh, placements, shape: torch.Size, strid
     return DTensor(local, spec, requires_grad=False)
 
 
-class _Slot:
+class Slot:
     """One tensor the EMA keeps, on this rank.
 
-    ``_Replicated``: a parameter or buffer every rank holds whole (plain, DDP, buffers);
-    ``_Sharded``: the local shard of a DTensor (FSDP2); ``_Flat``: the local slice of an FSDP1
+    ``ReplicatedSlot``: a parameter or buffer every rank holds whole (plain, DDP, buffers);
+    ``ShardedSlot``: the local shard of a DTensor (FSDP2); ``FlatSlot``: the local slice of an FSDP1
     FlatParameter, which holds several named tensors (its members).
     """
 
@@ -187,7 +187,9 @@ class _Slot:
         shard (FSDP1 keeps the root's); nothing for most slots."""
 
 
-class _Replicated(_Slot):
+class ReplicatedSlot(Slot):
+    kind = "replicated"
+
     def __init__(self, fqn: str, owner: dict[str, torch.Tensor], name: str, tensor: torch.Tensor,
                  average: bool):
         self.fqn, self.average, self.local_shape = fqn, average, tensor.shape
@@ -233,7 +235,9 @@ class _Replicated(_Slot):
         return [whole(self.fqn, ema).full_part()]
 
 
-class _Sharded(_Slot):
+class ShardedSlot(Slot):
+    kind = "sharded"
+
     def __init__(self, fqn: str, owner: dict[str, torch.Tensor], name: str, param, average: bool):
         self.fqn, self.average = fqn, average
         self.mesh, self.placements = param.device_mesh, tuple(param.placements)
@@ -338,14 +342,16 @@ class _Sharded(_Slot):
         return [self._layout(ema).full_part()]
 
 
-class _Flat(_Slot):
+class FlatSlot(Slot):
+    kind = "flat"
+
     def __init__(self, prefix: str, module, flat_param, average: bool):
-        from ._fsdp1 import FlatLayout
+        from .fsdp1 import FlatLayout
 
         self.prefix, self.average = prefix, average
         handle = self.handle = module._handle
         self.layout = FlatLayout(flat_param, handle,
-                                 [_join(prefix, _clean(f)) for f in flat_param._fqns])
+                                 [join_name(prefix, clean_name(f)) for f in flat_param._fqns])
         local = getattr(flat_param, "_local_shard", flat_param)
         if local.numel() != self.layout.shard_numel:
             raise RuntimeError(f"ShardedEMA: the FSDP1 unit {prefix or '<root>'!r} is unsharded "
@@ -365,7 +371,7 @@ class _Flat(_Slot):
         return f"the FSDP1 flat parameter of {self.prefix or '<root>'!r}"
 
     def state_items(self, ema):
-        from ._fsdp1 import sharded_tensor
+        from .fsdp1 import sharded_tensor
 
         layout, out = self.layout, {}
         layout.require_sharded("state_dict", hybrid=False)
@@ -424,10 +430,13 @@ class _Flat(_Slot):
             self.handle.reshard(True)
 
 
-class _FlatReplicated(_Flat):
+class FlatReplicatedSlot(FlatSlot):
+    kind = "flatreplicated"
+
     """An FSDP1 NO_SHARD unit (what FSDP1 becomes at one rank): every rank holds the whole flat
-    parameter, so each member is a view of it, laid out like a replicated tensor (``_Replicated``:
-    every rank writes its torch.chunk rows of each member; state dicts hold plain tensors)."""
+    parameter, so each member is a view of it, laid out like a replicated tensor
+    (``ReplicatedSlot``: every rank writes its torch.chunk rows of each member; state dicts hold
+    plain tensors)."""
 
     def members(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         return [(m.fqn, flat[m.start:m.start + m.shape.numel()].view(m.shape))
@@ -440,7 +449,7 @@ class _FlatReplicated(_Flat):
         return [(whole(fqn, view, writers=world_size), rank) for fqn, view in self.members(t)]
 
     def local_value(self, fqn, value):
-        return _Replicated.local_value(self, fqn, value)
+        return ReplicatedSlot.local_value(self, fqn, value)
 
     def file_request(self):
         return 0, 1
@@ -454,34 +463,10 @@ class _FlatReplicated(_Flat):
                 whole(fqn, view).assign(values[fqn])
 
 
-def load_slots(directory: str, slots: list[_Slot], tensors: list[torch.Tensor], *,
-               check_names: Callable[[Mapping[str, torch.Size]], None], group,
-               device: torch.device, what: str, verify: bool,
-               before_write: Callable[[], None] | None = None) -> None:
-    """Collective: a checkpoint into ``tensors`` (one per slot: the EMA's, or the model's own for
-    ``load_model_weights``) through ``_collective.load_collective``; ``check_names(available)``
-    (global shapes by name) raises on names or shapes the caller refuses. In place where the
-    file's layout is the tensor's, else read, agreed, then assigned (FSDP1 units: collective)."""
-    def plan(info):
-        available = {k: torch.Size(v["shape"]) for k, v in info["tensors"].items()}
-        check_names(available)
-        return [target for slot, t in zip(slots, tensors) for target in slot.load_targets(t)
-                if target.name in available]
-
-    values = load_collective(directory, plan, group=group, device=device, what=what,
-                             verify=verify, before_write=before_write)
-    with torch.no_grad():
-        for slot, t in zip(slots, tensors):
-            mine = {fqn: slot.from_file(fqn, values[fqn]) for fqn, _ in slot.names()
-                    if fqn in values}
-            if mine:  # the same slots on every rank: FSDP1's exchange runs everywhere
-                slot.assign(t, mine)
-
-
 Select = Callable[[str, torch.Tensor], bool]
 
 
-def _flat_selected(slot: _Flat, flat_param, select: Select | None) -> bool:
+def flat_selected(slot: FlatSlot, flat_param, select: Select | None) -> bool:
     """Whether an FSDP1 unit is kept: a FlatParameter is one tensor, so its members are kept or
     left out together (``select`` sees each member's name and its original parameter where
     FSDP1 keeps it, ``use_orig_params=True``, else the FlatParameter)."""
@@ -501,54 +486,54 @@ def _flat_selected(slot: _Flat, flat_param, select: Select | None) -> bool:
     return bool(chosen)
 
 
-def _discover(model: nn.Module, include_buffers: bool, buffers: str,
-              select: Select | None = None) -> list[_Slot]:
+def discover(model: nn.Module, include_buffers: bool, buffers: str,
+              select: Select | None = None) -> list[Slot]:
     """The slots of ``model``: its parameters that ``select(fqn, tensor)`` keeps (all without
     it), then, with ``include_buffers``, its persistent buffers."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp._flat_param import FlatParameter
 
-    slots: list[_Slot] = []
+    slots: list[Slot] = []
     seen, flat_members = set(), set()
-    modules = _modules(model)
+    modules = clean_modules(model)
     for prefix, module in modules:
         if isinstance(module, FullyShardedDataParallel) and module._handle is not None:
             flat_param = module._handle.flat_param
             seen.add(id(flat_param))
             sharded = module._handle.uses_sharded_strategy
-            slot = (_Flat if sharded else _FlatReplicated)(prefix, module, flat_param,
+            slot = (FlatSlot if sharded else FlatReplicatedSlot)(prefix, module, flat_param,
                                                            average=True)
             flat_members.update(fqn for fqn, _ in slot.names())
-            if _flat_selected(slot, flat_param, select):
+            if flat_selected(slot, flat_param, select):
                 slots.append(slot)
         for name, p in module._parameters.items():
-            fqn = _join(prefix, name)
+            fqn = join_name(prefix, name)
             if p is None or id(p) in seen or isinstance(p, FlatParameter) or fqn in flat_members:
                 continue
             seen.add(id(p))
             if select is None or select(fqn, p):
-                slots.append(_make_slot(fqn, module._parameters, name, p, average=True))
+                slots.append(make_slot(fqn, module._parameters, name, p, average=True))
     if include_buffers:
         for prefix, module in modules:
             for name, b in module._buffers.items():
                 if b is None or id(b) in seen or name in module._non_persistent_buffers_set:
                     continue
                 seen.add(id(b))
-                slot = _make_slot(_join(prefix, name), module._buffers, name, b,
+                slot = make_slot(join_name(prefix, name), module._buffers, name, b,
                                   average=buffers == "average")
                 slot.buffer = True
                 slots.append(slot)
     return slots
 
 
-def _make_slot(fqn: str, owner, name: str, tensor: torch.Tensor, average: bool) -> _Slot:
+def make_slot(fqn: str, owner, name: str, tensor: torch.Tensor, average: bool) -> Slot:
     if tensor.is_complex():
         raise ValueError(f"ShardedEMA: {fqn!r} is complex ({tensor.dtype}); only real floating "
                          f"tensors can be averaged")
     average = average and tensor.is_floating_point()
     if is_dtensor(tensor):
-        return _Sharded(fqn, owner, name, tensor, average)
-    return _Replicated(fqn, owner, name, tensor, average)
+        return ShardedSlot(fqn, owner, name, tensor, average)
+    return ReplicatedSlot(fqn, owner, name, tensor, average)
 
 
 
@@ -564,7 +549,7 @@ class TrainableWatch:
         # (name, dict holding the parameter, key, requires_grad then); the dict is read again
         # at check time since FSDP swaps the parameter objects it holds.
         self.entries: list[tuple[str, Mapping[str, Any], str, bool]] = []
-        for prefix, module in _modules(model):
+        for prefix, module in clean_modules(model):
             if isinstance(module, FullyShardedDataParallel) and module._handle is not None:
                 handle = module._handle
                 holder = {"flat": handle.flat_param}
@@ -572,7 +557,7 @@ class TrainableWatch:
                                      "flat", bool(handle.flat_param.requires_grad)))
             for name, p in module._parameters.items():
                 if p is not None and not isinstance(p, FlatParameter):
-                    self.entries.append((_join(prefix, name), module._parameters, name,
+                    self.entries.append((join_name(prefix, name), module._parameters, name,
                                          bool(p.requires_grad)))
 
     def check(self, what: str) -> None:

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from .._binding import SETTINGS, Binding, name_changes, setting_changes, settings
-from .._dist import default_group, rank_world
-from ..config import EMAConfig
+from ..distributed.groups import default_group, rank_world
+from ..ema.config import EMAConfig
+from ..store.binding import SETTINGS, Binding, name_changes, setting_changes, settings
 
 
 def make_ema(model: torch.nn.Module, config: EMAConfig,
@@ -26,7 +26,7 @@ def make_ema(model: torch.nn.Module, config: EMAConfig,
     """The ``fsdp_ema.ShardedEMA`` of ``model`` and the update a callback calls: ``ema.update``,
     or with ``compile`` (True, or a dict of ``torch.compile`` arguments) that update compiled
     with ``fullgraph=True``."""
-    from ..sharded_ema import ShardedEMA
+    from ..ema.sharded import ShardedEMA
 
     ema = ShardedEMA(model, config)
     update = ema.update

@@ -29,10 +29,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import _dtypes, _ops
+from .. import _dtypes, _ops
+from ..distributed.groups import check_dtype_kind, raise_if_any_rank_failed, rank_world
+from ..model.layouts import LoadTarget
+from ..model.slots import Slot
 from . import checkpoint as _ckpt
-from ._dist import check_dtype_kind, raise_if_any_rank_failed, rank_world
-from ._layouts import LoadTarget
 
 T = TypeVar("T")
 
@@ -90,7 +91,7 @@ def save_collective(directory: str | os.PathLike, pieces: Callable[[], Mapping[s
                 raise staged_error
             check_fresh(directory, overwrite)
             if staged_event is not None:
-                from ._async import wait_staged
+                from .async_save import wait_staged
 
                 wait_staged(staged_event)
             return ready if ready is not None or collective_pieces else pieces()
@@ -240,3 +241,27 @@ def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
             if t.dest is not None:
                 t.dest.copy_(values.pop(t.name))
     return values
+
+
+def load_slots(directory: str, slots: list[Slot], tensors: list[torch.Tensor], *,
+               check_names: Callable[[Mapping[str, torch.Size]], None], group,
+               device: torch.device, what: str, verify: bool,
+               before_write: Callable[[], None] | None = None) -> None:
+    """Collective: a checkpoint into ``tensors`` (one per slot: the EMA's, or the model's own for
+    ``load_model_weights``) through ``_collective.load_collective``; ``check_names(available)``
+    (global shapes by name) raises on names or shapes the caller refuses. In place where the
+    file's layout is the tensor's, else read, agreed, then assigned (FSDP1 units: collective)."""
+    def plan(info):
+        available = {k: torch.Size(v["shape"]) for k, v in info["tensors"].items()}
+        check_names(available)
+        return [target for slot, t in zip(slots, tensors) for target in slot.load_targets(t)
+                if target.name in available]
+
+    values = load_collective(directory, plan, group=group, device=device, what=what,
+                             verify=verify, before_write=before_write)
+    with torch.no_grad():
+        for slot, t in zip(slots, tensors):
+            mine = {fqn: slot.from_file(fqn, values[fqn]) for fqn, _ in slot.names()
+                    if fqn in values}
+            if mine:  # the same slots on every rank: FSDP1's exchange runs everywhere
+                slot.assign(t, mine)

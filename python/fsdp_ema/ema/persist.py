@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from ._collective import save_collective
-from ._dist import rank_world
-from ._slots import _global_shape, load_slots
+from ..distributed.groups import rank_world
+from ..model.slots import global_shape, load_slots
+from ..store.collective import save_collective
 
 
 def list_names(names: Sequence[str], limit: int = 8) -> str:
@@ -69,7 +69,7 @@ class CheckpointMixin:
         ``state_dict()`` at any world size. ``STEP_KEY``, if present, sets the step. Collective
         for FSDP1 models. With ``strict``, the names must match exactly; shapes always must."""
         self.synchronize()
-        available = {k: _global_shape(v) for k, v in state_dict.items() if k != self.STEP_KEY}
+        available = {k: global_shape(v) for k, v in state_dict.items() if k != self.STEP_KEY}
         self._check_names(available, strict, "load_state_dict")
         for slot, ema in zip(self._slots, self._ema):
             values = {fqn: slot.local_value(fqn, state_dict[fqn])
@@ -112,7 +112,7 @@ class CheckpointMixin:
 
         saver = None
         if async_:
-            from ._async import AsyncSaver
+            from ..store.async_save import AsyncSaver
 
             saver = self.__dict__.setdefault("_async_saver", AsyncSaver())
         return save_collective(directory, pieces, group=self._group, device=self._device,
@@ -179,7 +179,7 @@ class CheckpointMixin:
         (FSDP1 units: one all_to_all each, as a save). What the trainer integrations record with
         every EMA they save, to prove on resume that the restored model is the one it was saved
         with (``fsdp_ema._binding``)."""
-        from ._binding import fingerprint
+        from ..store.binding import fingerprint
 
         self.synchronize()
         rank, world = self._rank_world()
