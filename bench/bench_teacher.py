@@ -182,7 +182,7 @@ def rank_main(rank: int, init_file: str, args, queue) -> None:
         results[row] = {name: {"min": min(r), "median": statistics.median(r), "rounds": r}
                         for name, r in zip(fns, rounds.tolist())}
 
-    ema_storages = storage_bytes(ema._ema)
+    ema_storages = storage_bytes(ema.state.tensors)
     ours_held = storage_bytes([*teacher.parameters(), *teacher.buffers()])
     theirs_held = storage_bytes([*theirs.parameters(), *theirs.buffers()])
     memory = torch.tensor([ema.nbytes, sum(ema_storages.values()),

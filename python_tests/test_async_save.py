@@ -97,7 +97,7 @@ def run_ema_async_reuse(rank, world, d1, d2, d3):
             train(model, opt, sched, ema, rank, 0, 1)
             expected.append({k: v.clone() for k, v in ema.full_state_dict().items()})
             handle = ema.save(d, async_=True)
-            ptrs.append({k: b.data_ptr() for k, b in ema._async_saver.staging.buffers.items()})
+            ptrs.append({k: b.data_ptr() for k, b in ema.state.async_saver.staging.buffers.items()})
             train(model, opt, sched, ema, rank, 1, 3)  # before the write starts
             gate.set()
             handle.result(timeout=60)

@@ -43,9 +43,9 @@ def test_offloaded_ema_matches_the_device_ema(dtype, update_every):
     model = make_model(dtype)
     ref = ShardedEMA(model, 0.9, warmup=True, update_every=update_every)
     off = ShardedEMA(model, 0.9, warmup=True, update_every=update_every, device="cpu")
-    assert off._host is not None
-    assert all(t.device.type == "cpu" and t.is_pinned() for t in off._ema)
-    assert all(s.is_pinned() and s.dtype == dtype for s in off._host.staging[:2])
+    assert off.state.host is not None
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in off.state.tensors)
+    assert all(s.is_pinned() and s.dtype == dtype for s in off.state.host.staging[:2])
     train(model, [ref, off], 7)
     off.synchronize()
     sr, so = ref.state_dict(), off.state_dict()
@@ -82,7 +82,7 @@ def test_offloaded_ema_under_fsdp2_local_shards():
         views = {k: v for k, v in sd.items() if k != ShardedEMA.STEP_KEY}
         assert views and all(v._local_tensor.device.type == "cpu" for v in views.values())
         assert {v._local_tensor.data_ptr() for v in views.values()} <= {
-            t.data_ptr() for t in off._ema}
+            t.data_ptr() for t in off.state.tensors}
 
 
 def test_optimizer_step_right_after_update_waits_for_the_copy():
@@ -99,14 +99,14 @@ def test_optimizer_step_right_after_update_waits_for_the_copy():
     for _ in range(2):
         torch.cuda._sleep(200_000_000)  # the copy waits behind this (on the device)
         off.update()
-        assert off._host._device_waits  # no wait yet: the copy may overlap what comes next
+        assert off.state.host._device_waits  # no wait yet: the copy may overlap what comes next
         opt.step()  # w -= 1, on the training's stream
-        assert not off._host._device_waits
+        assert not off.state.host._device_waits
         off.synchronize()
         # ema = lerp(ema, w at update(), 0.5): the weights from before this step's write.
-        assert torch.equal(off._ema[0], before), "the optimizer's write reached the copy"
+        assert torch.equal(off.state.tensors[0], before), "the optimizer's write reached the copy"
         before = model.w.detach().cpu()
-        off._ema[0].copy_(before)  # restart from the current weights for the second round
+        off.state.tensors[0].copy_(before)  # restart from the current weights for the second round
 
 
 def test_async_save_of_cuda_tensors_uses_pinned_staging(tmp_path):

@@ -118,7 +118,7 @@ def test_save_and_load_of_cuda_ema(trained, tmp_path):
     ema.save(tmp_path / "ck")
     before = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
               for k, v in ema.state_dict().items() if k != ShardedEMA.STEP_KEY}
-    for t in ema._ema:
+    for t in ema.state.tensors:
         t.zero_()
     ema.load(tmp_path / "ck")
     after = ema.state_dict()

@@ -91,7 +91,7 @@ def run_full_and_export(rank, world, kind, directory):
     on_device = ema.full_state_dict(rank0_only=False, cpu_offload=False)
     with _Recorder() as rec:
         small = ema.full_state_dict(rank0_only=False, bucket_bytes=BUCKET)
-    ema_ptrs = {t.untyped_storage().data_ptr() for t in ema._ema}
+    ema_ptrs = {t.untyped_storage().data_ptr() for t in ema.state.tensors}
     shares = lambda sd: sorted(n for n, t in sd.items()  # noqa: E731
                                if t.untyped_storage().data_ptr() in ema_ptrs)
     totals = {

@@ -72,7 +72,7 @@ def live_tensors(model, opt, ema):
     for i, state in enumerate(opt.state.values()):
         out.update({f"optim.{i}.{k}": local(v) for k, v in state.items()
                     if isinstance(v, torch.Tensor)})
-    out.update({f"ema.{i}": t for i, t in enumerate(ema._ema)})
+    out.update({f"ema.{i}": t for i, t in enumerate(ema.state.tensors)})
     return out
 
 
@@ -161,7 +161,7 @@ def run_in_place(rank, world, root):
         "fresh": sorted(names)}
 
     model, opt, ema = build(2)
-    ema_before = [t.data_ptr() for t in ema._ema]
+    ema_before = [t.data_ptr() for t in ema.state.tensors]
     model_before = [local(p).data_ptr() for p in model.parameters()]
     with fresh_reads() as ema_names:
         ema.load(os.path.join(root, "ema"))
@@ -172,7 +172,7 @@ def run_in_place(rank, world, root):
     out["ema"] = {
         "differ": differing(got_ema, {k: v for k, v in expected.items()
                                       if k.startswith("ema.")}),
-        "moved": [i for i, t in enumerate(ema._ema) if t.data_ptr() != ema_before[i]],
+        "moved": [i for i, t in enumerate(ema.state.tensors) if t.data_ptr() != ema_before[i]],
         "fresh": ema_names}
     # The weights saved are the model's: the EMA's source model at the save.
     out["weights"] = {
@@ -274,11 +274,11 @@ def test_a_dtype_cast_is_read_fresh_and_copied(tmp_path):
     ShardedEMA(model, 0.9, dtype=None).save(tmp_path / "bf16")
     torch.manual_seed(1)
     ema = ShardedEMA(nn.Linear(4, 3), 0.9)  # fp32: the bf16 values are cast on the way in
-    ptrs = [t.data_ptr() for t in ema._ema]
+    ptrs = [t.data_ptr() for t in ema.state.tensors]
     with fresh_reads() as names:
         ema.load(tmp_path / "bf16")
     assert sorted(names) == ["bias", "weight"]
-    assert [t.data_ptr() for t in ema._ema] == ptrs
+    assert [t.data_ptr() for t in ema.state.tensors] == ptrs
     sd = ema.state_dict()
     assert sd["weight"].dtype == torch.float32
     assert torch.equal(sd["weight"], model.weight.float())
@@ -371,10 +371,10 @@ def test_cuda_ema_loads_in_place(tmp_path, device):
     with torch.no_grad():
         model.weight.add_(1)
     ema.update()  # in flight on the host worker for device="cpu"
-    ptrs = [t.data_ptr() for t in ema._ema]
+    ptrs = [t.data_ptr() for t in ema.state.tensors]
     with fresh_reads() as names:
         ema.load(tmp_path / "e")
-    assert names == [] and [t.data_ptr() for t in ema._ema] == ptrs
+    assert names == [] and [t.data_ptr() for t in ema.state.tensors] == ptrs
     sd = ema.state_dict()
     assert sd["weight"].device.type == ("cpu" if device else "cuda")
     assert torch.equal(sd["weight"].cpu(), saved.weight.cpu())

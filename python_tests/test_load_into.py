@@ -222,7 +222,7 @@ def test_a_collective_load_refuses_a_file_rewritten_after_its_check(tmp_path, mo
     ema = fsdp_ema.ShardedEMA(model)
     ema.save(tmp_path)
     with torch.no_grad():
-        for t in ema._ema:
+        for t in ema.state.tensors:
             t.fill_(7.0)
     real_check = ckpt.OpenCheckpoint.check_into
 
@@ -233,7 +233,7 @@ def test_a_collective_load_refuses_a_file_rewritten_after_its_check(tmp_path, mo
     monkeypatch.setattr(ckpt.OpenCheckpoint, "check_into", check_then_rewrite)
     with pytest.raises(RuntimeError, match="changed since it was opened"):
         ema.load(tmp_path)
-    assert all(torch.all(t == 7.0) for t in ema._ema)
+    assert all(torch.all(t == 7.0) for t in ema.state.tensors)
 
 
 def test_a_corrupted_last_read_chunk_is_refused_before_writing_any_destination(tmp_path):

@@ -72,7 +72,7 @@ def test_offloaded_path_is_bit_exact(kwargs, param_dtype):
     kw = {"decay": 0.99, **kwargs}
     ref = ShardedEMA(model, **kw)
     off = offloaded(model, **kw)
-    assert off._host is not None and ref._host is None
+    assert off.state.host is not None and ref.state.host is None
     train_both(model, [ref, off], 8)  # the last update (k=7) is skipped by update_every
     off.synchronize()
     assert_same(off, ref)
@@ -154,7 +154,7 @@ def run_fsdp2(rank, world):
         ref.update()
         off.update()
     # The worker staged the local shards (plain tensors, not DTensors).
-    assert all(type(t) is torch.Tensor for t in off._host.staging)
+    assert all(type(t) is torch.Tensor for t in off.state.host.staging)
     # The view state_dict() builds for a host EMA on an accelerator mesh (there the devices
     # differ; here the same construction is checked on the CPU) is the DTensor from_local makes,
     # over the EMA tensor itself: uneven shards (7 rows over 2 ranks) keep their global shape.
@@ -163,7 +163,7 @@ def run_fsdp2(rank, world):
     from fsdp_ema.model.slots import dtensor_view
 
     off.synchronize()  # the last update may still be running on the worker thread
-    for slot, ema in zip(off._slots, off._ema):
+    for slot, ema in zip(off.state.slots, off.state.tensors):
         want = DTensor.from_local(ema, slot.mesh, slot.placements, run_check=False,
                                   shape=slot.global_shape,
                                   stride=torch.empty(slot.global_shape, device="meta").stride())

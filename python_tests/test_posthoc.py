@@ -82,7 +82,7 @@ def train(root, steps=300, every=25, ema_pytorch_dir=None):
             ref.update()
         ours.maybe_snapshot(n)
     final = {n: p.detach().clone() for n, p in net.named_parameters()}
-    return net, ours, dict(zip(direct._shapes, direct._ema)), final, ref
+    return net, ours, dict(zip(direct.state.shapes, direct.state.tensors)), final, ref
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_reconstruction_of_a_directly_tracked_sigma_rel(run, tmp_path):
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     ema = fsdp_ema.ShardedEMA(net)
     ema.load(tmp_path / "out")
-    assert torch.equal(ema._ema[0], rec["0.weight"])
+    assert torch.equal(ema.state.tensors[0], rec["0.weight"])
 
 
 def test_agrees_with_ema_pytorch_posthoc_on_the_same_run(run, tmp_path):

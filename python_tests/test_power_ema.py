@@ -165,11 +165,12 @@ def test_snapshots_record_step_and_gamma_and_load_as_checkpoints(tmp_path):
     for d in last:
         k = int(d.rsplit("-", 1)[1])
         values = fsdp_ema.checkpoint.load(d)
-        for (name, _), t in zip([(n, s) for n, s in ema._shapes.items()], ema.profile_tensors(k)):
+        shapes = [(n, s) for n, s in ema.state.shapes.items()]
+        for (name, _), t in zip(shapes, ema.profile_tensors(k)):
             assert torch.equal(values[name], t)
         other = ShardedEMA(net)
         other.load(d, strict=False)  # the metadata tensors are extra names
-        assert all(torch.equal(a, b) for a, b in zip(other._ema, ema.profile_tensors(k)))
+        assert all(torch.equal(a, b) for a, b in zip(other.state.tensors, ema.profile_tensors(k)))
 
 
 def test_state_dict_round_trip_keeps_every_profile():

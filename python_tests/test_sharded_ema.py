@@ -200,28 +200,29 @@ def _train_with_ema(rank, world, kind, dtype, ema_kwargs, steps=STEPS):
 
 def run_matrix_case(rank, world, kind, dtype):
     model, ema, states = _train_with_ema(rank, world, kind, dtype, {})
-    local_model_numel = sum(t.numel() for t in ema._refresh())
+    local_model_numel = sum(t.numel() for t in ema.state.refresh())
     return {"entries": local_entries(ema.state_dict()), "states": states,
             "step": int(ema.step), "nbytes": ema.nbytes, "local_numel": local_model_numel,
-            "ema_numel": sum(t.numel() for t in ema._ema)}
+            "ema_numel": sum(t.numel() for t in ema.state.tensors)}
 
 
 def run_swap_case(rank, world, kind, dtype):
     model, ema, _ = _train_with_ema(rank, world, kind, dtype, {})
     x = eval_input(dtype)
     model.eval()
-    before = [t.clone() for t in ema._refresh()]
+    before = [t.clone() for t in ema.state.refresh()]
     with torch.no_grad():
         raw = model(x)
         with ema.swap() as swapped:
             assert swapped is model
             inside = model(x)
-            held = [t.clone() for t in ema._refresh()]
+            held = [t.clone() for t in ema.state.refresh()]
         after = model(x)
-    now = ema._refresh()
+    now = ema.state.refresh()
     return {"raw": raw, "inside": inside, "after": after,
             "restored": all(bit_equal(a, b) for a, b in zip(before, now)),
-            "held_is_ema": all(torch.equal(h, e.to(h.dtype)) for h, e in zip(held, ema._ema)),
+            "held_is_ema": all(torch.equal(h, e.to(h.dtype))
+                               for h, e in zip(held, ema.state.tensors)),
             "entries": local_entries(ema.state_dict())}
 
 
@@ -241,16 +242,16 @@ def run_compiled_update(rank, world):
         eager.update()
         update()
         decays.append((float(eager.last_decay), float(compiled.last_decay)))
-    same = all(torch.equal(a, b) for a, b in zip(eager._ema, compiled._ema))
+    same = all(torch.equal(a, b) for a, b in zip(eager.state.tensors, compiled.state.tensors))
     # The host's count of the step: kept by eager updates, given up by compiled ones (the
     # count then comes from the tensor), and set again by load_state_dict.
     step = int(compiled.step)
-    counts = {"eager": (eager._step_host, eager._step_count()),
-              "compiled": (compiled._step_host, compiled._step_count())}
+    counts = {"eager": (eager.state.step_host, eager.state.step_count()),
+              "compiled": (compiled.state.step_host, compiled.state.step_count())}
     sd = compiled.state_dict()
     sd[ShardedEMA.STEP_KEY] = torch.tensor(37)
     compiled.load_state_dict(sd)
-    counts["loaded"] = (compiled._step_host, compiled._step_count())
+    counts["loaded"] = (compiled.state.step_host, compiled.state.step_count())
     return {"frames": counter.frame_count, "same": same, "step": step, "decays": decays,
             "counts": counts}
 

@@ -127,7 +127,7 @@ def batch(layout: str, rank: int, step: int) -> torch.Tensor:
 
 
 def ema_index(ema: ShardedEMA) -> dict[str, int]:
-    return {fqn: i for i, slot in enumerate(ema._slots) for fqn, _ in slot.names()}
+    return {fqn: i for i, slot in enumerate(ema.state.slots) for fqn, _ in slot.names()}
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -178,12 +178,12 @@ def run_matches_reference(rank, world, layout):
     index = ema_index(ema)
     shares, same_object = [], []
     for n, p in teacher.named_parameters():
-        e = ema._ema[index[n]]
+        e = ema.state.tensors[index[n]]
         shares.append(local(p).untyped_storage().data_ptr() == e.untyped_storage().data_ptr()
                       and local(p).data_ptr() == e.data_ptr())
         same_object.append(local(p) is e)
     for n, b in teacher.named_buffers():
-        e = ema._ema[index[n]]
+        e = ema.state.tensors[index[n]]
         shares.append(b.untyped_storage().data_ptr() == e.untyped_storage().data_ptr())
     features = None
     if layout == "fsdp2":  # the registered forward method gathers the EMA too
@@ -281,12 +281,12 @@ def run_memory(rank, world):
                 fully_shard(m, mesh=mesh)
         fully_shard(model, mesh=mesh)
         ema = ShardedEMA(model, decay=0.9)
-        storages_before = sum(t.untyped_storage().nbytes() for t in ema._ema)
+        storages_before = sum(t.untyped_storage().nbytes() for t in ema.state.tensors)
         sd = ema.state_dict()  # taken before: its DTensors stay views of the (grown) EMA
         sizes, teacher = allocations_during(ema.module)
         index = ema_index(ema)
-        sd_valid = all(local(v).data_ptr() == ema._ema[index[n]].data_ptr()
-                       and torch.equal(local(v), ema._ema[index[n]])
+        sd_valid = all(local(v).data_ptr() == ema.state.tensors[index[n]].data_ptr()
+                       and torch.equal(local(v), ema.state.tensors[index[n]])
                        for n, v in sd.items() if n in index)
         # What the teacher holds: the storages of its tensors, each counted once.
         held = {}
@@ -294,7 +294,7 @@ def run_memory(rank, world):
             s = local(t).untyped_storage()
             held[s.data_ptr()] = s.nbytes()
         ema_storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                        for t in ema._ema}
+                        for t in ema.state.tensors}
         # FSDP2's padding of this rank's shards: the rows rank 0 holds, less this rank's.
         padding = 0
         for m in teacher.modules():
@@ -556,15 +556,15 @@ def run_gradients_reshard_compile_lora(rank, world):
     model, _, ema = make("fsdp2")
     teacher = ema.module()
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
-    before = [t.clone() for t in ema._ema]
+    before = [t.clone() for t in ema.state.tensors]
     x = batch("fsdp2", rank, 0).requires_grad_(True)
     loss = model(x).square().mean() + teacher(x).square().mean()
     loss.backward()
     opt.step()
     out["input_grad"] = x.grad is not None and x.grad.abs().sum().item() > 0
     out["teacher_grads"] = [p.grad for p in teacher.parameters()]
-    out["ema_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, ema._ema))
-    out["ema_grads"] = [t.grad for t in ema._ema]
+    out["ema_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, ema.state.tensors))
+    out["ema_grads"] = [t.grad for t in ema.state.tensors]
     # reshard_after_forward=False keeps the gathered parameters between forwards: an update (or
     # a load) between two forwards must still reach the second.
     model, _, ema = make("fsdp2")
@@ -641,7 +641,7 @@ def run_gradients_reshard_compile_lora(rank, world):
     shared = {}
     for n, p in teacher.named_parameters():
         if n in index:
-            shared[n] = local(p) is ema._ema[index[n]]
+            shared[n] = local(p) is ema.state.tensors[index[n]]
         else:
             shared[n] = (local(p).untyped_storage().data_ptr()
                          == local(student_params[n]).untyped_storage().data_ptr())
@@ -827,8 +827,9 @@ def run_own_buffers(rank, world, layout):
     ema.update()
     teacher = ema.module()
     student = inner(model)
-    at_build, s0, e0 = buffers_of(teacher), buffers_of(student), [t.clone() for t in ema._ema]
-    ema_storages = {t.untyped_storage().data_ptr() for t in ema._ema}
+    at_build, s0 = buffers_of(teacher), buffers_of(student)
+    e0 = [t.clone() for t in ema.state.tensors]
+    ema_storages = {t.untyped_storage().data_ptr() for t in ema.state.tensors}
     student_storages = {b.untyped_storage().data_ptr() for b in student.buffers()}
     own = [b.untyped_storage().data_ptr() not in ema_storages | student_storages
            for b in teacher.buffers()]
@@ -838,14 +839,14 @@ def run_own_buffers(rank, world, layout):
     teacher.eval()
     after = buffers_of(teacher)
     untouched = equal(buffers_of(student), s0) and all(
-        torch.equal(a, b) for a, b in zip(ema._ema, e0))
+        torch.equal(a, b) for a, b in zip(ema.state.tensors, e0))
     train_step(model, opt, layout, rank, 1)
     ema.update()  # averages the parameters only: the teacher's buffers stay its own
     return dict(own=own, copied=equal(at_build, s0), after=after, at_build=at_build,
                 untouched=untouched, kept=equal(buffers_of(teacher), after),
-                slots=[slot.buffer for slot in ema._slots], n_params=len(list(
+                slots=[slot.buffer for slot in ema.state.slots], n_params=len(list(
                     student.parameters())), ema_moved=not all(
-                    torch.equal(a, b) for a, b in zip(ema._ema, e0)))
+                    torch.equal(a, b) for a, b in zip(ema.state.tensors, e0)))
 
 
 def run_ema_buffers(rank, world, layout, mode):
@@ -861,7 +862,7 @@ def run_ema_buffers(rank, world, layout, mode):
     ema.update()
     d = ema.last_decay.item()
     s, t = buffers_of(student), buffers_of(teacher)
-    shared = all(b.data_ptr() == ema._ema[index[n]].data_ptr()
+    shared = all(b.data_ptr() == ema.state.tensors[index[n]].data_ptr()
                  for n, b in teacher.named_buffers())
     lerp = max((t[n] - (d * prev[n] + (1 - d) * s[n])).abs().max().item()
                for n in s if s[n].is_floating_point())
@@ -870,7 +871,7 @@ def run_ema_buffers(rank, world, layout, mode):
         teacher(batch(layout, rank, 50))
     teacher.eval()
     written = buffers_of(teacher)
-    ema_written = not torch.equal(ema._ema[index["bn.running_mean"]], t["bn.running_mean"])
+    ema_written = not torch.equal(ema.state.tensors[index["bn.running_mean"]], t["bn.running_mean"])
     ema.update()  # no student step between: what the forward wrote goes
     return dict(decay=d, student=s, teacher=t, shared=shared, lerp=lerp, written=written,
                 ema_written=ema_written, again=buffers_of(teacher),
@@ -1107,7 +1108,8 @@ def test_cosine_momentum_is_dinos_schedule_on_the_device_and_resumes_by_step():
         model.weight.add_(1.0)
     a.update()
     b.update()
-    assert torch.equal(a._ema[0], b._ema[0]) and a.last_decay.item() == b.last_decay.item()
+    assert torch.equal(a.state.tensors[0], b.state.tensors[0])
+    assert a.last_decay.item() == b.last_decay.item()
     # Compiled: one graph whatever the step.
     from torch._dynamo.utils import counters
 
@@ -1127,7 +1129,7 @@ def test_cosine_momentum_is_dinos_schedule_on_the_device_and_resumes_by_step():
     index = ema_index(ema)
     held = [*teacher.named_parameters(), *teacher.named_buffers()]
     assert len(held) == len(index) == 7
-    assert all(t.data_ptr() == ema._ema[index[n]].data_ptr() for n, t in held)
+    assert all(t.data_ptr() == ema.state.tensors[index[n]].data_ptr() for n, t in held)
     assert not any(p.requires_grad for p in teacher.parameters()) and not teacher.training
     # torch.compile(model) at the root: the teacher is compiled alike (here: the eager backend).
     compiled = torch.compile(nn.Sequential(nn.Linear(4, 3), nn.Tanh()), backend="eager")
@@ -1148,7 +1150,7 @@ def test_cosine_momentum_is_dinos_schedule_on_the_device_and_resumes_by_step():
         bn[0].weight.add_(1.0)
     power.update()
     assert torch.equal(teacher[0].weight, power.state_dict()["0.weight"])
-    assert teacher[0].weight.data_ptr() == power._profile_emas[0][0].data_ptr()
+    assert teacher[0].weight.data_ptr() == power.profile_tensors(0)[0].data_ptr()
 
 
 def run_example(tmp_path: Path, *args: str) -> str:

@@ -1,10 +1,9 @@
-"""A ``ShardedEMA``'s full (unsharded) weights (one part of the class; ``sharded_ema`` says
-which): ``full_state_dict`` and ``export``, both the bucketed gather of ``_full_state``, planned
-from the EMA's slots without communication so that a refusal raises on every rank before any
+"""A ``ShardedEMA``'s full (unsharded) weights (one part of the class; ``ema.sharded`` says
+which): ``full_state_dict`` and ``export``, both the bucketed gather of ``store.full_state``,
+planned from the EMA's slots without communication so that a refusal raises on every rank before any
 gather.
 
-Reads the EMA's ``_slots``, ``_ema``, ``_shapes``, ``_group`` and ``_device``, and calls its
-``synchronize()`` and ``_rank_world()``.
+Reads the EMA through its ``state`` (``EMAState``).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ class FullStateMixin:
                              f"{bucket_bytes}")
         self.synchronize()
         # Planned without communication, so a refusal raises on every rank before any gather.
-        return [part for slot, ema in zip(self._slots, self._ema)
+        return [part for slot, ema in zip(self.state.slots, self.state.tensors)
                 for part in slot.full_parts(ema)]
 
     @torch.no_grad()
@@ -53,14 +52,14 @@ class FullStateMixin:
             bucket_bytes: the transient device memory one bucket may take.
         """
         parts = self._full_plan(bucket_bytes, "full_state_dict")
-        keep = not rank0_only or self._rank_world()[0] == 0
+        keep = not rank0_only or self.state.rank_world()[0] == 0
         out: dict[str, torch.Tensor] = {}
         for bucket in full_buckets(parts, bucket_bytes):
             if keep:
                 for fqn, t, fresh in bucket:
                     out[fqn] = t.to("cpu", copy=not fresh) if cpu_offload else t
             del bucket  # before the next gather
-        return {fqn: out[fqn] for fqn in self._shapes} if keep else {}
+        return {fqn: out[fqn] for fqn in self.state.shapes} if keep else {}
 
     @torch.no_grad()
     def export(self, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
@@ -96,8 +95,8 @@ class FullStateMixin:
             parts = [p for p in parts if p.fqn.startswith(prefix) and len(p.fqn) > len(prefix)]
             if not parts:
                 raise ValueError(f"{what}: no tensor name starts with {prefix!r} (the names are "
-                                 f"{list_names(list(self._shapes), 4)})")
+                                 f"{list_names(list(self.state.shapes), 4)})")
             names = {p.fqn: p.fqn[len(prefix):] for p in parts}
         return _export(parts, path, dtype=dtype, max_file_bytes=int(max_file_bytes),
-                       bucket_bytes=bucket_bytes, overwrite=overwrite, group=self._group,
-                       device=self._device, what=what, names=names)
+                       bucket_bytes=bucket_bytes, overwrite=overwrite, group=self.state.group,
+                       device=self.state.device, what=what, names=names)

@@ -3,8 +3,7 @@
 ``save`` and its seed-recipe aliases, ``load``, and ``model_fingerprint`` (the pieces a save
 would write, hashed). The collective sequences are ``_collective``'s, the layouts ``_slots``'.
 
-Reads the EMA's ``_slots``, ``_ema``, ``_shapes``, ``_step``, ``_group``, ``_device`` and
-``_watch``, and calls its ``synchronize()`` and ``_refresh()``.
+Reads and writes the EMA through its ``state`` (``EMAState``).
 """
 
 from __future__ import annotations
@@ -15,9 +14,8 @@ from typing import Any
 
 import torch
 
-from ..distributed.groups import rank_world
-from ..model.slots import global_shape, load_slots
-from ..store.collective import save_collective
+from ..model.slots import global_shape
+from ..store.collective import load_slots, save_collective
 
 
 def list_names(names: Sequence[str], limit: int = 8) -> str:
@@ -42,21 +40,23 @@ class CheckpointMixin:
         size. Collective for FSDP1 models (one all_to_all per FSDP unit)."""
         self.synchronize()
         out: dict[str, Any] = {}
-        for slot, ema in zip(self._slots, self._ema):
+        state = self.state
+        for slot, ema in zip(state.slots, state.tensors):
             out.update(slot.state_items(ema))
-        out[self.STEP_KEY] = self._step
+        out[self.STEP_KEY] = state.step
         return out
 
     def _check_names(self, available: Mapping[str, torch.Size], strict: bool, what: str) -> None:
-        missing = [n for n in self._shapes if n not in available]
-        unexpected = [n for n in available if n not in self._shapes]
+        shapes = self.state.shapes
+        missing = [n for n in shapes if n not in available]
+        unexpected = [n for n in available if n not in shapes]
         problems = []
         if strict and missing:
             problems.append(f"missing {len(missing)} name(s): {list_names(missing)}")
         if strict and unexpected:
             problems.append(f"unexpected {len(unexpected)} name(s): {list_names(unexpected)}")
         wrong = [f"{n!r} is {list(available[n])} there but {list(s)} here"
-                 for n, s in self._shapes.items() if n in available and available[n] != s]
+                 for n, s in shapes.items() if n in available and available[n] != s]
         if wrong:
             problems.append(f"{len(wrong)} shape mismatch(es): " + "; ".join(wrong[:8]))
         if problems:
@@ -71,41 +71,27 @@ class CheckpointMixin:
         self.synchronize()
         available = {k: global_shape(v) for k, v in state_dict.items() if k != self.STEP_KEY}
         self._check_names(available, strict, "load_state_dict")
-        for slot, ema in zip(self._slots, self._ema):
+        state = self.state
+        for slot, ema in zip(state.slots, state.tensors):
             values = {fqn: slot.local_value(fqn, state_dict[fqn])
                       for fqn, _ in slot.names() if fqn in state_dict}
             slot.assign(ema, values)
         if self.STEP_KEY in state_dict:
-            self._step.copy_(torch.as_tensor(state_dict[self.STEP_KEY]))
-            self._step_host = int(self._step)
+            state.set_step(state_dict[self.STEP_KEY])
 
     # --- checkpoint directories -------------------------------------------------------------------
-
-    def _rank_world(self) -> tuple[int, int]:
-        return rank_world(self._group)
-
-    def _check_selection(self, what: str) -> None:
-        if self._watch is not None:
-            self._watch.check(what)
-
-    def _pieces(self, tensors: Sequence[torch.Tensor], rank: int, world: int) -> dict[str, Any]:
-        """What this rank writes of ``tensors`` (the EMA's, or the model's), as ``save_shard``
-        takes it. Collective for FSDP1 (one all_to_all per unit)."""
-        out: dict[str, Any] = {}
-        for slot, t in zip(self._slots, tensors):
-            out.update(slot.pieces(t.detach(), rank, world))
-        return out
 
     def _save(self, directory, tensors: Sequence[torch.Tensor], overwrite: bool,
               what: str, extra: Mapping[str, torch.Tensor] | None = None, *,
               async_: bool = False, if_busy: str = "wait"):
         """``extra``: whole tensors written by rank 0 next to the EMA's (snapshot metadata)."""
-        self.synchronize()
-        self._check_selection(what)
-        rank, world = self._rank_world()
+        state = self.state
+        state.synchronize()
+        state.check_selection(what)
+        rank, world = state.rank_world()
 
         def pieces() -> dict[str, Any]:  # collective for FSDP1 (one all_to_all per unit)
-            out = self._pieces(tensors, rank, world)
+            out = state.pieces(tensors, rank, world)
             if extra and rank == 0:
                 out.update({name: t.detach().cpu() for name, t in extra.items()})
             return out
@@ -114,8 +100,10 @@ class CheckpointMixin:
         if async_:
             from ..store.async_save import AsyncSaver
 
-            saver = self.__dict__.setdefault("_async_saver", AsyncSaver())
-        return save_collective(directory, pieces, group=self._group, device=self._device,
+            if state.async_saver is None:
+                state.async_saver = AsyncSaver()
+            saver = state.async_saver
+        return save_collective(directory, pieces, group=state.group, device=state.device,
                                what=f"{what}({os.fspath(directory)!r})", overwrite=overwrite,
                                async_saver=saver, if_busy=if_busy)
 
@@ -133,15 +121,15 @@ class CheckpointMixin:
         committed on a background thread, and ``handle.result()`` returns the bytes or raises on
         every rank. One save in flight per EMA: a new one waits for it, or with
         ``if_busy="raise"`` raises on every rank (see docs/SHARDED_EMA.md)."""
-        return self._save(directory, self._ema, overwrite, "ShardedEMA.save", async_=async_,
-                          if_busy=if_busy)
+        return self._save(directory, self.state.tensors, overwrite, "ShardedEMA.save",
+                          async_=async_, if_busy=if_busy)
 
     @torch.no_grad()
     def save_shard_weights(self, directory: str | os.PathLike, *, overwrite: bool = False,
                            async_: bool = False, if_busy: str = "wait"):
         """Writes the model's own weights (same tensors as the EMA, same format)."""
-        return self._save(directory, self._refresh(), overwrite, "ShardedEMA.save_shard_weights",
-                          async_=async_, if_busy=if_busy)
+        return self._save(directory, self.state.refresh(), overwrite,
+                          "ShardedEMA.save_shard_weights", async_=async_, if_busy=if_busy)
 
     def save_ema_shard_weights(self, directory: str | os.PathLike, *,
                                overwrite: bool = False, async_: bool = False,
@@ -164,9 +152,10 @@ class CheckpointMixin:
         # every checksum it will read) before the agreement, and reads into the EMA in place only
         # after it (_collective.load_collective): one rank's failure raises everywhere and leaves
         # every rank's EMA as it was.
-        load_slots(directory, self._slots, self._ema,
+        state = self.state
+        load_slots(directory, state.slots, state.tensors,
                    check_names=lambda available: self._check_names(available, strict, "load"),
-                   group=self._group, device=self._device,
+                   group=state.group, device=state.device,
                    what=f"ShardedEMA.load({directory!r})", verify=verify)
 
     @torch.no_grad()
@@ -181,7 +170,8 @@ class CheckpointMixin:
         with (``fsdp_ema._binding``)."""
         from ..store.binding import fingerprint
 
-        self.synchronize()
-        rank, world = self._rank_world()
-        pieces = self._pieces(self._refresh(), rank, world)
-        return fingerprint(pieces, group=self._group, device=self._device)
+        state = self.state
+        state.synchronize()
+        rank, world = state.rank_world()
+        pieces = state.pieces(state.refresh(), rank, world)
+        return fingerprint(pieces, group=state.group, device=state.device)

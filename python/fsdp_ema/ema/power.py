@@ -124,26 +124,22 @@ class ShardedPowerEMA(ShardedEMA):
         if snapshot_every is not None and snapshot_root is None:
             raise ValueError("ShardedPowerEMA: snapshot_every needs snapshot_root")
         super().__init__(model, dataclasses.replace(config, schedule=profiles[0]))
-        taken = [n for n in (SNAPSHOT_STEP_KEY, SNAPSHOT_GAMMA_KEY) if n in self._shapes]
+        taken = [n for n in (SNAPSHOT_STEP_KEY, SNAPSHOT_GAMMA_KEY) if n in self.state.shapes]
         if taken:
             raise ValueError(f"ShardedPowerEMA: the model has a tensor named {taken[0]!r}, a name "
                              f"snapshots keep their metadata under")
         self.profiles = profiles
         self.snapshot_every = snapshot_every
         self.snapshot_root = None if snapshot_root is None else os.fspath(snapshot_root)
+        state = self.state
         with torch.no_grad():
-            self._profile_emas = [self._ema] + [[t.clone() for t in self._ema]
-                                                for _ in profiles[1:]]
-        for g in self._groups:
+            self._profile_emas = [state.tensors] + [[t.clone() for t in state.tensors]
+                                                    for _ in profiles[1:]]
+        state.profiles = len(profiles)
+        for g in state.device_groups:
             g.profile_average = [e[i] for e in self._profile_emas for i in g.average]
             g.profile_copy = [e[i] for e in self._profile_emas for i in g.copy]
             g.profile_model_copy = g.model_copy * len(profiles)
-
-    def _bind(self, tensors: list[torch.Tensor]) -> None:
-        super()._bind(tensors)
-        if hasattr(self, "profiles"):  # not during ShardedEMA.__init__
-            for g in self._groups:
-                g.profile_model_copy = g.model_copy * len(self.profiles)
 
     # --- the schedule -----------------------------------------------------------------------------
 
@@ -178,14 +174,15 @@ class ShardedPowerEMA(ShardedEMA):
 
     @contextlib.contextmanager
     def _as_profile(self, profile: int) -> Iterator[None]:
-        """ShardedEMA's methods read ``self._ema``: point it at profile ``profile`` meanwhile."""
+        """ShardedEMA's methods read ``state.tensors``: pointed at profile ``profile`` meanwhile."""
         self._check_profile(profile)
-        saved = self._ema
-        self._ema = self._profile_emas[profile]
+        state = self.state
+        saved = state.tensors
+        state.tensors = self._profile_emas[profile]
         try:
             yield
         finally:
-            self._ema = saved
+            state.tensors = saved
 
     def profile_tensors(self, profile: int) -> list[torch.Tensor]:
         """This rank's EMA tensors of profile ``profile`` (the live tensors, in slot order)."""
@@ -224,7 +221,7 @@ class ShardedPowerEMA(ShardedEMA):
         root = self.snapshot_root if root is None else os.fspath(root)
         if root is None:
             raise ValueError("ShardedPowerEMA.snapshot: no root given and no snapshot_root set")
-        n = self._step_count() if updates is None else int(updates)
+        n = self.state.step_count() if updates is None else int(updates)
         t = self._averaged_updates(n)
         if t < 1:
             raise RuntimeError("ShardedPowerEMA.snapshot: no update yet; a snapshot needs at "
@@ -245,7 +242,7 @@ class ShardedPowerEMA(ShardedEMA):
         the device)."""
         if self.snapshot_every is None:
             return []
-        n = self._step_count() if updates is None else int(updates)
+        n = self.state.step_count() if updates is None else int(updates)
         if n <= 0 or n % self.snapshot_every:
             return []
         return self.snapshot(updates=n)
@@ -257,7 +254,7 @@ class ShardedPowerEMA(ShardedEMA):
         ``f"{PROFILE_KEY}{k}.{fqn}"``, in the same forms (DCP saves and reshards all of it)."""
         out = super().state_dict()
         for k in range(1, len(self.profiles)):
-            for slot, ema in zip(self._slots, self._profile_emas[k]):
+            for slot, ema in zip(self.state.slots, self._profile_emas[k]):
                 out.update({f"{self.PROFILE_KEY}{k}.{n}": v
                             for n, v in slot.state_items(ema).items()})
         return out

@@ -3,8 +3,7 @@ the options that make it, read from the EMA's ``EMAConfig``, the decay of update
 ops on the device (no host sync: a compiled step compiles once) and as a Python float, and the
 update count, kept on the device and, for eager updates, on the host too.
 
-Reads the EMA's ``config``, ``_step`` (0-dim int64 on the schedule's device), ``_step_host``
-(int, or None after a compiled update) and ``_decay`` (0-dim float64: the fixed decay).
+Reads the EMA's ``config`` and its ``state`` (``EMAState``: the step and the fixed decay).
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 
 from .config import EMAConfig, Warmup
+from .state import EMAState
 
 
 class ScheduleMixin:
@@ -21,10 +21,7 @@ class ScheduleMixin:
     ``decay_at(k)``, ``step``, ``last_decay``."""
 
     config: EMAConfig
-    _step: torch.Tensor
-    _step_host: int | None
-    _decay: torch.Tensor
-    _last_decay: torch.Tensor | None
+    state: EMAState
 
     @property
     def decay(self) -> float:
@@ -55,7 +52,7 @@ class ScheduleMixin:
             # The t-th averaging update, counted from 1 (update_every skips the others).
             d = self.schedule.device_decay(k // self.update_every + 1)
         elif self.warmup is None:
-            d = self._decay
+            d = self.state.fixed_decay
         else:
             s = (k - self.start_step).clamp_min(0).to(torch.float64)
             d = self.warmup.device_decay(s, self.decay)
@@ -78,20 +75,9 @@ class ScheduleMixin:
     @property
     def step(self) -> torch.Tensor:
         """Number of ``update()`` calls so far (0-dim int64 tensor on the EMA's device)."""
-        return self._step
+        return self.state.step
 
     @property
     def last_decay(self) -> torch.Tensor | None:
         """The decay the last ``update()`` used (0-dim tensor; reading it syncs only if you do)."""
-        return self._last_decay
-
-    def _count_step(self) -> None:
-        if torch.compiler.is_compiling():
-            self._step_host = None
-        elif self._step_host is not None:
-            self._step_host += 1
-
-    def _step_count(self) -> int:
-        """The number of update() calls so far, from the host count when it is known (no wait
-        for the device), else from the step tensor."""
-        return self._step_host if self._step_host is not None else int(self._step)
+        return self.state.last_decay

@@ -4,8 +4,7 @@ which): ``swap()`` (the EMA weights inside a block, the model's own after, bit f
 ``_teacher``). Each writes into the tensors the model computes from, after freeing the unsharded
 parameters FSDP would otherwise reuse.
 
-Reads the EMA's ``model``, ``_slots``, ``_ema``, ``_swapped`` and ``_fsdp2_modules``, and calls
-its ``synchronize()``, ``_refresh()`` and ``_check_selection()``.
+Reads and writes the EMA through its ``model`` and ``state`` (``EMAState``).
 """
 
 from __future__ import annotations
@@ -28,24 +27,25 @@ class SwapMixin:
         parameters; FSDP1: the local slices of the FlatParameters; otherwise the parameters and
         buffers), after keeping a copy of them, which is written back bit for bit on exit.
         """
-        if self._swapped:
+        state = self.state
+        if state.swapped:
             raise RuntimeError("ShardedEMA.swap() is already active")
-        self.synchronize()
-        self._reshard()
+        state.synchronize()
+        state.reshard()
         with torch.no_grad():
-            model = self._refresh()
+            model = state.refresh()
             backup = [torch.empty_like(t) for t in model]
             torch._foreach_copy_(backup, model)
-            torch._foreach_copy_(model, self._ema)
-        self._swapped = True
+            torch._foreach_copy_(model, state.tensors)
+        state.swapped = True
         try:
             yield self.model
         finally:
             # Drop unsharded copies of the EMA values before the weights come back.
-            self._reshard()
+            state.reshard()
             with torch.no_grad():
                 torch._foreach_copy_(model, backup)
-            self._swapped = False
+            state.swapped = False
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module | None = None) -> None:
@@ -54,31 +54,20 @@ class SwapMixin:
         the dtypes agree (else cast). ``model``: the EMA's own model (default), or another model
         wrapped and sharded the same way (same names and local shapes) on the same ranks. Only
         what the EMA keeps is written (see ``params`` and ``include_buffers``)."""
-        if self._swapped:
+        state = self.state
+        if state.swapped:
             raise RuntimeError("ShardedEMA.copy_to() inside swap(): the model's own weights "
                                "come back when the block exits; copy after it")
-        self.synchronize()  # an EMA in host memory: its update in flight lands first
-        self._check_selection("ShardedEMA.copy_to")
+        state.synchronize()  # an EMA in host memory: its update in flight lands first
+        state.check_selection("ShardedEMA.copy_to")
         if model is None or model is self.model:
-            self._reshard()
-            targets = self._refresh()
+            state.reshard()
+            targets = state.refresh()
         else:
             from ..model.apply import matching_tensors
 
-            targets = matching_tensors(model, self._slots, "ShardedEMA.copy_to")
-        torch._foreach_copy_(targets, self._ema)
-
-    def _reshard(self) -> None:
-        """Frees unsharded parameters, so that the next forward gathers from the shards.
-
-        FSDP2 keeps the root's parameters unsharded after a forward without backward, FSDP1
-        keeps the root's unsharded flat parameter allocated and reuses it without gathering;
-        either would make a forward ignore what swap() writes into the shards.
-        """
-        for module in self._fsdp2_modules:
-            module.reshard()
-        for slot in self._slots:
-            slot.reshard()
+            targets = matching_tensors(model, state.slots, "ShardedEMA.copy_to")
+        torch._foreach_copy_(targets, state.tensors)
 
     # --- the EMA as a module (a teacher) ----------------------------------------------------------
 

@@ -255,20 +255,20 @@ def module(ema, *, mp_policy=None, reshard_after_forward: bool | int = True, mes
     step may ask for it every time)."""
     builder = TeacherBuilder(ema, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
                              mesh=mesh, compile=compile)
-    builder._check()
+    builder.check()
     if mesh is not None:
         from torch.distributed.fsdp import FSDPModule
 
         model = ema.model
         names = {id(m): n for m, n in _named(model)}
-        builder._check_mesh(_units(model, names) if any(
+        builder.check_mesh(_units(model, names) if any(
             isinstance(m, FSDPModule) for m in model.modules()) else [])
     key = (mp_policy, reshard_after_forward, repr(compile))
-    built = ema.__dict__.setdefault("_teachers", {})
+    built = ema.state.teachers
     if key not in built:
         built[key] = builder.build()
     else:
-        builder._resolve()  # what update() checks too: a model resharded or reshaped since
+        builder.resolve()  # what update() checks too: a model resharded or reshaped since
     return built[key]
 
 
@@ -282,16 +282,16 @@ class TeacherBuilder:
 
     # --- checks, before anything is built --------------------------------------------------------
 
-    def _check(self) -> None:
+    def check(self) -> None:
         ema = self.ema
-        if ema._host is not None:
+        if ema.state.host is not None:
             raise ValueError("ShardedEMA.module(): this EMA lives in host memory (device='cpu'), "
                              "where the model's device cannot run it; make the EMA beside the "
                              "weights (device=None) to run it as a teacher")
-        if ema._swapped:
+        if ema.state.swapped:
             raise RuntimeError("ShardedEMA.module() inside swap(): the model holds the EMA "
                                "weights there; make the teacher outside the swap() block")
-        if any(isinstance(slot, FlatSlot) for slot in ema._slots):
+        if any(isinstance(slot, FlatSlot) for slot in ema.state.slots):
             raise ValueError(
                 "ShardedEMA.module(): FSDP1 (FullyShardedDataParallel) models are not supported: "
                 "an FSDP1 teacher would be its own FullyShardedDataParallel, which materializes "
@@ -312,11 +312,11 @@ class TeacherBuilder:
                 raise TypeError(f"ShardedEMA.module(): mp_policy must be a MixedPrecisionPolicy, "
                                 f"got {self.mp_policy!r}")
 
-    def _resolve(self) -> list[torch.Tensor]:
+    def resolve(self) -> list[torch.Tensor]:
         """The model's tensors as the EMA keeps them, checked: refreshed (a model resharded since
         the EMA was made raises), and each found again in the model."""
         try:
-            return list(self.ema._refresh())
+            return list(self.ema.state.refresh())
         except (KeyError, AttributeError) as e:
             raise RuntimeError(f"ShardedEMA.module(): the model changed since the EMA was made "
                                f"({type(e).__name__}: {e}); make a new ShardedEMA of it") from None
@@ -326,9 +326,9 @@ class TeacherBuilder:
     def build(self) -> nn.Module:
         from torch.distributed.fsdp import FSDPModule
 
-        ema = self.ema  # module() ran _check() and the mesh check
-        ema._check_selection("ShardedEMA.module")
-        live = self._resolve()
+        ema = self.ema  # module() ran check() and the mesh check
+        ema.state.check_selection("ShardedEMA.module")
+        live = self.resolve()
         slot_of = {id(t): i for i, t in enumerate(live)}
         model = ema.model
         fsdp2 = any(isinstance(m, FSDPModule) for m in model.modules())
@@ -356,7 +356,7 @@ class TeacherBuilder:
             fp = managed.get((id(module), name))
             sp = student_param(module, name, p)
             i = slot_index(sp)
-            dtype = ema._ema[i].dtype if i is not None else sp.dtype
+            dtype = ema.state.tensors[i].dtype if i is not None else sp.dtype
             spec = fp._unsharded_dtensor_spec if fp is not None and fp.is_dtensor else None
             return _meta_like(sp, dtype, spec)
 
@@ -380,7 +380,7 @@ class TeacherBuilder:
                     continue
                 i = slot_index(b)
                 # A DTensor buffer (rare: tensor parallelism) is the teacher's own copy too.
-                new._buffers[name] = (ema._ema[i] if i is not None and not is_dtensor(b)
+                new._buffers[name] = (ema.state.tensors[i] if i is not None and not is_dtensor(b)
                                       else b.detach().clone())
 
         teacher = clone.root
@@ -405,12 +405,13 @@ class TeacherBuilder:
         if i is None:
             data = p.detach()
         elif is_dtensor(p):
-            data = dtensor_view(self.ema._ema[i], p.device_mesh, p.placements, p.shape, p.stride())
+            data = dtensor_view(self.ema.state.tensors[i], p.device_mesh, p.placements, p.shape,
+                                p.stride())
         else:
-            data = self.ema._ema[i]
+            data = self.ema.state.tensors[i]
         return nn.Parameter(data, requires_grad=False)
 
-    def _check_mesh(self, units: list[_Unit]) -> None:
+    def check_mesh(self, units: list[_Unit]) -> None:
         meshes = [(u.name, u.mesh) for u in units if u.mesh is not None]
         if not meshes:
             raise ValueError(f"ShardedEMA.module(mesh={self.mesh}): the model is not sharded with "
@@ -450,7 +451,7 @@ class TeacherBuilder:
                 i = slot_index(b) if b is not None else None
                 if i is not None:
                     found.add(i)
-        lost = [ema._slots[i].describe() for i in range(len(live)) if i not in found]
+        lost = [ema.state.slots[i].describe() for i in range(len(live)) if i not in found]
         if lost:
             raise RuntimeError(f"ShardedEMA.module(): the EMA keeps {', '.join(lost[:4])}, which "
                                f"the model no longer holds: the model changed since the EMA was "
@@ -519,7 +520,7 @@ class TeacherBuilder:
                     if i is None:  # not kept (a frozen base weight): the student's own shard
                         local, data = sfp._sharded_local_tensor, sfp._sharded_param_data
                     else:
-                        slot = ema._slots[i]
+                        slot = ema.state.slots[i]
                         spec = fp._sharding_spec
                         if slot.mesh != spec.mesh or tuple(slot.placements) != tuple(
                                 spec.placements):
@@ -528,7 +529,7 @@ class TeacherBuilder:
                                 f"{slot.mesh} with placements {slot.placements}, the model is "
                                 f"sharded on {spec.mesh} with {tuple(spec.placements)} now; make "
                                 f"a new ShardedEMA for the new sharding")
-                        local = ema._ema[i]
+                        local = ema.state.tensors[i]
                         if local.shape != fp.sharded_size:
                             raise RuntimeError(
                                 f"ShardedEMA.module(): the EMA of {fqn!r} has a local shard of "
@@ -569,7 +570,7 @@ class _ReshardWhenStale:
             setattr(module, name, checked)
 
     def __call__(self) -> None:
-        versions = [t._version for t in self.ema._ema]
+        versions = [t._version for t in self.ema.state.tensors]
         if versions != self.seen:
             for m in self.units:
                 m.reshard()

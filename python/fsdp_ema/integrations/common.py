@@ -146,7 +146,7 @@ def logged_values(ema) -> dict[str, float]:
     """What both callbacks log after each update: ``ema/decay`` (the decay the last update
     used: 0 for a copy, 1 for a skipped update) and ``ema/step`` (updates so far). Read from the
     host's count: no device sync."""
-    step = ema._step_count()
+    step = ema.state.step_count()
     return {"ema/decay": float(ema.decay_at(step - 1)) if step > 0 else 0.0,
             "ema/step": float(step)}
 

@@ -155,13 +155,18 @@ _AS_JSON = {
 }
 
 
-def settings(ema) -> dict[str, Any]:
-    """The options that define ``ema``'s average (``SETTINGS``, from its ``config``), as JSON
-    values; ``buffers`` is None when the EMA keeps no floating buffer."""
-    out = {name: _AS_JSON.get(name, lambda v: v)(getattr(ema.config, name)) for name in SETTINGS}
-    if not any(slot.buffer and t.is_floating_point() for slot, t in zip(ema._slots, ema._ema)):
+def config_settings(config, floating_buffers: bool) -> dict[str, Any]:
+    """The options of ``config`` (an ``EMAConfig``) that define an average (``SETTINGS``), as
+    JSON values; ``buffers`` is None when the EMA keeps no floating buffer."""
+    out = {name: _AS_JSON.get(name, lambda v: v)(getattr(config, name)) for name in SETTINGS}
+    if not floating_buffers:
         out["buffers"] = None
     return out
+
+
+def settings(ema) -> dict[str, Any]:
+    """The options that define ``ema``'s average (``ema.state.settings()``)."""
+    return ema.state.settings()
 
 
 def setting_changes(saved: Mapping[str, Any], current: Mapping[str, Any],

@@ -353,7 +353,7 @@ def _ema_pieces(ema, ema_sd: Mapping[str, Any], rank: int,
         shards.update(layout_of(EMA_PREFIX + fqn, ema_sd[fqn]).piece(rank))
     # The host's count when known: int() of a device step would wait for all the work queued on
     # the stream (an async save would block on the training).
-    return {"step": ema._step_count() if step_key in ema_sd else None, "decay": ema.decay,
+    return {"step": ema.state.step_count() if step_key in ema_sd else None, "decay": ema.decay,
             "settings": settings(ema), "tensors": sorted(names)}
 
 
