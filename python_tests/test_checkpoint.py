@@ -93,6 +93,21 @@ def test_round_trip_many_tensors_and_info(tmp_path):
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
 
 
+def test_commit_records_metadata_in_the_index_and_refuses_odd_pairs(tmp_path):
+    t = {"w": torch.arange(6.0).reshape(2, 3)}
+    ckpt.save_shard(tmp_path, t)
+    with pytest.raises(RuntimeError, match="metadata must hold key, value pairs"):
+        torch.ops.fsdp_ema.commit_checkpoint.metadata(str(tmp_path), 1, ["only-a-key"])
+    with pytest.raises(RuntimeError, match='the key "k" is given twice'):
+        torch.ops.fsdp_ema.commit_checkpoint.metadata(str(tmp_path), 1, ["k", "1", "k", "2"])
+    assert not (tmp_path / "fsdp_ema.index.json").exists()  # refused before any file
+    ckpt.commit(tmp_path, 1, metadata={"step": "1000", "note": "{\"a\": 1}"})
+    assert ckpt.info(tmp_path)["metadata"] == {"step": "1000", "note": '{"a": 1}'}
+    index = json.loads((tmp_path / "fsdp_ema.index.json").read_text())
+    assert index["metadata"] == {"note": '{"a": 1}', "step": "1000"}
+    assert torch.equal(ckpt.load(tmp_path)["w"], t["w"])
+
+
 def test_load_shard_maps_the_file_and_is_aligned(tmp_path):
     tensors = {"f64": make_tensor((3,), torch.float64, 0),
                "f32": make_tensor((5,), torch.float32, 1),

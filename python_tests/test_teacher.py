@@ -1185,3 +1185,80 @@ def test_example_runs_as_written(tmp_path):
     assert sorted(a) == sorted(b) and sum(n.startswith("ema.") for n in compared) == 9, a.keys()
     different = [n for n in compared if not torch.equal(a[n], b[n])]
     assert not different, different
+
+
+# --- save and load resume the schedule ------------------------------------------------------------
+
+def train_steps(model, ema, opt, layout, rank, steps) -> None:
+    for step in steps:
+        loss = model(batch(layout, rank, step)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update()
+
+
+def run_save_load_resumes(rank, world, layout, root):
+    """An uninterrupted run of STEPS updates against one saved after 3 (the EMA with
+    ``ema.save``, the student with ``save_shard_weights``) and resumed by a fresh process state
+    (new student, EMA and optimizer; SGD keeps no state) with ``ema.load``: the EMA, its step,
+    the last decay and the teacher's forward equal bit for bit. Every rank sees the same data:
+    BatchNorm's running stats then stay replicated, as a save of replicated buffers assumes."""
+    import torch.distributed as dist
+
+    rank = 0  # the data of rank 0 everywhere
+
+    probe = batch(layout, rank, 999)
+    model, _, ema = make(layout)
+    train_steps(model, ema, torch.optim.SGD(model.parameters(), lr=0.2), layout, rank,
+                range(STEPS))
+    with torch.no_grad():
+        want_out = ema.module()(probe).clone()
+    want = [t.clone() for t in ema.state.tensors]
+
+    model, _, ema = make(layout)
+    train_steps(model, ema, torch.optim.SGD(model.parameters(), lr=0.2), layout, rank, range(3))
+    ema.save(os.path.join(root, "ema"))
+    ema.save_shard_weights(os.path.join(root, "model"))
+    dist.barrier()
+    model, _, ema = make(layout)   # a new process's objects: fresh weights, EMA at step 0
+    fsdp_ema.load_model_weights(model, os.path.join(root, "model"))
+    ema.load(os.path.join(root, "ema"))
+    step_after_load = int(ema.step)
+    train_steps(model, ema, torch.optim.SGD(model.parameters(), lr=0.2), layout, rank,
+                range(3, STEPS))
+    with torch.no_grad():
+        got_out = ema.module()(probe)
+
+    # The same checkpoint into an EMA with another schedule: refused before anything changes,
+    # naming both schedules; taken when the change is allowed.
+    _, _, other = make(layout)
+    other_sched = ShardedEMA(other.model, schedule=CosineMomentum(base=0.9, final=1.0,
+                                                                 total_steps=8))
+    before = [t.clone() for t in other_sched.state.tensors]
+    try:
+        other_sched.load(os.path.join(root, "ema"))
+        refusal = None
+    except (ValueError, RuntimeError) as e:  # agreed over the ranks: a RuntimeError
+        refusal = str(e)
+    unchanged = (all(torch.equal(a, b) for a, b in zip(before, other_sched.state.tensors))
+                 and int(other_sched.step) == 0)
+    other_sched.load(os.path.join(root, "ema"), allow_changes=["schedule"])
+    return dict(equal=all(torch.equal(a, b) for a, b in zip(want, ema.state.tensors)),
+                out_equal=torch.equal(want_out, got_out), step=int(ema.step),
+                step_after_load=step_after_load, refusal=refusal, unchanged=unchanged,
+                allowed_step=int(other_sched.step))
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "plain"])
+def test_save_then_load_resumes_a_scheduled_ema_and_its_teacher_bit_for_bit(pools, tmp_path,
+                                                                           layout):
+    for res in pools.get(2).run(run_save_load_resumes, layout, str(tmp_path)):
+        assert res["step_after_load"] == 3 and res["step"] == STEPS
+        assert res["equal"] and res["out_equal"], res
+        assert res["refusal"] is not None and res["unchanged"], res
+        saved = repr(CosineMomentum(**SCHEDULE))
+        now = repr(CosineMomentum(base=0.9, final=1.0, total_steps=8))
+        assert saved in res["refusal"] and now in res["refusal"], res["refusal"]
+        assert "allow_changes=['schedule']" in res["refusal"], res["refusal"]
+        assert res["allowed_step"] == 3

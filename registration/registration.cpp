@@ -125,6 +125,12 @@ void def_save_ops(torch::Library& m) {
       "-> int",
       writes_files));
   m.impl("commit_checkpoint", kNoTensor, &ops::commit_checkpoint);
+  // The same with the index's "metadata" object (key, value, key, value, ...): an EMA's step.
+  m.def(
+      torch::schema("commit_checkpoint.metadata(str directory, int world_size, str[] metadata, "
+                    "bool overwrite=False, bool fsync=True) -> int",
+                    writes_files));
+  m.impl("commit_checkpoint.metadata", kNoTensor, &ops::commit_with_metadata);
   // The same for compiled graphs: the count as a 0-dim tensor after the saves in `after`.
   m.def(
       torch::schema("commit_checkpoint.after(str directory, int world_size, Tensor[] after, "

@@ -2,7 +2,8 @@
 # Lint, as CI runs it (scripts/test.sh): ruff over the tracked Python files (its rules are in
 # pyproject.toml) and clang-format (.clang-format: Google style, 100 columns) over the tracked
 # C++/CUDA files, scripts/rules_once.py (no second copy of a rule that lives in one place), and
-# the tree's own checks: scripts/named_paths.py (every repository path the docs and comments name
+# the tree's own checks: scripts/private_access.py (no module of the Python front reads another's
+# private attributes or imports its private names), scripts/named_paths.py (every repository path the docs and comments name
 # exists), scripts/function_length.py and scripts/long_functions.py (no Python or C++ function
 # over 80 lines without a stated reason) and scripts/include_cycles.py (no two C++ units include
 # each other). Exit 0 only when all are clean.
@@ -51,6 +52,8 @@ echo "== one place per rule (scripts/rules_once.py)"
 "$FSDP_EMA_PYTHON" scripts/rules_once.py || status=1
 echo "== Python functions a reader can hold (scripts/function_length.py)"
 "$FSDP_EMA_PYTHON" scripts/function_length.py || status=1
+echo "== modules talk through public names (scripts/private_access.py)"
+"$FSDP_EMA_PYTHON" scripts/private_access.py || status=1
 echo "== the paths the docs and comments name exist (scripts/named_paths.py)"
 "$FSDP_EMA_PYTHON" scripts/named_paths.py || status=1
 echo "== C++ functions of at most 80 lines, or a stated reason (scripts/long_functions.py)"

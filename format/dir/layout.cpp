@@ -274,7 +274,7 @@ void remove_unreferenced(const std::string& dir, const CheckpointIndex& index,
 }  // namespace
 
 CheckpointIndex commit_directory(const std::string& dir, int64_t world_size, bool overwrite,
-                                 bool fsync) {
+                                 bool fsync, std::map<std::string, std::string> metadata) {
   check_path(dir, "checkpoint directory");
   if (world_size < 1) throw FormatError(dir + ": world_size must be at least 1");
   const DirectoryLock lock(dir, DirectoryLock::Mode::kExclusive);
@@ -341,7 +341,7 @@ CheckpointIndex commit_directory(const std::string& dir, int64_t world_size, boo
                         " rank(s) did); the committed checkpoint is left as it was");
     }
   }
-  const CheckpointIndex index = build_index_from_files(dir, names, world_size);
+  const CheckpointIndex index = build_index_from_files(dir, names, world_size, std::move(metadata));
   write_index(dir, index, overwrite, fsync);
 
   remove_unreferenced(dir, index, listing, fsync);

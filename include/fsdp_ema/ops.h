@@ -69,9 +69,10 @@ int64_t save_shard(const std::string& directory, int64_t rank, int64_t world_siz
                    bool fsync = true, bool overwrite = false);
 
 // Writes <directory>/fsdp_ema.index.json (the commit marker) once all world_size shard files
-// exist; refuses a committed directory unless overwrite. Returns the number of tensors.
+// exist; refuses a committed directory unless overwrite. `metadata` (key, value, key, value, ...)
+// goes into the index's "metadata" object. Returns the number of tensors.
 int64_t commit_checkpoint(const std::string& directory, int64_t world_size, bool overwrite = false,
-                          bool fsync = true);
+                          bool fsync = true, const std::vector<std::string>& metadata = {});
 
 }  // namespace fsdp_ema
 

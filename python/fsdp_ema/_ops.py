@@ -67,8 +67,13 @@ def save_shard(directory: str, rank: int, world_size: int, names: list[str],
                                          global_shapes, fsync, overwrite)
 
 
-def commit_checkpoint(directory: str, world_size: int, overwrite: bool, fsync: bool) -> int:
-    """The index (the commit marker) once every rank's file is there; the number of tensors."""
+def commit_checkpoint(directory: str, world_size: int, overwrite: bool, fsync: bool,
+                      metadata: list[str] = ()) -> int:
+    """The index (the commit marker) once every rank's file is there, with ``metadata`` (key,
+    value, key, value, ...) in its "metadata" object; the number of tensors."""
+    if metadata:
+        return torch.ops.fsdp_ema.commit_checkpoint.metadata(directory, world_size,
+                                                             list(metadata), overwrite, fsync)
     return torch.ops.fsdp_ema.commit_checkpoint(directory, world_size, overwrite, fsync)
 
 

@@ -216,3 +216,8 @@ def _caller(what: str) -> Iterator[None]:
 #: The options a resume compares, by name (the fields marked *compared*, in field order).
 RESUME_SETTINGS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(EMAConfig) if f.metadata.get("compared"))
+
+
+# Classes carry their public path (repr, pickles, the settings a checkpoint records).
+for _cls in (EMAConfig, Warmup):
+    _cls.__module__ = "fsdp_ema.config"

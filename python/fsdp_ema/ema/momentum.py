@@ -64,3 +64,8 @@ class CosineMomentum:
     def __repr__(self) -> str:
         return (f"CosineMomentum(base={self.base}, final={self.final}, "
                 f"total_steps={self.total_steps})")
+
+
+# Classes carry their public path (repr, pickles, the settings a checkpoint records).
+for _cls in (CosineMomentum,):
+    _cls.__module__ = "fsdp_ema.momentum"

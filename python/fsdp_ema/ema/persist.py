@@ -8,6 +8,7 @@ Reads and writes the EMA through its ``state`` (``EMAState``).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 
 from ..model.slots import global_shape
 from ..store.collective import load_slots, save_collective
+from .state import POSITION_KEY
 
 
 def list_names(names: Sequence[str], limit: int = 8) -> str:
@@ -83,8 +85,10 @@ class CheckpointMixin:
 
     def _save(self, directory, tensors: Sequence[torch.Tensor], overwrite: bool,
               what: str, extra: Mapping[str, torch.Tensor] | None = None, *,
-              async_: bool = False, if_busy: str = "wait"):
-        """``extra``: whole tensors written by rank 0 next to the EMA's (snapshot metadata)."""
+              async_: bool = False, if_busy: str = "wait", position: bool = False):
+        """``extra``: whole tensors written by rank 0 next to the EMA's (snapshot metadata).
+        ``position``: the index records the EMA's ``state.position()`` (its step and schedule,
+        taken now, with the tensors), which ``load`` resumes."""
         state = self.state
         state.synchronize()
         state.check_selection(what)
@@ -103,9 +107,11 @@ class CheckpointMixin:
             if state.async_saver is None:
                 state.async_saver = AsyncSaver()
             saver = state.async_saver
+        metadata = ({POSITION_KEY: json.dumps(state.position(), sort_keys=True)} if position
+                    else None)
         return save_collective(directory, pieces, group=state.group, device=state.device,
                                what=f"{what}({os.fspath(directory)!r})", overwrite=overwrite,
-                               async_saver=saver, if_busy=if_busy)
+                               async_saver=saver, if_busy=if_busy, metadata=metadata)
 
     @torch.no_grad()
     def save(self, directory: str | os.PathLike, *, overwrite: bool = False,
@@ -113,8 +119,9 @@ class CheckpointMixin:
         """Writes the EMA weights as a sharded checkpoint directory (``fsdp_ema.checkpoint``
         format: one safetensors file per rank, the index written last by rank 0 once every rank
         has written its file). Collective. A failure on any rank raises on every rank and leaves
-        no index. Names are clean FQNs; the step is not saved (use ``state_dict()`` for that).
-        Returns the bytes of this rank's file.
+        no index. Names are clean FQNs. The index's metadata records the EMA's position (the
+        updates so far and the schedule's settings, under ``POSITION_KEY``), so that ``load``
+        resumes the schedule where it was. Returns the bytes of this rank's file.
 
         ``async_=True`` returns a ``SaveHandle`` once the EMA is staged into host buffers this
         EMA reuses between saves (``update()`` may run right away); the file is written and
@@ -122,7 +129,7 @@ class CheckpointMixin:
         every rank. One save in flight per EMA: a new one waits for it, or with
         ``if_busy="raise"`` raises on every rank (see docs/SHARDED_EMA.md)."""
         return self._save(directory, self.state.tensors, overwrite, "ShardedEMA.save",
-                          async_=async_, if_busy=if_busy)
+                          async_=async_, if_busy=if_busy, position=True)
 
     @torch.no_grad()
     def save_shard_weights(self, directory: str | os.PathLike, *, overwrite: bool = False,
@@ -139,12 +146,19 @@ class CheckpointMixin:
 
     @torch.no_grad()
     def load(self, directory: str | os.PathLike, *, strict: bool = True,
-             verify: bool = True) -> None:
+             verify: bool = True, allow_changes: Sequence[str] = ()) -> None:
         """Loads EMA weights from a checkpoint directory written at any world size (``save``,
         ``save_shard_weights``, ``fsdp_ema.checkpoint`` or DCP's HuggingFace writer). Each rank
         reads only the rows it keeps where the layout allows, straight into the EMA's tensors
         where the stored dtype is the EMA's. Collective: every rank checks everything (checksums
-        included) before any rank writes, so a failure anywhere leaves every EMA as it was."""
+        included) before any rank writes, so a failure anywhere leaves every EMA as it was.
+
+        A checkpoint ``save`` wrote also gives back the step, so a scheduled EMA (warmup,
+        ``schedule=``, ``update_every``, ``start_step``) resumes where it was; one saved under
+        another schedule is refused, naming both, unless ``allow_changes`` names the settings
+        that may differ (``"decay"``, ``"warmup"``, ``"schedule"``, ``"update_every"``,
+        ``"start_step"``, or ``"all"``). A checkpoint without a recorded position (the model's
+        weights, an older fsdp_ema, DCP) loads the weights and leaves the step as it is."""
         # An EMA in host memory: the update in flight lands before the load writes the tensors.
         self.synchronize()
         directory = os.fspath(directory)
@@ -153,10 +167,25 @@ class CheckpointMixin:
         # after it (_collective.load_collective): one rank's failure raises everywhere and leaves
         # every rank's EMA as it was.
         state = self.state
+        what = f"ShardedEMA.load({directory!r})"
+        step: list[int] = []
+
+        def check_info(info: Mapping[str, Any]) -> None:
+            saved = (info.get("metadata") or {}).get(POSITION_KEY)
+            if saved is not None:
+                try:
+                    position = json.loads(saved)
+                except ValueError as e:
+                    raise ValueError(f"{what}: the index's {POSITION_KEY!r} metadata is not "
+                                     f"JSON ({e})") from None
+                step.append(state.check_position(position, what=what, allow=allow_changes))
+
         load_slots(directory, state.slots, state.tensors,
                    check_names=lambda available: self._check_names(available, strict, "load"),
-                   group=state.group, device=state.device,
-                   what=f"ShardedEMA.load({directory!r})", verify=verify)
+                   group=state.group, device=state.device, what=what, verify=verify,
+                   check_info=check_info)
+        if step:
+            state.set_step(step[0])
 
     @torch.no_grad()
     def model_fingerprint(self) -> str:

@@ -201,7 +201,7 @@ class ShardedPowerEMA(ShardedEMA):
         """``ShardedEMA.save()`` of profile ``profile``."""
         self._check_profile(profile)
         return self._save(directory, self._profile_emas[profile], overwrite,
-                          "ShardedPowerEMA.save")
+                          "ShardedPowerEMA.save", position=True)
 
     # --- snapshots --------------------------------------------------------------------------------
 
@@ -284,3 +284,8 @@ class ShardedPowerEMA(ShardedEMA):
     def __repr__(self) -> str:
         return (f"ShardedPowerEMA(profiles={self.profiles}, update_every={self.update_every}, "
                 f"dtype={self.dtype}, nbytes={self.nbytes})")
+
+
+# Classes carry their public path (repr, pickles, the settings a checkpoint records).
+for _cls in (PowerEMA, ShardedPowerEMA):
+    _cls.__module__ = "fsdp_ema.power_ema"

@@ -171,3 +171,8 @@ class ShardedEMA(ScheduleMixin, CheckpointMixin, FullStateMixin, SwapMixin):
             schedule += f", start_step={self.start_step}"
         return (f"ShardedEMA({schedule}, dtype={self.dtype}, tensors={dict(kinds)}, "
                 f"nbytes={self.nbytes})")
+
+
+# Classes carry their public path (repr, pickles, the settings a checkpoint records).
+for _cls in (ShardedEMA,):
+    _cls.__module__ = "fsdp_ema.sharded_ema"

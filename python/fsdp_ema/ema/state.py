@@ -25,10 +25,15 @@ from ..distributed.groups import default_group, rank_world
 from ..model.slots import Slot, TrainableWatch, discover
 from .config import EMAConfig
 
-__all__ = ["DeviceGroup", "EMAState", "STEP_KEY"]
+__all__ = ["DeviceGroup", "EMAState", "POSITION_KEY", "SCHEDULE_SETTINGS", "STEP_KEY"]
 
-#: Key of the update counter in ``state_dict()`` (and of the step a ``save()`` records).
+#: Key of the update counter in ``state_dict()``.
 STEP_KEY = "fsdp_ema.step"
+#: Key of ``position()`` (JSON) in the index metadata of a checkpoint ``ShardedEMA.save`` writes.
+POSITION_KEY = "fsdp_ema.ema"
+#: The settings that say which decay each update uses: a load that would resume the step under
+#: other values of these is refused (``ShardedEMA.load(allow_changes=...)`` takes them).
+SCHEDULE_SETTINGS = ("decay", "warmup", "schedule", "update_every", "start_step")
 
 
 @dataclasses.dataclass(eq=False)
@@ -207,22 +212,31 @@ class EMAState:
         updates so far and the settings that define the schedule."""
         return {"step": self.step_count(), "settings": self.settings()}
 
-    def restore_position(self, saved: dict[str, Any], *, what: str,
-                         allow: Sequence[str] = ()) -> None:
-        """Takes a saved ``position()``: refuses settings that differ from this EMA's (unless
-        named in ``allow``, or ``"all"``) before anything changes, then sets the step."""
-        from ..store.binding import setting_changes
+    def check_position(self, saved: Any, *, what: str, allow: Sequence[str] = ()) -> int:
+        """The step of a saved ``position()``, checked before anything changes: a schedule
+        (``SCHEDULE_SETTINGS``) unlike this EMA's is refused unless named in ``allow`` (or
+        ``"all"``), since resuming the step under another schedule gives other decays."""
+        from ..store.binding import SETTINGS, setting_changes
 
+        if not (isinstance(saved, dict) and isinstance(saved.get("step"), int)
+                and saved["step"] >= 0 and isinstance(saved.get("settings", {}), dict)):
+            raise ValueError(f"{what}: the checkpoint's {POSITION_KEY!r} metadata is not an "
+                             f"EMA position (a step >= 0 and settings): {saved!r}")
+        unknown = [a for a in allow if a != "all" and a not in SCHEDULE_SETTINGS]
+        if unknown:
+            raise ValueError(f"{what}: allow_changes={list(allow)!r} names {unknown}, which are "
+                             f"not schedule settings {list(SCHEDULE_SETTINGS)} (or 'all')")
+        ignored = [s for s in SETTINGS if s not in SCHEDULE_SETTINGS] + list(allow)
         changes = ([] if "all" in allow else
-                   setting_changes(saved.get("settings", {}), self.settings(), allow))
+                   setting_changes(saved.get("settings", {}), self.settings(), ignored))
         if changes:
             raise ValueError(
-                f"{what}: the checkpoint's EMA was made with other settings ("
-                + "; ".join(changes) + "); make the EMA with the saved settings, or pass "
-                "allow_changes=[...] (the names above, or 'all') to take the weights and step "
-                "with the settings of now")
-        if saved.get("step") is not None:
-            self.set_step(int(saved["step"]))
+                f"{what}: the checkpoint's EMA was saved at step {saved['step']} with another "
+                f"schedule (" + "; ".join(changes) + "), so its step would give other decays "
+                f"here; make the EMA with the saved schedule, or pass allow_changes="
+                f"{[c.split(':')[0] for c in changes]!r} (or ['all']) to resume the step under "
+                f"the schedule of now")
+        return saved["step"]
 
     # --- what a rank writes -----------------------------------------------------------------------
 

@@ -114,11 +114,13 @@ def save_shard(directory: str | os.PathLike, shards: Mapping[str, Shard], *, ran
 
 
 def commit(directory: str | os.PathLike, world_size: int, *, overwrite: bool = False,
-           fsync: bool = True) -> int:
+           fsync: bool = True, metadata: Mapping[str, str] | None = None) -> int:
     """Writes the index (the commit marker) once every rank's file is there; with ``overwrite``
     it replaces a committed index in one rename, then removes the files only the old one
-    referenced."""
-    return _ops.commit_checkpoint(os.fspath(directory), world_size, overwrite, fsync)
+    referenced. ``metadata``: strings the index keeps in its ``"metadata"`` object (``info()``
+    returns them)."""
+    pairs = [s for k, v in (metadata or {}).items() for s in (str(k), str(v))]
+    return _ops.commit_checkpoint(os.fspath(directory), world_size, overwrite, fsync, pairs)
 
 
 def save(directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor], *,
@@ -303,3 +305,8 @@ class OpenCheckpoint:
 def open_checkpoint(directory: str | os.PathLike) -> OpenCheckpoint:
     """Opens a committed checkpoint once for several reads (:class:`OpenCheckpoint`)."""
     return OpenCheckpoint(directory)
+
+
+# Classes carry their public path (repr, pickles, the settings a checkpoint records).
+for _cls in (OpenCheckpoint,):
+    _cls.__module__ = "fsdp_ema.checkpoint"

@@ -66,7 +66,8 @@ def save_collective(directory: str | os.PathLike, pieces: Callable[[], Mapping[s
                     group, device: torch.device, what: str, overwrite: bool,
                     collective_pieces: bool = True, prepare: Callable[[], None] | None = None,
                     after_commit: Callable[[], None] | None = None, fsync: bool = True,
-                    async_saver=None, if_busy: str = "wait"):
+                    async_saver=None, if_busy: str = "wait",
+                    metadata: Mapping[str, str] | None = None):
     """Collective: check, agree, write, agree, commit on rank 0, agree. Returns the bytes of this
     rank's file, or with ``async_saver`` (an ``_async.AsyncSaver``) a ``SaveHandle`` for them.
 
@@ -75,6 +76,7 @@ def save_collective(directory: str | os.PathLike, pieces: Callable[[], Mapping[s
     with the check, before it, so that its failure on one rank stops every rank before any file
     is written. ``prepare()`` runs in the write step, once this rank's file is written (sidecar
     files); ``after_commit()`` once the commit is agreed (its error is the caller's to soften).
+    ``metadata``: what rank 0's commit records in the index (``checkpoint.commit``).
 
     Asynchronously, ``pieces()`` runs and its tensors are staged on the caller's thread (so the
     caller may modify its tensors as soon as this returns), and the same check, write and commit
@@ -109,7 +111,7 @@ def save_collective(directory: str | os.PathLike, pieces: Callable[[], Mapping[s
 
         def commit() -> None:
             if rank == 0:
-                _ckpt.commit(directory, world, overwrite=overwrite, fsync=fsync)
+                _ckpt.commit(directory, world, overwrite=overwrite, fsync=fsync, metadata=metadata)
 
         ready = run(check)
         nbytes = run(write)  # also the barrier: every rank's file is durable past here
@@ -246,7 +248,8 @@ def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
 def load_slots(directory: str, slots: list[Slot], tensors: list[torch.Tensor], *,
                check_names: Callable[[Mapping[str, torch.Size]], None], group,
                device: torch.device, what: str, verify: bool,
-               before_write: Callable[[], None] | None = None) -> None:
+               before_write: Callable[[], None] | None = None,
+               check_info: Callable[[Mapping[str, Any]], None] | None = None) -> None:
     """Collective: a checkpoint into ``tensors`` (one per slot: the EMA's, or the model's own for
     ``load_model_weights``) through ``_collective.load_collective``; ``check_names(available)``
     (global shapes by name) raises on names or shapes the caller refuses. In place where the
@@ -254,6 +257,8 @@ def load_slots(directory: str, slots: list[Slot], tensors: list[torch.Tensor], *
     def plan(info):
         available = {k: torch.Size(v["shape"]) for k, v in info["tensors"].items()}
         check_names(available)
+        if check_info is not None:  # the index's metadata, checked with the rest
+            check_info(info)
         return [target for slot, t in zip(slots, tensors) for target in slot.load_targets(t)
                 if target.name in available]
 

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <string_view>
 #include <unordered_set>
@@ -90,9 +91,10 @@ uint64_t save_shard_to_dir(const std::string& dir, std::vector<TensorToWrite> te
 // another world size, and the files of ranks that had no tensor to write), so that DCP's reader,
 // which reads every *.safetensors file, sees this checkpoint only and `fsdp-ema verify --strict`
 // passes. Some ranks' new files without the others' is an error naming the missing ones;
-// the committed checkpoint is then left as it was.
+// the committed checkpoint is then left as it was. `metadata` goes into the index's "metadata"
+// object (free-form strings: what a saver records beside its tensors, e.g. an EMA's step).
 CheckpointIndex commit_directory(const std::string& dir, int64_t world_size, bool overwrite,
-                                 bool fsync);
+                                 bool fsync, std::map<std::string, std::string> metadata = {});
 
 // Writes a small file `name` beside the shard files (temporary, fsync, rename), e.g. the readable
 // copy of a training state's JSON. The commit neither reads nor removes it. `name` must be a plain
