@@ -205,8 +205,20 @@ MUTANTS = {
         "target.device(), r.mmap)[0];",
         [ctest("^CheckpointReader\\.ZeroCopyReaderLoadsIntoAModuleOnlyVerifiedBytes$")]),
     # update() refuses a model whose shards now hold other elements (same local shapes).
+    # ShardedEMA.load resumes the step save() recorded (#40: the schedule restarted silently),
+    # and refuses it under another schedule.
+    "load-drops-the-saved-step": (
+        "python/fsdp_ema/ema/persist.py",
+        "        if step:\n            state.set_step(step[0])",
+        "        if False:\n            state.set_step(step[0])",
+        [pytest("python_tests/test_teacher.py", "-k", "save_then_load")]),
+    "load-takes-another-schedule": (
+        "python/fsdp_ema/ema/state.py",
+        "        if changes:\n            raise ValueError(\n                f\"{what}: the checkpoint's EMA",
+        "        if False:\n            raise ValueError(\n                f\"{what}: the checkpoint's EMA",
+        [pytest("python_tests/test_teacher.py", "-k", "save_then_load")]),
     "update-ignores-a-resharded-model": (
-        "python/fsdp_ema/ema/sharded.py",
+        "python/fsdp_ema/ema/state.py",
         "                   else slot.sharding_changed())",
         "                   else None)",
         [pytest("python_tests/test_mesh_layouts.py", "-k", "resharded")]),
