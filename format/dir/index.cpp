@@ -349,19 +349,8 @@ CheckpointIndex build_index_from_files(const std::string& dir,
       d.file = name;
       return;
     }
-    ShardFile f = ShardFile::open(path, /*verify_checksums=*/false);
-    const ShardHeader& h = f.header();
-    if (!h.fsdp_ema || h.rank != static_cast<int64_t>(r) || h.world_size != world_size) {
-      throw FormatError(path + ": not the fsdp_ema shard file of rank " + std::to_string(r) +
-                        " of " + std::to_string(world_size) + " (metadata says rank " +
-                        (h.rank ? std::to_string(*h.rank) : "?") + " of " +
-                        (h.world_size ? std::to_string(*h.world_size) : "?") + ")");
-    }
+    d = describe_shard_file(path, static_cast<int64_t>(r), world_size);
     d.file = name;
-    d.rank = static_cast<int64_t>(r);
-    d.world_size = world_size;
-    d.file_bytes = f.file_bytes();
-    d.tensors = h.tensors;
   });
   detail::rethrow_first(errors);
   std::erase_if(shards, [](const ShardDescription& d) { return d.file.empty(); });
