@@ -251,7 +251,7 @@ MUTANTS = {
         [ctest("^ReadPipeline\\.Reshard"), pytest("python_tests/test_checkpoint.py", "-k",
                                                     "resharding")]),
     "one-row-overlap-not-seen-by-the-commit": (
-        "format/dir/index.cpp",
+        "format/dir/index_check.cpp",
         "      hi[d] = cell_of(d, p.offsets[d] + p.shape[d]);\n",
         "      hi[d] = cell_of(d, p.offsets[d] + p.shape[d]);\n"
         "      if (d == 0 && hi[d] - lo[d] > 1) --hi[d];\n",
@@ -290,7 +290,7 @@ MUTANTS = {
         [pytest("python_tests/test_checkpoint.py", "-k", "cli_export_casts"),
          ctest("^DTypeCast\\.")]),
     "commit-indexes-without-a-missing-rank": (
-        "format/dir/index.cpp",
+        "format/dir/index_build.cpp",
         "    if (!detail::path_exists(detail::join_path(dir, name))) {\n"
         "      throw FormatError(dir + \": missing shard file \"",
         "    if (!detail::path_exists(detail::join_path(dir, name))) continue;\n    if (false) {\n"
@@ -300,7 +300,7 @@ MUTANTS = {
         [pytest("python_tests/test_checkpoint.py", "-k", "missing_rank"),
          ctest("^Index\\.BuildFromDirectoryReadsEveryRanksHeader$")]),
     "index-json-drops-a-zero-checksum": (
-        "format/dir/index.cpp",
+        "format/dir/index_file.cpp",
         "      if (p.checksum) {\n        out += \", \\\"checksum\\\": \\\"\";",
         "      if (p.checksum && *p.checksum != 0) {\n        out += \", \\\"checksum\\\": \\\"\";",
         [ctest("^format_fuzz_replay$")]),

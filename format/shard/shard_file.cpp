@@ -348,4 +348,21 @@ size_t ShardFile::verify_all() const {
   return n;
 }
 
+ShardDescription describe_shard_file(const std::string& path, int64_t rank, int64_t world_size) {
+  ShardFile f = ShardFile::open(path, /*verify_checksums=*/false);
+  const ShardHeader& h = f.header();
+  if (!h.fsdp_ema || h.rank != rank || h.world_size != world_size) {
+    throw FormatError(path + ": not the fsdp_ema shard file of rank " + std::to_string(rank) +
+                      " of " + std::to_string(world_size) + " (metadata says rank " +
+                      (h.rank ? std::to_string(*h.rank) : "?") + " of " +
+                      (h.world_size ? std::to_string(*h.world_size) : "?") + ")");
+  }
+  ShardDescription d;
+  d.rank = rank;
+  d.world_size = world_size;
+  d.file_bytes = f.file_bytes();
+  d.tensors = h.tensors;
+  return d;
+}
+
 }  // namespace fsdp_ema::format

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include "fsdp_ema/format/checksum.h"
+#include "fsdp_ema/format/shard_file.h"
 #include "fsdp_ema/format/shard_writer.h"
 #include "tests/format/fixture_model.h"
 #include "tests/format/read_helpers.h"
@@ -104,6 +105,30 @@ TEST(Index, BuildFromDirectoryReadsEveryRanksHeader) {
               HasSubstr("missing shard file shard-00002-of-00004.safetensors (rank 2 of 4"));
   EXPECT_THAT(error_of([&] { testing::index_of_rank_files(dir.path(), 3); }),
               HasSubstr("missing shard file shard-00000-of-00003.safetensors"));
+}
+
+TEST(Index, BuildRefusesAFileWhoseHeaderNamesAnotherRank) {
+  TempDir dir;
+  const auto model = testing::reference_model();
+  // Each rank's file under the other rank's name: the headers say who wrote them.
+  uint64_t bytes[2] = {0, 0};
+  for (int64_t r = 0; r < 2; ++r) {
+    WriteOptions o;
+    o.rank = r;
+    o.world_size = 2;
+    bytes[r] = write_shard_file(dir.file(shard_file_name(1 - r, 2)),
+                                testing::local_shards(model, r, 2), o);
+  }
+  EXPECT_THAT(error_of([&] { testing::index_of_rank_files(dir.path(), 2); }),
+              AllOf(HasSubstr(shard_file_name(0, 2)),
+                    HasSubstr("not the fsdp_ema shard file of rank 0 of 2 (metadata says rank 1 "
+                              "of 2)")));
+  const ShardDescription d = describe_shard_file(dir.file(shard_file_name(0, 2)), 1, 2);
+  EXPECT_EQ(d.file, "");
+  EXPECT_EQ(d.rank, 1);
+  EXPECT_EQ(d.world_size, 2);
+  EXPECT_EQ(d.file_bytes, bytes[1]);
+  EXPECT_EQ(d.tensors.size(), testing::local_shards(model, 1, 2).size());
 }
 
 TEST(Index, BuildRejectsRanksThatDisagree) {

@@ -1,5 +1,9 @@
 // The checkpoint index "fsdp_ema.index.json": every tensor's dtype, global shape and pieces. It is
-// written last, atomically, and is the commit marker of a checkpoint directory.
+// written last, atomically, and is the commit marker of a checkpoint directory. Its sources, by
+// what they do (format/dir/): index_check.cpp (what a valid index is: file names, coverage,
+// validate_index; find), index_build.cpp (build_index, build_index_from_files), index_parse.cpp
+// (parse_index_json) and index_file.cpp (index_to_json, write_index, read_index,
+// resolve_piece_path).
 #pragma once
 
 #include <cstdint>

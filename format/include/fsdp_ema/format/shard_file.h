@@ -128,4 +128,10 @@ class ShardFile {
   std::unique_ptr<Impl> impl_;
 };
 
+// What an index needs of the fsdp_ema shard file of rank `rank` of `world_size` at `path`, from
+// its header (no data read, no checksum verified): rank, world size, file size and tensors; `file`
+// is left empty (the caller names it). Throws FormatError unless its metadata says it is that
+// rank's file. The commit's build_index_from_files reads every rank's file through it.
+ShardDescription describe_shard_file(const std::string& path, int64_t rank, int64_t world_size);
+
 }  // namespace fsdp_ema::format
