@@ -97,9 +97,9 @@ def test_commit_records_metadata_in_the_index_and_refuses_odd_pairs(tmp_path):
     t = {"w": torch.arange(6.0).reshape(2, 3)}
     ckpt.save_shard(tmp_path, t)
     with pytest.raises(RuntimeError, match="metadata must hold key, value pairs"):
-        torch.ops.fsdp_ema.commit_checkpoint.metadata(str(tmp_path), 1, ["only-a-key"])
+        torch.ops.fsdp_ema.commit_checkpoint.with_metadata(str(tmp_path), 1, ["only-a-key"])
     with pytest.raises(RuntimeError, match='the key "k" is given twice'):
-        torch.ops.fsdp_ema.commit_checkpoint.metadata(str(tmp_path), 1, ["k", "1", "k", "2"])
+        torch.ops.fsdp_ema.commit_checkpoint.with_metadata(str(tmp_path), 1, ["k", "1", "k", "2"])
     assert not (tmp_path / "fsdp_ema.index.json").exists()  # refused before any file
     ckpt.commit(tmp_path, 1, metadata={"step": "1000", "note": "{\"a\": 1}"})
     assert ckpt.info(tmp_path)["metadata"] == {"step": "1000", "note": '{"a": 1}'}

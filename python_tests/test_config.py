@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 import fsdp_ema
-from fsdp_ema import EMAConfig, ShardedEMA, ShardedPowerEMA, Warmup, _binding
+from fsdp_ema import EMAConfig, ShardedEMA, ShardedPowerEMA, Warmup
 from fsdp_ema.config import RESUME_SETTINGS
+from fsdp_ema.store import binding as _binding
 
 
 def net() -> nn.Module:
@@ -106,10 +107,10 @@ def test_the_host_memory_test_hook_is_out_of_the_public_signature():
     assert "_offload" not in inspect.signature(ShardedEMA).parameters
     with pytest.raises(TypeError, match="'_offload'"):
         ShardedEMA(net(), device="cpu", _offload=True)
-    assert ShardedEMA(net(), device="cpu")._host is None  # a CPU model: the ordinary EMA
+    assert ShardedEMA(net(), device="cpu").state.host is None  # a CPU model: the ordinary EMA
     with forced_for_cpu_models():
-        assert ShardedEMA(net(), device="cpu")._host is not None
-    assert ShardedEMA(net(), device="cpu")._host is None
+        assert ShardedEMA(net(), device="cpu").state.host is not None
+    assert ShardedEMA(net(), device="cpu").state.host is None
 
 
 def test_both_callbacks_take_a_config_and_check_it_when_made():

@@ -28,6 +28,7 @@ import fsdp_ema
 transformers = pytest.importorskip("transformers")
 pl = pytest.importorskip("lightning.pytorch")
 
+from fsdp_ema.integrations.hf_checkpoints import Rotation  # noqa: E402
 from fsdp_ema.integrations.lightning import ShardedEMA  # noqa: E402
 from fsdp_ema.integrations.transformers import ShardedEMACallback  # noqa: E402
 
@@ -122,27 +123,34 @@ def hf_killed_run(rank, world, root, point):
             return out
         fsdp_ema.checkpoint.save_shard = save_shard
     elif point == "before_rotation":  # the EMA committed, the previous checkpoint not removed
-        real_rotate = ShardedEMACallback._rotate
+        real_rotate = Rotation.after_commit
 
         def rotate(self, args, state, *rest):
             if state.global_step == HF_KILL_STEP:
                 die()
             return real_rotate(self, args, state, *rest)
-        ShardedEMACallback._rotate = rotate
+        Rotation.after_commit = rotate
     elif point == "during_rotation":  # the previous checkpoint half removed by the rotation
-        real_rotate = ShardedEMACallback._rotate
+        real_rotate, real_remove = Rotation.after_commit, fsdp_ema._ops.remove_checkpoint
 
-        def rmtree(path, *args, **kwargs):  # one file gone, then killed
-            os.remove(os.path.join(path, "model.safetensors"))
-            die()
+        def remove(directory, first=()):
+            # Killed inside the format's removal once it has taken the Trainer's state (its
+            # first, durable step), the EMA (index first) and one file more.
+            if os.path.basename(directory).startswith("checkpoint-"):
+                for name in first:
+                    os.remove(os.path.join(directory, name))
+                real_remove(os.path.join(directory, "ema"))
+                os.remove(os.path.join(directory, "model.safetensors"))
+                die()
+            real_remove(directory, first)
 
         def rotate(self, args, state, *rest):
             if state.global_step == HF_KILL_STEP:
-                shutil.rmtree = rmtree  # rank 0 dies in it; the others after their (no) rotation
-                real_rotate(self, args, state, *rest)
+                fsdp_ema._ops.remove_checkpoint = remove  # rank 0 dies in it; the others after
+                real_rotate(self, args, state, *rest)     # their (no) rotation
                 die()
             return real_rotate(self, args, state, *rest)
-        ShardedEMACallback._rotate = rotate
+        Rotation.after_commit = rotate
     trainer.train()
     return hf_result(trainer, cb)
 
@@ -212,6 +220,12 @@ def test_hf_kill_in_each_window_of_a_save_resumes_bit_for_bit_or_says_what_to_do
         assert complete == (["checkpoint-4"] if point == "during_rotation" else
                             ["checkpoint-2", "checkpoint-4"] if expect == "resumes"
                             else ["checkpoint-2"]), (point, sorted(os.listdir(out)))
+        if point == "during_rotation":
+            # The removal took the Trainer's state first, then the EMA (its index first): what
+            # is left of checkpoint-2 looks complete to neither the Trainer nor the callback.
+            left = os.listdir(os.path.join(out, "checkpoint-2"))
+            assert "optimizer.pt" in left and not {"trainer_state.json", "ema",
+                                                   "model.safetensors"} & set(left), left
         results = ranks.run(hf_resume, root)
         for rank, (status, r) in enumerate(results):
             assert status == "ok", (point, r)

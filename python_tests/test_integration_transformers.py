@@ -655,11 +655,12 @@ def test_accelerate_loop_saves_and_resumes_the_ema_with_save_state_and_load_stat
             assert not torch.equal(first[name], t), name
 
 
-# --- the rotation: by step, never by mtime -------------------------------------------------------
+# --- the rotation: by step, never by mtime; the Trainer's state first, the EMA's index next -----
 
 def make_checkpoint(out: Path, step: int, mtime: float, *, whole: bool = True) -> Path:
     """A ``checkpoint-<step>`` folder: whole (the Trainer's files and a committed-looking ema/),
-    or what a rotation killed inside ``shutil.rmtree`` leaves (one file); ``mtime`` set."""
+    or what a removal killed halfway leaves (its trainer_state.json and ema/ gone first, one file
+    left); ``mtime`` set."""
     folder = out / f"checkpoint-{step}"
     (folder / "ema").mkdir(parents=True)
     names = (["model.safetensors", "optimizer.pt", "trainer_state.json",
@@ -685,10 +686,10 @@ def test_rotation_orders_by_step_so_a_half_deleted_folder_goes_first(tmp_path):
         newest = make_checkpoint(out, 16, now)
         if rotate is None:
             cb = ShardedEMACallback(0.9)
-            cb._limit = 2
+            cb.rotation.limit = 2
             args = types.SimpleNamespace(output_dir=str(out), should_save=True)
             state = types.SimpleNamespace(best_model_checkpoint=None, global_step=16)
-            cb._rotate(args, state, str(newest))
+            cb.rotation.after_commit(args, state, str(newest))
         else:  # what the Trainer's own rotation (use_mtime=True) would do
             rotate(output_dir=str(out), save_total_limit=2, use_mtime=True)
         left = sorted(os.listdir(out))
@@ -699,7 +700,7 @@ def test_rotation_orders_by_step_so_a_half_deleted_folder_goes_first(tmp_path):
 
 
 def test_rotation_keeps_the_checkpoint_just_saved_below_steps_already_on_disk(tmp_path):
-    from fsdp_ema.integrations.transformers import rotate_by_step
+    from fsdp_ema.integrations.hf_checkpoints import rotate_by_step
 
     now = time.time()
     # Resumed from checkpoint-4 while checkpoint-8 of a longer run is there; checkpoint-6 saved.
@@ -717,7 +718,7 @@ def test_rotation_keeps_the_checkpoint_just_saved_below_steps_already_on_disk(tm
 
 
 def test_rotation_removes_an_abandoned_higher_step_before_this_runs_checkpoints(tmp_path):
-    from fsdp_ema.integrations.transformers import rotate_by_step
+    from fsdp_ema.integrations.hf_checkpoints import rotate_by_step
 
     # Resumed from checkpoint-4 while checkpoint-8 of an abandoned branch is there; limit 2.
     # This run's checkpoints are the ones kept (a resume would otherwise take the stale 8).
@@ -740,11 +741,55 @@ def test_rotation_never_removes_the_step_being_saved(tmp_path):
     (tmp_path / "checkpoint-8").mkdir()
     (tmp_path / "checkpoint-8" / "rng_state_1.pth").write_text("x")
     cb = ShardedEMACallback(0.9)
-    cb._limit = 1
+    cb.rotation.limit = 1
     args = types.SimpleNamespace(output_dir=str(tmp_path), should_save=True)
-    cb._rotate(args, types.SimpleNamespace(best_model_checkpoint=None, global_step=8),
-               str(newest))
+    cb.rotation.after_commit(args, types.SimpleNamespace(best_model_checkpoint=None,
+                                                         global_step=8), str(newest))
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-6", "checkpoint-8"]
+
+
+def test_a_removed_checkpoint_loses_its_trainer_state_then_its_ema_index_first(tmp_path):
+    from fsdp_ema import _ops
+    from fsdp_ema.integrations.hf_checkpoints import remove_checkpoint_folder
+
+    # One format operation removes the folder: the Trainer's state with the folder's index
+    # first, durably. A removal stopped right after that (here: a marker that cannot go, a
+    # directory named as one) leaves a folder that is complete to nobody: no trainer_state.json,
+    # the rest still there.
+    folder = make_checkpoint(tmp_path, 4, time.time())
+    (folder / "stuck").mkdir()
+    with pytest.raises(RuntimeError, match="cannot remove the commit marker"):
+        _ops.remove_checkpoint(str(folder), first=["trainer_state.json", "stuck"])
+    assert not (folder / "trainer_state.json").exists()
+    assert (folder / "optimizer.pt").exists() and _ops.is_committed(str(folder / "ema"))
+    # The next removal finishes it, the EMA losing its index before its files.
+    remove_checkpoint_folder(str(folder))
+    assert os.listdir(tmp_path) == []
+    # Killed after the Trainer's state went: the folder is complete to nobody, and the next
+    # removal finishes it.
+    half = make_checkpoint(tmp_path, 6, time.time())
+    (half / "trainer_state.json").unlink()
+    remove_checkpoint_folder(str(half))
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_rotation_never_removes_through_a_link_and_says_so(tmp_path):
+    from fsdp_ema.integrations.hf_checkpoints import rotate_by_step
+
+    # checkpoint-2 is a link to a checkpoint kept elsewhere: its files stay whole (not even its
+    # trainer_state.json goes), one warning names it, and the rotation removes the next oldest.
+    elsewhere = make_checkpoint(tmp_path / "kept", 2, time.time())
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "checkpoint-2").symlink_to(elsewhere)
+    for step in (4, 6):
+        newest = make_checkpoint(out, step, time.time())
+    with pytest.warns(RuntimeWarning, match="could not remove .*checkpoint-2"):
+        removed = rotate_by_step(str(out), 1, newest=str(newest))
+    assert [os.path.basename(p) for p in removed] == ["checkpoint-4"]
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-6"]
+    assert sorted(os.listdir(elsewhere)) == sorted(["ema", "model.safetensors", "optimizer.pt",
+                                                    "trainer_state.json"])
 
 
 # --- refusals -------------------------------------------------------------------------------------

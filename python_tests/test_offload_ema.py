@@ -128,7 +128,7 @@ def test_device_argument_is_checked():
     with pytest.raises(ValueError, match="device must be None"):
         ShardedEMA(nn.Linear(2, 2), device="meta")
     # A CPU model with device="cpu" needs no offload: the ordinary path.
-    assert ShardedEMA(nn.Linear(2, 2), device="cpu")._host is None
+    assert ShardedEMA(nn.Linear(2, 2), device="cpu").state.host is None
 
 
 # --- FSDP2 at 2 ranks -----------------------------------------------------------------------------

@@ -102,8 +102,8 @@ def test_reconstruction_of_a_directly_tracked_sigma_rel(run, tmp_path):
     assert sum(plan["weights"]) == pytest.approx(1.0, abs=0.02)
     rec = fsdp_ema.checkpoint.load(tmp_path / "out")
     assert sorted(rec) == sorted(run["direct"])
-    last = {k: t for k, t in zip(run["ours"]._shapes, run["ours"].profile_tensors(0))}
-    last1 = {k: t for k, t in zip(run["ours"]._shapes, run["ours"].profile_tensors(1))}
+    last = {k: t for k, t in zip(run["ours"].state.shapes, run["ours"].profile_tensors(0))}
+    last1 = {k: t for k, t in zip(run["ours"].state.shapes, run["ours"].profile_tensors(1))}
     for name, tracked in run["direct"].items():
         effect = (tracked - run["final"][name]).abs().max().item()
         err = (rec[name] - tracked).abs().max().item()

@@ -127,10 +127,10 @@ void def_save_ops(torch::Library& m) {
   m.impl("commit_checkpoint", kNoTensor, &ops::commit_checkpoint);
   // The same with the index's "metadata" object (key, value, key, value, ...): an EMA's step.
   m.def(
-      torch::schema("commit_checkpoint.metadata(str directory, int world_size, str[] metadata, "
-                    "bool overwrite=False, bool fsync=True) -> int",
+      torch::schema("commit_checkpoint.with_metadata(str directory, int world_size, "
+                    "str[] metadata, bool overwrite=False, bool fsync=True) -> int",
                     writes_files));
-  m.impl("commit_checkpoint.metadata", kNoTensor, &ops::commit_with_metadata);
+  m.impl("commit_checkpoint.with_metadata", kNoTensor, &ops::commit_with_metadata);
   // The same for compiled graphs: the count as a 0-dim tensor after the saves in `after`.
   m.def(
       torch::schema("commit_checkpoint.after(str directory, int world_size, Tensor[] after, "
@@ -233,6 +233,9 @@ void def_checkpoint_ops(torch::Library& m) {
   // Removes a checkpoint directory: the index first, then everything else, never through a link.
   m.def(torch::schema("remove_checkpoint(str directory) -> ()", writes_files));
   m.impl("remove_checkpoint", kNoTensor, &ops::remove_checkpoint);
+  // The same, with other commit markers (a trainer's state file) gone with the index, first.
+  m.def(torch::schema("remove_checkpoint.first(str directory, str[] first) -> ()", writes_files));
+  m.impl("remove_checkpoint.first", kNoTensor, &ops::remove_checkpoint_first);
 
   // The streaming Hugging Face export writer: what `fsdp-ema export` writes, byte for byte.
   m.class_<ops::ExportWriter>("ExportWriter")

@@ -60,6 +60,8 @@ void remove_contents(int fd, const std::string& path) {
       const int child = ::openat(fd, n.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
       if (child < 0)
         throw FormatError(errno_message("cannot open", detail::join_path(path, n), errno));
+      // A checkpoint nested here stops being committed before any of its files goes.
+      if (::unlinkat(child, std::string(kIndexFileName).c_str(), 0) == 0) ::fsync(child);
       remove_contents(child, detail::join_path(path, n));
       if (::unlinkat(fd, n.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT) {
         throw FormatError(errno_message("cannot remove", detail::join_path(path, n), errno));
@@ -170,8 +172,14 @@ std::vector<std::string> committed_checkpoints(const std::string& root, bool fol
   return out;
 }
 
-void remove_checkpoint(const std::string& dir) {
+void remove_checkpoint(const std::string& dir, const std::vector<std::string>& first) {
   check_path(dir, "checkpoint directory");
+  for (const std::string& n : first) {
+    if (n.empty() || n == "." || n == ".." || n.find('/') != std::string::npos ||
+        n.find('\0') != std::string::npos) {
+      throw FormatError(dir + ": first must name plain files in the directory, got \"" + n + "\"");
+    }
+  }
   std::string trimmed = dir;
   while (trimmed.size() > 1 && trimmed.back() == '/') trimmed.pop_back();
   const std::string parent = detail::parent_dir(trimmed), name = detail::base_name(trimmed);
@@ -189,14 +197,17 @@ void remove_checkpoint(const std::string& dir) {
     detail::UniqueFd lock_fd(::dup(fd));
     while (lock_fd.get() >= 0 && ::flock(lock_fd.get(), LOCK_EX) != 0 && errno == EINTR) {
     }
-    const std::string index(kIndexFileName);
-    if (::unlinkat(fd, index.c_str(), 0) != 0 && errno != ENOENT) {
-      const int err = errno;
-      ::close(fd);
-      throw FormatError(
-          errno_message("cannot remove the index", detail::join_path(dir, index), err));
+    std::vector<std::string> markers{std::string(kIndexFileName)};
+    markers.insert(markers.end(), first.begin(), first.end());
+    for (const std::string& marker : markers) {
+      if (::unlinkat(fd, marker.c_str(), 0) != 0 && errno != ENOENT) {
+        const int err = errno;
+        ::close(fd);
+        throw FormatError(
+            errno_message("cannot remove the commit marker", detail::join_path(dir, marker), err));
+      }
     }
-    ::fsync(fd);  // the index is gone for good before the data: never committed-but-partial
+    ::fsync(fd);  // the markers are gone for good before the data: never committed-but-partial
     remove_contents(fd, dir);
   }
   if (::unlinkat(parent_fd.get(), name.c_str(), AT_REMOVEDIR) != 0) {

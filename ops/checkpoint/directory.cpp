@@ -32,9 +32,11 @@ std::vector<std::string> committed_checkpoints(c10::string_view root, bool follo
   });
 }
 
-void remove_checkpoint(c10::string_view directory) {
+void remove_checkpoint(c10::string_view directory) { remove_checkpoint_first(directory, {}); }
+
+void remove_checkpoint_first(c10::string_view directory, const std::vector<std::string>& first) {
   translate_errors("fsdp_ema::remove_checkpoint: ",
-                   [&] { format::remove_checkpoint(std::string(directory)); });
+                   [&] { format::remove_checkpoint(std::string(directory), first); });
 }
 
 }  // namespace fsdp_ema::ops

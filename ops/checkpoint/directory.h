@@ -22,5 +22,8 @@ void write_sidecar(c10::string_view directory, c10::string_view name, c10::strin
 std::vector<std::string> committed_checkpoints(c10::string_view root, bool follow_links);
 // Removes a checkpoint directory, index first (format::remove_checkpoint).
 void remove_checkpoint(c10::string_view directory);
+// .first: the same, the files named in `first` (other writers' commit markers) gone with the index,
+// durably, before anything else.
+void remove_checkpoint_first(c10::string_view directory, const std::vector<std::string>& first);
 
 }  // namespace fsdp_ema::ops

@@ -88,7 +88,7 @@ int64_t commit_checkpoint(const std::string& directory, int64_t world_size, bool
   }
   static const auto with_metadata =
       ops::typed_op<int64_t(c10::string_view, int64_t, const std::vector<std::string>&, bool,
-                            bool)>("fsdp_ema::commit_checkpoint", "metadata");
+                            bool)>("fsdp_ema::commit_checkpoint", "with_metadata");
   return with_metadata.call(directory, world_size, metadata, overwrite, fsync);
 }
 

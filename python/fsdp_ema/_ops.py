@@ -72,7 +72,7 @@ def commit_checkpoint(directory: str, world_size: int, overwrite: bool, fsync: b
     """The index (the commit marker) once every rank's file is there, with ``metadata`` (key,
     value, key, value, ...) in its "metadata" object; the number of tensors."""
     if metadata:
-        return torch.ops.fsdp_ema.commit_checkpoint.metadata(directory, world_size,
+        return torch.ops.fsdp_ema.commit_checkpoint.with_metadata(directory, world_size,
                                                              list(metadata), overwrite, fsync)
     return torch.ops.fsdp_ema.commit_checkpoint(directory, world_size, overwrite, fsync)
 
@@ -132,9 +132,13 @@ def committed_checkpoints(root: str, follow_links: bool) -> list[str]:
     return torch.ops.fsdp_ema.committed_checkpoints(root, follow_links)
 
 
-def remove_checkpoint(directory: str) -> None:
-    """Removes a checkpoint directory: the index first, never through a link."""
-    torch.ops.fsdp_ema.remove_checkpoint(directory)
+def remove_checkpoint(directory: str, first: list[str] = ()) -> None:
+    """Removes a checkpoint directory: the index first (and the files named in ``first``: other
+    writers' commit markers), durably, then the rest; never through a link."""
+    if first:
+        torch.ops.fsdp_ema.remove_checkpoint.first(directory, list(first))
+    else:
+        torch.ops.fsdp_ema.remove_checkpoint(directory)
 
 
 # --- rules that live in C++ -----------------------------------------------------------------------

@@ -128,5 +128,33 @@ TEST(Layout, ListsAndRemovesCommittedCheckpointsNeverThroughLinks) {
   EXPECT_THAT(committed_checkpoints(root.path(), false), ElementsAre("step-2"));
 }
 
+TEST(Layout, RemoveCheckpointTakesTheNamedMarkersWithTheIndexBeforeAnyData) {
+  TempDir root;
+  const auto model = testing::reference_model();
+  testing::write_checkpoint(root.subdir("ckpt"), model, 1);
+  testing::write_checkpoint(root.subdir("ckpt/ema"), model, 1);  // a checkpoint nested inside
+  testing::write_text(root.file("ckpt/trainer_state.json"), "{}");
+  testing::write_text(root.file("ckpt/optimizer.pt"), "x");
+  std::filesystem::create_directory(root.file("ckpt/not_a_file"));
+  for (const char* bad : {"", ".", "..", "a/b"}) {
+    EXPECT_THAT(error_of([&] { remove_checkpoint(root.file("ckpt"), {bad}); }),
+                HasSubstr("first must name plain files"))
+        << bad;
+  }
+  EXPECT_TRUE(is_committed(root.file("ckpt")));  // refused before anything changed
+  // A marker that cannot go (a directory) stops the removal after the index and the markers
+  // before it, before any data: the folder is incomplete to every reader, its data whole.
+  EXPECT_THAT(error_of([&] {
+                remove_checkpoint(root.file("ckpt"), {"trainer_state.json", "not_a_file"});
+              }),
+              HasSubstr("cannot remove the commit marker"));
+  EXPECT_FALSE(is_committed(root.file("ckpt")));
+  EXPECT_FALSE(std::filesystem::exists(root.file("ckpt/trainer_state.json")));
+  EXPECT_TRUE(std::filesystem::exists(root.file("ckpt/optimizer.pt")));
+  EXPECT_TRUE(is_committed(root.file("ckpt/ema")));
+  remove_checkpoint(root.file("ckpt"), {"trainer_state.json"});
+  EXPECT_FALSE(std::filesystem::exists(root.file("ckpt")));
+}
+
 }  // namespace
 }  // namespace fsdp_ema::format

@@ -9,7 +9,10 @@ Each module imports its framework when it is imported (and raises one ``ImportEr
 extra when the framework is missing); this package imports neither. The adapters only translate
 the trainer's events into ``fsdp_ema.ShardedEMA`` calls: the averaging, the layouts and the files
 are ShardedEMA's and fsdp_ema's, the options one ``fsdp_ema.EMAConfig``, and what both adapters
-check and do alike is ``_common``'s.
+hold, check and do alike is ``common``'s (``CallbackCore``, the base of both). The Hugging Face
+adapter's policy on the Trainer's checkpoint folders (which one a resume restored, the rotation
+and the order it removes a folder in) is ``hf_checkpoints``'s, its evaluation with the EMA
+weights ``hf_eval``'s.
 """
 
 from .common import HeldSwap, missing_framework

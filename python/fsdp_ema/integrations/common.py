@@ -1,9 +1,11 @@
-"""What the Lightning and Hugging Face adapters share, so that both behave alike: the EMA's
-options (one ``fsdp_ema.EMAConfig``, checked when a callback is made) and the EMA made from them
-(compiled or not), the resume checks (options, tensor names, the saved global step and model
-fingerprint, ``fsdp_ema._binding``), the swap held across trainer events, warnings from rank 0 at
-the user's call site, the names of the EMA's metrics and logged values, and the Hugging Face
-files that make an export loadable. Imports no framework."""
+"""What the Lightning and Hugging Face adapters share, so that both behave alike and neither holds
+a rule of its own: ``CallbackCore``, the base of both callbacks (the EMA's options as one
+``fsdp_ema.EMAConfig``, checked when a callback is made; the resume checks' settings; the EMA's
+metric name; the EMA made once the trainer has wrapped the model, compiled or not; the swap held
+across trainer events), the resume checks themselves (options, tensor names, the saved global step
+and model fingerprint of ``fsdp_ema.store.binding``), warnings from rank 0 at the user's call
+site, the values both log, and the export with the Hugging Face files that make it loadable.
+Imports no framework."""
 
 from __future__ import annotations
 
@@ -12,13 +14,16 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Collection, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..distributed.groups import default_group, rank_world
 from ..ema.config import EMAConfig
 from ..store.binding import SETTINGS, Binding, name_changes, setting_changes, settings
+
+if TYPE_CHECKING:
+    from ..ema.sharded import ShardedEMA
 
 
 def make_ema(model: torch.nn.Module, config: EMAConfig,
@@ -80,9 +85,9 @@ class ResumeChecks:
     """``strict_resume`` and ``allow_changes`` of a callback, checked when it is made.
 
     With ``strict`` (the default) a resume refuses an EMA saved with other options (any of
-    ``fsdp_ema._binding.SETTINGS`` not in ``allow``), with other tensors, at another global step
-    or beside other model weights than the trainer restored; ``strict=False`` resumes anyway,
-    with one warning that lists what differs."""
+    ``fsdp_ema.store.binding.SETTINGS`` not in ``allow``), with other tensors, at another global
+    step or beside other model weights than the trainer restored; ``strict=False`` resumes
+    anyway, with one warning that lists what differs."""
 
     def __init__(self, what: str, strict: bool, allow: Iterable[str]):
         if not isinstance(strict, bool):
@@ -151,6 +156,48 @@ def logged_values(ema) -> dict[str, float]:
             "ema/step": float(step)}
 
 
+# --- the base of both callbacks -------------------------------------------------------------------
+
+class CallbackCore:
+    """What both callbacks hold and do alike, a base of each beside its framework's callback
+    class: the EMA's options (``config``: one ``EMAConfig``, from ``config`` and the option
+    keywords, checked here), the resume checks' settings (``checks``), the EMA metric's name
+    pattern, ``log`` and ``compile``; the EMA (``ema``, None until ``make_ema``) and the update
+    the trainer's events call; the swap held across those events; the values logged, the
+    warning for a sharding request over an unsharded model, and the export with the Hugging
+    Face files. ``what`` names the callback in messages."""
+
+    def __init__(self, what: str, config: EMAConfig | float | None, options: dict[str, Any], *,
+                 ema_metric_name: str, strict_resume: bool, allow_changes: Collection[str],
+                 log: bool, compile: bool | dict):
+        self.what = what
+        self.config = EMAConfig.of(type(self).__name__, config, options)
+        self.ema_metric_name = check_metric_name(what, ema_metric_name)
+        self.checks = ResumeChecks(what, strict_resume, allow_changes)
+        self.log, self.compile = log, compile
+        self.ema: ShardedEMA | None = None
+        self._update: Callable[[], None] | None = None
+        self._swap = HeldSwap()
+
+    def make_ema(self, model: torch.nn.Module) -> ShardedEMA:
+        """The EMA of ``model`` as the trainer hands it over (FSDP2 and FSDP1 shard by shard, DDP
+        and one device whole), with its update (compiled with ``compile``)."""
+        self.ema, self._update = make_ema(model, self.config, self.compile)
+        return self.ema
+
+    def _logged(self) -> dict[str, float]:
+        """``logged_values`` of the EMA (none before it is made)."""
+        return logged_values(self.ema) if self.log and self.ema is not None else {}
+
+    def _warn_not_sharded(self, asked_by: str) -> None:
+        warn_not_sharded(self.what, asked_by)
+
+    def _export(self, path: str | os.PathLike, *, dtype: torch.dtype | None,
+                prefix: str | None = None, pretrained=None) -> list[str]:
+        """``export_ema`` of the EMA (collective)."""
+        return export_ema(self.ema, path, dtype=dtype, prefix=prefix, pretrained=pretrained)
+
+
 # --- warnings -------------------------------------------------------------------------------------
 
 def _framework_dirs() -> tuple[str, ...]:
@@ -204,6 +251,15 @@ def pretrained_model(module: torch.nn.Module):
         if isinstance(m, PreTrainedModel):
             return m
     return None
+
+
+def export_ema(ema, path: str | os.PathLike, *, dtype: torch.dtype | None,
+               prefix: str | None = None, pretrained=None) -> list[str]:
+    """``ema.export`` (collective; a previous export in ``path`` replaced) and, when
+    ``pretrained`` (a ``PreTrainedModel``) is given, its ``write_hf_metadata`` beside, so that
+    ``from_pretrained`` loads the directory. Returns the files written beside the weights."""
+    ema.export(path, dtype=dtype, overwrite=True, prefix=prefix)
+    return write_hf_metadata(pretrained, path) if pretrained is not None else []
 
 
 def write_hf_metadata(model, path: str | os.PathLike) -> list[str]:

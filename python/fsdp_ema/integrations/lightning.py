@@ -15,7 +15,7 @@ into ``fsdp_ema.ShardedEMA`` calls (docs/INTEGRATIONS.md):
   ``checkpoint["state_dict"]`` under ``"<key>/"``, which Lightning writes with
   ``torch.distributed.checkpoint`` rank by rank, and comes back with ``dcp.load`` into the EMA's
   own shards; a replicated EMA (DDP, one device) is the callback's state. Beside it: the global
-  step and the model's fingerprint at the save (``fsdp_ema._binding``), which a resume checks
+  step and the model's fingerprint at the save (``fsdp_ema.store.binding``), which a resume checks
   against the restored trainer state and model before loading. No rank ever gathers the EMA of a
   sharded model;
 - ``on_train_end``: optionally ``copy_to()`` the model and ``export()`` a consolidated directory.
@@ -25,23 +25,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .common import (
-    HeldSwap,
-    ResumeChecks,
-    check_metric_name,
-    is_fsdp,
-    logged_values,
-    make_ema,
-    missing_framework,
-    pretrained_model,
-    warn_not_sharded,
-    warn_user,
-    write_hf_metadata,
-)
+from .common import CallbackCore, is_fsdp, missing_framework, pretrained_model, warn_user
 
 try:
     import lightning.pytorch as pl
@@ -49,11 +37,11 @@ try:
 except ImportError as _e:
     raise missing_framework(__name__, "Lightning (lightning >= 2.6)", "lightning") from _e
 
-import fsdp_ema
-
-from ..ema.config import EMAConfig
 from ..model.layouts import is_dtensor, is_sharded_tensor
-from ..store import binding as _binding
+from ..store.binding import Binding, bind
+
+if TYPE_CHECKING:
+    from ..ema.config import EMAConfig
 
 __all__ = ["ShardedEMA"]
 
@@ -69,7 +57,7 @@ def _is_sharded(value: Any) -> bool:
     return is_dtensor(value) or is_sharded_tensor(value)
 
 
-def _binding_tensor(binding: _binding.Binding) -> torch.Tensor:
+def _binding_tensor(binding: Binding) -> torch.Tensor:
     fp = int(binding.fingerprint, 16)
     return torch.tensor([binding.global_step, fp >> 32, fp & 0xFFFFFFFF], dtype=torch.int64)
 
@@ -79,7 +67,7 @@ def _from_binding_tensor(t: torch.Tensor) -> tuple[int, str]:
     return step, f"{(high << 32) | low:016x}"
 
 
-class ShardedEMA(Callback):
+class ShardedEMA(CallbackCore, Callback):
     """Keeps a ``fsdp_ema.ShardedEMA`` of the LightningModule's weights, each rank only its shards.
 
     Args:
@@ -125,7 +113,9 @@ class ShardedEMA(Callback):
                  allow_changes: Collection[str] = (), log: bool = True,
                  compile: bool | dict = False, key: str = "fsdp_ema", **options: Any):
         what = f"{type(self).__name__} callback"
-        self.config = EMAConfig.of(type(self).__name__, config, options)
+        super().__init__(what, config, options, ema_metric_name=ema_metric_name,
+                         strict_resume=strict_resume, allow_changes=allow_changes, log=log,
+                         compile=compile)
         if not key or "." in key or "/" in key:
             raise ValueError(f"{what}: key must be a non-empty name without '.' or '/', got "
                              f"{key!r}")
@@ -135,16 +125,11 @@ class ShardedEMA(Callback):
             if mode not in (True, False) and not (mode == "both" and loop != "predict"):
                 raise ValueError(f"{what}: swap_for_{loop} must be True, False"
                                  f"{' or both' if loop != 'predict' else ''}, got {mode!r}")
-        self.ema_metric_name = check_metric_name(what, ema_metric_name)
         self.copy_to_model_at_end = copy_to_model_at_end
         self.export_dir, self.export_module, self.export_dtype = (export_dir, export_module,
                                                                   export_dtype)
-        self.checks = ResumeChecks(what, strict_resume, allow_changes)
-        self.log, self.compile, self.key = log, compile, key
-        self.ema: fsdp_ema.ShardedEMA | None = None
-        self._update = None
+        self.key = key
         self._last_step = 0           # trainer.global_step at the last update
-        self._swap = HeldSwap()
         # What a loaded checkpoint holds for the EMA: (kind, value, callback state, global step).
         self._restore: tuple[str, Any, Any, int | None] | None = None
         self._sharded = False
@@ -167,7 +152,7 @@ class ShardedEMA(Callback):
         # FSDP1 (FSDPStrategy) keeps the root's FlatParameter on the wrapper around the module.
         wrapped = trainer.strategy.model
         model = wrapped if isinstance(wrapped, FullyShardedDataParallel) else pl_module
-        self.ema, self._update = make_ema(model, self.config, self.compile)
+        self.make_ema(model)
         # Sharded (read from the model, never from the strategy's settings): FSDP2 or FSDP1
         # modules, or DTensor parameters (tensor parallelism).
         self._sharded = is_fsdp(model) or any(_is_sharded(p) for p in model.parameters())
@@ -178,17 +163,16 @@ class ShardedEMA(Callback):
         from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
         strategy = trainer.strategy
-        what = f"{type(self).__name__} callback"
         if not self._sharded:
             if isinstance(strategy, (ModelParallelStrategy, FSDPStrategy)):
-                warn_not_sharded(what, f"{type(strategy).__name__}")
+                self._warn_not_sharded(f"{type(strategy).__name__}")
             return
         full = ((isinstance(strategy, ModelParallelStrategy)
                  and not getattr(strategy, "_save_distributed_checkpoint", True))
                 or (isinstance(strategy, FSDPStrategy)
                     and getattr(strategy, "_state_dict_type", "sharded") == "full"))
         if full and trainer.checkpoint_callbacks:
-            raise ValueError(f"{what}: {self._full_checkpoint_message()}")
+            raise ValueError(f"{self.what}: {self._full_checkpoint_message()}")
 
     def _full_checkpoint_message(self) -> str:
         return ("the EMA is sharded but the strategy saves full checkpoints (written by rank 0 "
@@ -209,7 +193,7 @@ class ShardedEMA(Callback):
         if restore is None or restore[0] == "none":
             return
         kind, value, state, step = restore
-        saved = _binding.Binding.from_json(state.get("binding"))
+        saved = Binding.from_json(state.get("binding"))
         where = f"the checkpoint {os.fspath(trainer.ckpt_path)!r}"
         if kind == "state_dict":
             self._check(saved, None, step, [k for k in value if k != self.ema.STEP_KEY], where)
@@ -217,7 +201,7 @@ class ShardedEMA(Callback):
         else:
             self._load_distributed(value, saved, step, where)
 
-    def _check(self, saved: _binding.Binding | None, stored: tuple[int, str] | None,
+    def _check(self, saved: Binding | None, stored: tuple[int, str] | None,
                global_step: int | None, names, where: str) -> None:
         """The resume checks: options and names, then (a sharded EMA) the binding stored with
         the distributed tensors against the one in ``meta.pt``, then the binding against the
@@ -240,7 +224,7 @@ class ShardedEMA(Callback):
             warn_user(f"{type(self).__name__} callback(strict_resume=False): {problem}")
             return
         if stored is not None and saved is not None:
-            saved = _binding.Binding(stored[0], stored[1], saved.settings)
+            saved = Binding(stored[0], stored[1], saved.settings)
         self.checks.check(
             self.ema, saved, global_step=global_step, fingerprint=fingerprint,
             saved_names=names, where=where, restored="the model Lightning restored from it",
@@ -251,7 +235,7 @@ class ShardedEMA(Callback):
                          f"from another checkpoint, and save under new names, e.g. "
                          f"{_SAFE_CHECKPOINTS}")
 
-    def _load_distributed(self, path: str | os.PathLike, saved: _binding.Binding | None,
+    def _load_distributed(self, path: str | os.PathLike, saved: Binding | None,
                           global_step: int | None, where: str) -> None:
         """``dcp.load`` of the ``"<key>/"`` entries of a distributed checkpoint straight into the
         EMA's shards (``state_dict()`` shares their memory), once the binding stored with them
@@ -260,7 +244,7 @@ class ShardedEMA(Callback):
 
         # The strategy names the checkpoint's top-level entry ("state_dict" for
         # ModelParallelStrategy, "model" for FSDPStrategy): find the one holding our entries.
-        step_suffix = "." + self.prefix + fsdp_ema.ShardedEMA.STEP_KEY  # DCP joins keys by "."
+        step_suffix = "." + self.prefix + self.ema.STEP_KEY  # DCP joins keys by "."
         metadata = dcp.FileSystemReader(os.fspath(path)).read_metadata()
         keys = metadata.state_dict_metadata
         tops = sorted({k[:-len(step_suffix)] for k in keys if k.endswith(step_suffix)})
@@ -275,7 +259,7 @@ class ShardedEMA(Callback):
             t = torch.zeros(3, dtype=torch.int64)
             dcp.load({tops[0]: {self.prefix + BINDING_TENSOR: t}}, checkpoint_id=path)
             stored = _from_binding_tensor(t)
-        names = [n for n in names if n not in (BINDING_TENSOR, fsdp_ema.ShardedEMA.STEP_KEY)]
+        names = [n for n in names if n not in (BINDING_TENSOR, self.ema.STEP_KEY)]
         self._check(saved, stored, global_step, names, where)
         sd = self.ema.state_dict()
         if not self.checks.strict:
@@ -302,8 +286,8 @@ class ShardedEMA(Callback):
         if self.ema is not None and not self._swap.active and trainer.global_step > self._last_step:
             self._update()
             self._last_step = trainer.global_step
-            if self.log and pl_module is not None:
-                for name, value in logged_values(self.ema).items():
+            if pl_module is not None:
+                for name, value in self._logged().items():
                     pl_module.log(name, value, on_step=True, on_epoch=False)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -414,11 +398,11 @@ class ShardedEMA(Callback):
             root = trainer.lightning_module if trainer is not None else self.ema.model
             submodule = root.get_submodule(module)
             prefix = module + "."
-        self.ema.export(path, dtype=dtype, overwrite=True, prefix=prefix)
+        # The config files only when the submodule is the pretrained model itself: its names are
+        # the weights' names.
         pretrained = pretrained_model(submodule) if submodule is not None else None
-        if pretrained is not None and pretrained is submodule:
-            return write_hf_metadata(pretrained, path)
-        return []
+        return self._export(path, dtype=dtype, prefix=prefix,
+                            pretrained=pretrained if pretrained is submodule else None)
 
     # --- checkpoints ------------------------------------------------------------------------------
 
@@ -456,7 +440,7 @@ class ShardedEMA(Callback):
             raise RuntimeError(f"{type(self).__name__} callback: "
                                f"{self._full_checkpoint_message()}")
         # Collective (every rank dumps the checkpoint): what identifies this training state.
-        binding = _binding.bind(self.ema, trainer.global_step)
+        binding = bind(self.ema, trainer.global_step)
         state["binding"] = binding.to_json()
         if not self._sharded:
             return

@@ -108,10 +108,13 @@ void write_sidecar(const std::string& dir, std::string_view name, std::string_vi
 std::vector<std::string> committed_checkpoints(const std::string& root, bool follow_links);
 
 // Removes the checkpoint directory `dir` (a real directory, never followed through a link) with
-// everything in it, under its exclusive lock: the index first (so an interrupted removal leaves an
-// incomplete checkpoint, never a committed one with missing files), then the rest. Every removal
-// goes through directory file descriptors opened without following links, so nothing outside
-// `dir` is ever changed.
-void remove_checkpoint(const std::string& dir);
+// everything in it, under its exclusive lock: the index first, then the files named in `first`
+// (plain names directly in `dir`: the commit markers of other writers of the folder, such as a
+// trainer's state file), made durable before anything else goes, so an interrupted removal leaves
+// an incomplete checkpoint, never a committed one with missing files; then the rest, where every
+// directory inside loses its own index first (a checkpoint nested in `dir` is never left committed
+// with missing files either). Every removal goes through directory file descriptors opened without
+// following links, so nothing outside `dir` is ever changed.
+void remove_checkpoint(const std::string& dir, const std::vector<std::string>& first = {});
 
 }  // namespace fsdp_ema::format
