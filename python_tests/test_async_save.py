@@ -23,8 +23,9 @@ from dist_utils import PoolManager
 from test_training_state import assert_bit_equal, build, full_state, train
 
 import fsdp_ema
-from fsdp_ema import ShardedEMA, _async
+from fsdp_ema import ShardedEMA
 from fsdp_ema import checkpoint as ckpt
+from fsdp_ema.store import async_save as _async
 
 INDEX = "fsdp_ema.index.json"
 

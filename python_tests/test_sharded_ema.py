@@ -590,3 +590,41 @@ def test_checkpoints_written_at_2_ranks_read_at_1(saved, source):
     weights = fsdp_ema.checkpoint.load(directory / "weights")
     for name, t in states[-1].items():
         assert torch.equal(weights[name], t), name
+
+
+def test_load_resumes_the_saved_step_and_refuses_another_step_dependent_schedule(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(5, 4)
+    ema = ShardedEMA(model, 0.99, warmup=True)
+    for _ in range(5):
+        with torch.no_grad():
+            model.weight.add_(0.1)
+        ema.update()
+    ema.save(tmp_path / "e")
+    again = ShardedEMA(nn.Linear(5, 4), 0.99, warmup=True)
+    again.load(tmp_path / "e")
+    assert int(again.step) == 5 and again.decay_at(5) == ema.decay_at(5)
+    assert all(torch.equal(a, b) for a, b in zip(again.state.tensors, ema.state.tensors))
+    # Another warmup, or a fixed decay where the warmup was: refused, naming both, nothing changed.
+    for other in (ShardedEMA(nn.Linear(5, 4), 0.99, warmup=Warmup(power=0.75)),
+                  ShardedEMA(nn.Linear(5, 4), 0.99)):
+        before = [t.clone() for t in other.state.tensors]
+        with pytest.raises(ValueError,
+                           match=r"another schedule \(warmup: .* when saved, .* now") as e:
+            other.load(tmp_path / "e")
+        assert "allow_changes=['warmup']" in str(e.value)
+        assert int(other.step) == 0
+        assert all(torch.equal(a, b) for a, b in zip(before, other.state.tensors))
+        other.load(tmp_path / "e", allow_changes=["warmup"])
+        assert int(other.step) == 5
+    with pytest.raises(ValueError, match="not schedule settings"):
+        again.load(tmp_path / "e", allow_changes=["dtype"])
+    # Two fixed decays: no step gives either another decay; the weights and step are taken.
+    ShardedEMA(model, 0.9).save(tmp_path / "fixed")
+    fixed = ShardedEMA(nn.Linear(5, 4), 0.5)
+    fixed.load(tmp_path / "fixed")
+    assert int(fixed.step) == 0 and torch.equal(fixed.state.tensors[0], model.weight)
+    # A checkpoint without a position (the model's weights) leaves the step as it is.
+    ema.save_shard_weights(tmp_path / "weights")
+    again.load(tmp_path / "weights")
+    assert int(again.step) == 5
