@@ -155,7 +155,8 @@ class CheckpointMixin:
 
         A checkpoint ``save`` wrote also gives back the step, so a scheduled EMA (warmup,
         ``schedule=``, ``update_every``, ``start_step``) resumes where it was; one saved under
-        another schedule is refused, naming both, unless ``allow_changes`` names the settings
+        another schedule (where either schedule's decay depends on the step: two fixed decays
+        differ at no step) is refused, naming both, unless ``allow_changes`` names the settings
         that may differ (``"decay"``, ``"warmup"``, ``"schedule"``, ``"update_every"``,
         ``"start_step"``, or ``"all"``). A checkpoint without a recorded position (the model's
         weights, an older fsdp_ema, DCP) loads the weights and leaves the step as it is."""

@@ -227,8 +227,12 @@ class EMAState:
             raise ValueError(f"{what}: allow_changes={list(allow)!r} names {unknown}, which are "
                              f"not schedule settings {list(SCHEDULE_SETTINGS)} (or 'all')")
         ignored = [s for s in SETTINGS if s not in SCHEDULE_SETTINGS] + list(allow)
-        changes = ([] if "all" in allow else
-                   setting_changes(saved.get("settings", {}), self.settings(), ignored))
+        saved_settings, current = saved.get("settings", {}), self.settings()
+        # Two fixed decays give the same decay at every step: the step means nothing to either,
+        # and taking the weights into an EMA of another decay is a choice, not a resume.
+        steps_matter = step_dependent(saved_settings) or step_dependent(current)
+        changes = ([] if "all" in allow or not steps_matter else
+                   setting_changes(saved_settings, current, ignored))
         if changes:
             raise ValueError(
                 f"{what}: the checkpoint's EMA was saved at step {saved['step']} with another "
@@ -250,6 +254,12 @@ class EMAState:
         for slot, t in zip(self.slots, tensors):
             out.update(slot.pieces(t.detach(), rank, world))
         return out
+
+
+def step_dependent(settings: dict[str, Any]) -> bool:
+    """Whether settings (``store.binding`` JSON) give a decay that depends on the step."""
+    return (settings.get("warmup") is not None or settings.get("schedule") is not None
+            or settings.get("update_every", 1) != 1 or settings.get("start_step", 0) != 0)
 
 
 def check_slots(model: nn.Module, slots: list[Slot], params: Any, selected: bool,
