@@ -624,6 +624,13 @@ def test_load_resumes_the_saved_step_and_refuses_another_step_dependent_schedule
     fixed = ShardedEMA(nn.Linear(5, 4), 0.5)
     fixed.load(tmp_path / "fixed")
     assert int(fixed.step) == 0 and torch.equal(fixed.state.tensors[0], model.weight)
+    # An asynchronous save records the position taken with the tensors it staged.
+    handle = ema.save(tmp_path / "async", async_=True)
+    ema.update()  # after staging: in neither the tensors nor the step saved
+    handle.result()
+    late = ShardedEMA(nn.Linear(5, 4), 0.99, warmup=True)
+    late.load(tmp_path / "async")
+    assert int(late.step) == 5 and torch.equal(late.state.tensors[0], again.state.tensors[0])
     # A checkpoint without a position (the model's weights) leaves the step as it is.
     ema.save_shard_weights(tmp_path / "weights")
     again.load(tmp_path / "weights")

@@ -13,9 +13,9 @@ import os
 import torch
 
 from .._dtypes import check_ema_dtype
+from ..store.collective import list_names
 from ..store.full_state import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_FILE_BYTES, Part, full_buckets
 from ..store.full_state import export as _export
-from .persist import list_names
 
 
 class FullStateMixin:

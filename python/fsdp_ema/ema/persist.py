@@ -16,15 +16,8 @@ from typing import Any
 import torch
 
 from ..model.slots import global_shape
-from ..store.collective import load_slots, save_collective
+from ..store.collective import check_names, load_slots, save_collective
 from .state import POSITION_KEY
-
-
-def list_names(names: Sequence[str], limit: int = 8) -> str:
-    """Up to ``limit`` of ``names``, sorted and quoted, and how many more there are."""
-    names = sorted(names)
-    shown = ", ".join(repr(n) for n in names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 class CheckpointMixin:
@@ -49,20 +42,7 @@ class CheckpointMixin:
         return out
 
     def _check_names(self, available: Mapping[str, torch.Size], strict: bool, what: str) -> None:
-        shapes = self.state.shapes
-        missing = [n for n in shapes if n not in available]
-        unexpected = [n for n in available if n not in shapes]
-        problems = []
-        if strict and missing:
-            problems.append(f"missing {len(missing)} name(s): {list_names(missing)}")
-        if strict and unexpected:
-            problems.append(f"unexpected {len(unexpected)} name(s): {list_names(unexpected)}")
-        wrong = [f"{n!r} is {list(available[n])} there but {list(s)} here"
-                 for n, s in shapes.items() if n in available and available[n] != s]
-        if wrong:
-            problems.append(f"{len(wrong)} shape mismatch(es): " + "; ".join(wrong[:8]))
-        if problems:
-            raise ValueError(f"ShardedEMA.{what}: " + "; ".join(problems))
+        check_names(self.state.shapes, available, strict, f"ShardedEMA.{what}")
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:

@@ -245,6 +245,32 @@ def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
     return values
 
 
+def list_names(names: Sequence[str], limit: int = 8) -> str:
+    """Up to ``limit`` of ``names``, sorted and quoted, and how many more there are."""
+    names = sorted(names)
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def check_names(shapes: Mapping[str, torch.Size], available: Mapping[str, torch.Size],
+                strict: bool, what: str) -> None:
+    """Refuses a checkpoint's ``available`` tensors (global shapes by name) for destinations of
+    ``shapes``: with ``strict`` the names must match exactly; shapes always must."""
+    missing = [n for n in shapes if n not in available]
+    unexpected = [n for n in available if n not in shapes]
+    problems = []
+    if strict and missing:
+        problems.append(f"missing {len(missing)} name(s): {list_names(missing)}")
+    if strict and unexpected:
+        problems.append(f"unexpected {len(unexpected)} name(s): {list_names(unexpected)}")
+    wrong = [f"{n!r} is {list(available[n])} there but {list(s)} here"
+             for n, s in shapes.items() if n in available and available[n] != s]
+    if wrong:
+        problems.append(f"{len(wrong)} shape mismatch(es): " + "; ".join(wrong[:8]))
+    if problems:
+        raise ValueError(f"{what}: " + "; ".join(problems))
+
+
 def load_slots(directory: str, slots: list[Slot], tensors: list[torch.Tensor], *,
                check_names: Callable[[Mapping[str, torch.Size]], None], group,
                device: torch.device, what: str, verify: bool,

@@ -12,7 +12,7 @@ from torch import nn
 from ..distributed.groups import default_group
 from ..model.apply import reshard, reshard_fsdp2
 from ..model.slots import discover
-from .collective import load_slots
+from .collective import check_names, load_slots
 
 
 @torch.no_grad()
@@ -42,21 +42,9 @@ def load_model_weights(model: nn.Module, directory: str | os.PathLike, *, strict
 
     shapes = {fqn: shape for slot in slots for fqn, shape in slot.names()}
 
-    def check_names(available) -> None:
-        missing = sorted(n for n in shapes if n not in available)
-        unexpected = sorted(n for n in available if n not in shapes)
-        wrong = [f"{n!r} is {list(available[n])} there but {list(s)} here"
-                 for n, s in shapes.items() if n in available and available[n] != s]
-        problems = ([f"missing {len(missing)} name(s), e.g. {missing[:4]}"] if strict and missing
-                    else [])
-        if strict and unexpected:
-            problems.append(f"unexpected {len(unexpected)} name(s), e.g. {unexpected[:4]}")
-        if wrong:
-            problems.append(f"{len(wrong)} shape mismatch(es): " + "; ".join(wrong[:8]))
-        if problems:
-            raise ValueError(f"{what}: " + "; ".join(problems))
-
     # Checked and agreed on every rank before the first write; then read into the model's own
     # tensors in place (after freeing unsharded copies a forward would use instead).
-    load_slots(directory, slots, tensors, check_names=check_names, group=process_group,
-               device=device, what=what, verify=verify, before_write=lambda: reshard(model, slots))
+    load_slots(directory, slots, tensors,
+               check_names=lambda available: check_names(shapes, available, strict, what),
+               group=process_group, device=device, what=what, verify=verify,
+               before_write=lambda: reshard(model, slots))
