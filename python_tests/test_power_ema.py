@@ -211,6 +211,16 @@ def test_swap_and_save_pick_the_profile(tmp_path):
                        ema.profile_tensors(0)[0])
     with pytest.raises(IndexError, match=r"profile must be in \[0, 2\)"):
         ema.save(tmp_path / "p2", profile=2)
+    # load(profile=k) takes that profile's weights and leaves the others and the step (which
+    # every profile shares) as they are; save records no step for one profile.
+    ema.save(tmp_path / "p1", profile=1)
+    assert "fsdp_ema.ema" not in fsdp_ema.checkpoint.info(tmp_path / "p1").get("metadata", {})
+    fresh = ShardedPowerEMA(nn.Linear(2, 2), (0.05, 0.2))
+    before0 = [t.clone() for t in fresh.profile_tensors(0)]
+    fresh.load(tmp_path / "p1", profile=1)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.profile_tensors(1), ema.profile_tensors(1)))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.profile_tensors(0), before0))
+    assert int(fresh.step) == 0
 
 
 def test_bad_arguments():

@@ -21,7 +21,18 @@ from ._library import library_path, load_library
 
 load_library()
 
-from . import _ops, checkpoint  # noqa: E402  (_ops: the one door to the ops)
+# _ops: the one door to the ops. The public module paths are attributes of the package, as they
+# always were (fsdp_ema.posthoc is the function below; its module is fsdp_ema.store.posthoc).
+from . import (  # noqa: E402
+    _ops,
+    checkpoint,
+    config,  # noqa: F401
+    momentum,  # noqa: F401
+    posthoc,  # noqa: F401  (rebound to the function below)
+    power_ema,  # noqa: F401
+    sharded_ema,  # noqa: F401
+    training_state,  # noqa: F401
+)
 from .distributed.shutdown import destroy_process_group  # noqa: E402
 from .ema.config import EMAConfig  # noqa: E402
 from .ema.momentum import CosineMomentum  # noqa: E402
@@ -30,7 +41,7 @@ from .ema.sharded import ShardedEMA, Warmup  # noqa: E402
 from .store.async_save import SaveHandle, init_async_groups  # noqa: E402
 from .store.model_weights import load_model_weights  # noqa: E402
 from .store.peft import export_merged, export_peft_adapter  # noqa: E402
-from .store.posthoc import posthoc, posthoc_plan  # noqa: E402
+from .store.posthoc import posthoc, posthoc_plan  # noqa: E402, F811  (the function over the module)
 from .store.training_state import (  # noqa: E402
     latest_checkpoint,
     load_training_state,

@@ -53,7 +53,7 @@ def gather_shards(shards: list[torch.Tensor], rows: list[int],
 def gather_align() -> int:
     """The byte alignment ``gather_shards`` starts every packed piece at, in its send and receive
     buffers (the ``gather_alignment`` op: ``kAlign`` in ops/gather/gather_shards.cpp); what
-    ``_layouts.part_cost`` counts."""
+    ``model.layouts.part_cost`` counts."""
     return int(torch.ops.fsdp_ema.gather_alignment())
 
 

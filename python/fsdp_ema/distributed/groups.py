@@ -1,5 +1,5 @@
 """Small collective and dtype helpers shared by ShardedEMA, its FSDP1 layout code and the
-training-state code (the row rule ``chunk_rows`` is in ``_layouts``)."""
+training-state code (the row rule ``chunk_rows`` is in ``model.layouts``)."""
 
 from __future__ import annotations
 

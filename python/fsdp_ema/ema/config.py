@@ -20,7 +20,7 @@ import torch
 
 from .._dtypes import check_ema_dtype
 
-__all__ = ["EMAConfig", "Warmup", "RESUME_SETTINGS"]
+__all__ = ["EMAConfig", "Warmup", "RESUME_SETTINGS", "SCHEDULE_SETTINGS", "STEPPED_SETTINGS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +54,10 @@ class Warmup:
 _CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("fsdp_ema_config_caller",
                                                               default="EMAConfig")
 _COMPARED = {"compared": True}
+# The schedule: which decay each update uses. *stepped*: a value other than the default makes
+# that decay depend on the update's step (the fixed decay alone does not).
+_SCHEDULE = {"compared": True, "schedule": True}
+_STEPPED = {"compared": True, "schedule": True, "stepped": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,25 +67,25 @@ class EMAConfig:
     and printed whole by ``repr``. Fields marked *compared* are the settings a trainer
     integration's resume checks (``allow_changes`` names them)."""
 
-    decay: float = dataclasses.field(default=0.9999, metadata=_COMPARED)
+    decay: float = dataclasses.field(default=0.9999, metadata=_SCHEDULE)
     """The decay in [0, 1] (the weight of the old average); the upper bound of the warmup when
     there is one. *Compared.*"""
 
-    warmup: Union[None, bool, Warmup] = dataclasses.field(default=None, metadata=_COMPARED)
+    warmup: Union[None, bool, Warmup] = dataclasses.field(default=None, metadata=_STEPPED)
     """None (a fixed decay), True (``Warmup()``, stored as that) or a ``Warmup``. *Compared.*"""
 
-    schedule: Any = dataclasses.field(default=None, metadata=_COMPARED)
+    schedule: Any = dataclasses.field(default=None, metadata=_STEPPED)
     """Instead of ``decay`` and ``warmup``, an object computing the decay of the ``t``-th
     averaging update (``t`` from 1) on the device: ``device_decay(t)`` (0-dim int64 tensor ->
     0-dim float64 tensor) and ``decay_at(t)`` (float), such as ``fsdp_ema.PowerEMA`` (EDM2's
     power-function EMA) or ``fsdp_ema.CosineMomentum``. Needs no ``warmup`` and
     ``start_step=0``. *Compared* (by its type and repr)."""
 
-    update_every: int = dataclasses.field(default=1, metadata=_COMPARED)
+    update_every: int = dataclasses.field(default=1, metadata=_STEPPED)
     """Average on updates ``k`` with ``k % update_every == 0`` only (``k`` counts ``update()``
     calls from 0); an integer >= 1. *Compared.*"""
 
-    start_step: int = dataclasses.field(default=0, metadata=_COMPARED)
+    start_step: int = dataclasses.field(default=0, metadata=_STEPPED)
     """For the first ``start_step`` updates the EMA copies the weights; an integer >= 0.
     *Compared.*"""
 
@@ -216,6 +220,12 @@ def _caller(what: str) -> Iterator[None]:
 #: The options a resume compares, by name (the fields marked *compared*, in field order).
 RESUME_SETTINGS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(EMAConfig) if f.metadata.get("compared"))
+#: The options that say which decay each update uses (a load that resumes the step compares
+#: them), and those of them that make it depend on the step when not at their default.
+SCHEDULE_SETTINGS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(EMAConfig) if f.metadata.get("schedule"))
+STEPPED_SETTINGS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(EMAConfig) if f.metadata.get("stepped"))
 
 
 # Classes carry their public path (repr, pickles, the settings a checkpoint records).

@@ -1,7 +1,8 @@
 """A ``ShardedEMA``'s state dicts and checkpoint directories (one part of the class;
-``sharded_ema`` says which): ``state_dict`` / ``load_state_dict`` (what DCP saves and reshards),
+``ema.sharded`` says which): ``state_dict`` / ``load_state_dict`` (what DCP saves and reshards),
 ``save`` and its seed-recipe aliases, ``load``, and ``model_fingerprint`` (the pieces a save
-would write, hashed). The collective sequences are ``_collective``'s, the layouts ``_slots``'.
+would write, hashed). The collective sequences are ``store.collective``'s, the layouts
+``model.slots``'.
 
 Reads and writes the EMA through its ``state`` (``EMAState``).
 """
@@ -17,7 +18,7 @@ import torch
 
 from ..model.slots import global_shape
 from ..store.collective import check_names, load_slots, save_collective
-from .state import POSITION_KEY
+from .state import POSITION_KEY, allowed_changes
 
 
 class CheckpointMixin:
@@ -87,8 +88,11 @@ class CheckpointMixin:
             if state.async_saver is None:
                 state.async_saver = AsyncSaver()
             saver = state.async_saver
-        metadata = ({POSITION_KEY: json.dumps(state.position(), sort_keys=True)} if position
-                    else None)
+        if position:  # taken with the tensors; written (read, for a device step) at the commit
+            now = state.position()
+            metadata = lambda: {POSITION_KEY: json.dumps(now(), sort_keys=True)}  # noqa: E731
+        else:
+            metadata = None
         return save_collective(directory, pieces, group=state.group, device=state.device,
                                what=f"{what}({os.fspath(directory)!r})", overwrite=overwrite,
                                async_saver=saver, if_busy=if_busy, metadata=metadata)
@@ -126,7 +130,7 @@ class CheckpointMixin:
 
     @torch.no_grad()
     def load(self, directory: str | os.PathLike, *, strict: bool = True,
-             verify: bool = True, allow_changes: Sequence[str] = ()) -> None:
+             verify: bool = True, allow_changes: str | Sequence[str] = ()) -> None:
         """Loads EMA weights from a checkpoint directory written at any world size (``save``,
         ``save_shard_weights``, ``fsdp_ema.checkpoint`` or DCP's HuggingFace writer). Each rank
         reads only the rows it keeps where the layout allows, straight into the EMA's tensors
@@ -140,26 +144,32 @@ class CheckpointMixin:
         that may differ (``"decay"``, ``"warmup"``, ``"schedule"``, ``"update_every"``,
         ``"start_step"``, or ``"all"``). A checkpoint without a recorded position (the model's
         weights, an older fsdp_ema, DCP) loads the weights and leaves the step as it is."""
+        self._load(directory, strict=strict, verify=verify,
+                   allow=allowed_changes(allow_changes, "ShardedEMA.load"), position=True)
+
+    def _load(self, directory: str | os.PathLike, *, strict: bool, verify: bool,
+              allow: tuple[str, ...], position: bool) -> None:
+        """``load``; ``position``: resume the step the checkpoint records (checked first)."""
         # An EMA in host memory: the update in flight lands before the load writes the tensors.
         self.synchronize()
         directory = os.fspath(directory)
         # Every rank checks everything (the index, names, shapes, dtypes, every destination and
         # every checksum it will read) before the agreement, and reads into the EMA in place only
-        # after it (_collective.load_collective): one rank's failure raises everywhere and leaves
-        # every rank's EMA as it was.
+        # after it (store.collective.load_collective): one rank's failure raises everywhere and
+        # leaves every rank's EMA as it was.
         state = self.state
         what = f"ShardedEMA.load({directory!r})"
         step: list[int] = []
 
         def check_info(info: Mapping[str, Any]) -> None:
             saved = (info.get("metadata") or {}).get(POSITION_KEY)
-            if saved is not None:
+            if saved is not None and position:
                 try:
-                    position = json.loads(saved)
+                    record = json.loads(saved)
                 except ValueError as e:
                     raise ValueError(f"{what}: the index's {POSITION_KEY!r} metadata is not "
                                      f"JSON ({e})") from None
-                step.append(state.check_position(position, what=what, allow=allow_changes))
+                step.append(state.check_position(record, what=what, allow=allow))
 
         load_slots(directory, state.slots, state.tensors,
                    check_names=lambda available: self._check_names(available, strict, "load"),

@@ -198,10 +198,21 @@ class ShardedPowerEMA(ShardedEMA):
     @torch.no_grad()
     def save(self, directory: str | os.PathLike, *, overwrite: bool = False,  # type: ignore[override]
              profile: int = 0) -> int:
-        """``ShardedEMA.save()`` of profile ``profile``."""
+        """``ShardedEMA.save()`` of profile ``profile``: its weights (the step is every
+        profile's, so it is not recorded with one profile: see ``load``)."""
         self._check_profile(profile)
         return self._save(directory, self._profile_emas[profile], overwrite,
-                          "ShardedPowerEMA.save", position=True)
+                          "ShardedPowerEMA.save")
+
+    @torch.no_grad()
+    def load(self, directory: str | os.PathLike, *, strict: bool = True,  # type: ignore[override]
+             verify: bool = True, profile: int = 0) -> None:
+        """``ShardedEMA.load()`` into profile ``profile``: its weights only. The step, which every
+        profile shares, is not taken from one profile's weights (it would leave the others at
+        another length); ``state_dict()`` (DCP) and ``save_training_state`` carry every profile
+        with the step."""
+        with self._as_profile(profile):
+            self._load(directory, strict=strict, verify=verify, allow=(), position=False)
 
     # --- snapshots --------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The decay schedule of a ``ShardedEMA`` (one part of the class; ``sharded_ema`` says which):
+"""The decay schedule of a ``ShardedEMA`` (one part of the class; ``ema.sharded`` says which):
 the options that make it, read from the EMA's ``EMAConfig``, the decay of update ``k`` as tensor
 ops on the device (no host sync: a compiled step compiles once) and as a Python float, and the
 update count, kept on the device and, for eager updates, on the host too.

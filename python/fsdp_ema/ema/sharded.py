@@ -5,11 +5,12 @@ Works on FSDP2 (``fully_shard``: DTensor parameters), FSDP1 (``FullyShardedDataP
 (the local shard of each parameter; for FSDP1 the local slice of each FlatParameter), with one
 fused ``update_`` op call per step. See docs/SHARDED_EMA.md.
 
-This module holds the class: its tensors, how they follow the live model, and the update. Its
-other parts are mixins beside it (``_ema_schedule``, ``_ema_io``, ``_ema_full``, ``_ema_swap``);
-its options are ``config.EMAConfig``; what a model holds is in ``_slots`` (discovery and one slot
-per tensor), full tensors and the export in ``_full_state``, tensor layouts in ``_layouts`` and
-the collective save in ``_collective``.
+This module holds the class and its update; what it is (slots, tensors, step, options) is its
+``state`` (``ema.state.EMAState``). Its other parts are mixins beside it, one role each, reading
+the state (``ema.schedule``, ``ema.persist``, ``ema.full``, ``ema.swap``); its options are
+``ema.config.EMAConfig``; what a model holds is in ``model.slots`` (discovery and one slot per
+tensor), full tensors and the export in ``store.full_state``, tensor layouts in
+``model.layouts`` and the collective save in ``store.collective``.
 """
 
 from __future__ import annotations
@@ -60,10 +61,10 @@ class ShardedEMA(ScheduleMixin, CheckpointMixin, FullStateMixin, SwapMixin):
             warmup=True)``), replacing those fields of ``config``.
 
     The parts of the class live beside it, one responsibility each: the schedule
-    (``_ema_schedule``), state dicts and checkpoint directories (``_ema_io``), full weights and
-    the export (``_ema_full``), the weights in the live model: ``swap``, ``copy_to``,
-    ``module`` (``_ema_swap``). This file holds what they share: the tensors (made from the
-    model's slots, bound to the live model) and the update.
+    (``ema.schedule``), state dicts and checkpoint directories (``ema.persist``), full weights
+    and the export (``ema.full``), the weights in the live model: ``swap``, ``copy_to``,
+    ``module`` (``ema.swap``). What they share is ``state`` (``EMAState``: the tensors made
+    from the model's slots, bound to the live model); this file holds the update.
     """
 
     #: Key of the update counter in ``state_dict()``.

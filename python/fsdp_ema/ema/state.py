@@ -5,16 +5,17 @@ shapes, the update's groups (one per device), the step and the schedule's positi
 (``EMAConfig``), its process group and device, and the live model tensors it is bound to. Every
 part of the EMA (the schedule, state dicts and checkpoint directories, full weights, swap, the
 teacher, the power EMA, an EMA in host memory) and every integration reads and writes the EMA
-through this object and its methods, never through another object's private attributes; what
-a save must carry to restore the EMA whole (the step, the settings) is ``position()``, which every
-save writes and every load gives back to ``restore_position()``.
+through this object and its methods, never through another object's private attributes. What a
+save must carry to resume the EMA (the step, the schedule's settings) is ``position()``, which
+``ShardedEMA.save`` records and ``ShardedEMA.load`` takes back through ``check_position``;
+``state_dict()`` and the training state carry the step and settings themselves.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,17 +24,14 @@ from torch import nn
 
 from ..distributed.groups import default_group, rank_world
 from ..model.slots import Slot, TrainableWatch, discover
-from .config import EMAConfig
+from .config import SCHEDULE_SETTINGS, STEPPED_SETTINGS, EMAConfig
 
-__all__ = ["DeviceGroup", "EMAState", "POSITION_KEY", "SCHEDULE_SETTINGS", "STEP_KEY"]
+__all__ = ["DeviceGroup", "EMAState", "POSITION_KEY", "STEP_KEY", "allowed_changes"]
 
 #: Key of the update counter in ``state_dict()``.
 STEP_KEY = "fsdp_ema.step"
 #: Key of ``position()`` (JSON) in the index metadata of a checkpoint ``ShardedEMA.save`` writes.
 POSITION_KEY = "fsdp_ema.ema"
-#: The settings that say which decay each update uses: a load that would resume the step under
-#: other values of these is refused (``ShardedEMA.load(allow_changes=...)`` takes them).
-SCHEDULE_SETTINGS = ("decay", "warmup", "schedule", "update_every", "start_step")
 
 
 @dataclasses.dataclass(eq=False)
@@ -207,12 +205,20 @@ class EMAState:
         return any(slot.buffer and t.is_floating_point()
                    for slot, t in zip(self.slots, self.tensors))
 
-    def position(self) -> dict[str, Any]:
-        """What a save records beside the EMA's tensors so that a load resumes it whole: the
-        updates so far and the settings that define the schedule."""
-        return {"step": self.step_count(), "settings": self.settings()}
+    def position(self) -> Callable[[], dict[str, Any]]:
+        """What a save records beside the EMA's tensors so that a load resumes it whole (the
+        updates so far and the settings that define the schedule), taken now, read when called:
+        after compiled updates (no host count) the step is copied on the device now and read
+        only when the record is written (an async save's background thread: no wait here)."""
+        settings = self.settings()
+        if self.step_host is not None:
+            step_now = self.step_host
+            return lambda: {"step": step_now, "settings": settings}
+        step = self.step.clone()
+        return lambda: {"step": int(step), "settings": settings}
 
     def check_position(self, saved: Any, *, what: str, allow: Sequence[str] = ()) -> int:
+        # ``allow``: as ``allowed_changes`` returns it.
         """The step of a saved ``position()``, checked before anything changes: a schedule
         (``SCHEDULE_SETTINGS``) unlike this EMA's is refused unless named in ``allow`` (or
         ``"all"``), since resuming the step under another schedule gives other decays."""
@@ -222,10 +228,6 @@ class EMAState:
                 and saved["step"] >= 0 and isinstance(saved.get("settings", {}), dict)):
             raise ValueError(f"{what}: the checkpoint's {POSITION_KEY!r} metadata is not an "
                              f"EMA position (a step >= 0 and settings): {saved!r}")
-        unknown = [a for a in allow if a != "all" and a not in SCHEDULE_SETTINGS]
-        if unknown:
-            raise ValueError(f"{what}: allow_changes={list(allow)!r} names {unknown}, which are "
-                             f"not schedule settings {list(SCHEDULE_SETTINGS)} (or 'all')")
         ignored = [s for s in SETTINGS if s not in SCHEDULE_SETTINGS] + list(allow)
         saved_settings, current = saved.get("settings", {}), self.settings()
         # Two fixed decays give the same decay at every step: the step means nothing to either,
@@ -256,10 +258,24 @@ class EMAState:
         return out
 
 
+def allowed_changes(allow: str | Sequence[str], what: str) -> tuple[str, ...]:
+    """``allow_changes`` of a load, checked before anything is read: schedule settings
+    (``SCHEDULE_SETTINGS``) or ``"all"``; one name may be given as a string."""
+    names = (allow,) if isinstance(allow, str) else tuple(allow)
+    unknown = [a for a in names if a != "all" and a not in SCHEDULE_SETTINGS]
+    if unknown:
+        raise ValueError(f"{what}: allow_changes={allow!r} names {unknown}, which are not "
+                         f"schedule settings {list(SCHEDULE_SETTINGS)} (or 'all')")
+    return names
+
+
 def step_dependent(settings: dict[str, Any]) -> bool:
-    """Whether settings (``store.binding`` JSON) give a decay that depends on the step."""
-    return (settings.get("warmup") is not None or settings.get("schedule") is not None
-            or settings.get("update_every", 1) != 1 or settings.get("start_step", 0) != 0)
+    """Whether settings (``store.binding`` JSON) give a decay that depends on the step: one of
+    ``STEPPED_SETTINGS`` away from its default."""
+    from ..store.binding import config_settings
+
+    default = config_settings(EMAConfig(), True)
+    return any(settings.get(name, default[name]) != default[name] for name in STEPPED_SETTINGS)
 
 
 def check_slots(model: nn.Module, slots: list[Slot], params: Any, selected: bool,

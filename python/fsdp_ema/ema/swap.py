@@ -1,7 +1,7 @@
-"""A ``ShardedEMA``'s weights in the live model (one part of the class; ``sharded_ema`` says
+"""A ``ShardedEMA``'s weights in the live model (one part of the class; ``ema.sharded`` says
 which): ``swap()`` (the EMA weights inside a block, the model's own after, bit for bit),
 ``copy_to()`` (for good), and ``module()`` (the EMA as a model of its own: a teacher,
-``_teacher``). Each writes into the tensors the model computes from, after freeing the unsharded
+``ema.teacher``). Each writes into the tensors the model computes from, after freeing the unsharded
 parameters FSDP would otherwise reuse.
 
 Reads and writes the EMA through its ``model`` and ``state`` (``EMAState``).

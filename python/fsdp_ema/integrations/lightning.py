@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -37,11 +37,9 @@ try:
 except ImportError as _e:
     raise missing_framework(__name__, "Lightning (lightning >= 2.6)", "lightning") from _e
 
+from ..ema.config import EMAConfig  # in the signature's annotations (resolved by LightningCLI)
 from ..model.layouts import is_dtensor, is_sharded_tensor
 from ..store.binding import Binding, bind
-
-if TYPE_CHECKING:
-    from ..ema.config import EMAConfig
 
 __all__ = ["ShardedEMA"]
 

@@ -40,6 +40,7 @@ except ImportError as _e:
     raise missing_framework(__name__, "transformers (and accelerate)", "transformers") from _e
 
 from ..distributed.groups import default_group, rank_world
+from ..ema.config import EMAConfig  # in the signature's annotations (get_type_hints)
 from ..store.binding import bind
 from ..store.collective import agreed
 from ..store.peft import export_peft_adapter
@@ -59,7 +60,6 @@ from .hf_checkpoints import (
 from .hf_eval import EMAEvaluation
 
 if TYPE_CHECKING:
-    from ..ema.config import EMAConfig
     from ..ema.sharded import ShardedEMA
 
 __all__ = ["ShardedEMACallback"]

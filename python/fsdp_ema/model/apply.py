@@ -2,7 +2,7 @@
 ``fsdp_ema.load_model_weights``.
 
 Both write into the tensors the model computes from, found by the same slots ``ShardedEMA``
-keeps (``_slots.discover``): FSDP2 DTensors' local shards, FSDP1 FlatParameters' local slices,
+keeps (``model.slots.discover``): FSDP2 DTensors' local shards, FSDP1 FlatParameters' local slices,
 whole tensors otherwise; after freeing the unsharded copies a forward would use instead.
 """
 

@@ -8,7 +8,7 @@ tensor, or ``(local, global_offsets, global_shape)``; every element of a tensor 
 exactly one rank (the commit refuses overlaps). A read is a ``ReadRequest``: ``(rank,
 world_size)`` for ``fsdp_ema.checkpoint.load`` (``torch.chunk`` dim-0 rows of any world size,
 ``(0, 1)`` for the whole tensor) plus, for a whole-tensor read that is not this rank's layout, the
-box to cut out; ``_collective.load_collective`` reads the ``LoadTarget``s made of them. The row
+box to cut out; ``store.collective.load_collective`` reads the ``LoadTarget``s made of them. The row
 rule itself is C++'s (``fsdp_ema/format/rows.h``), reached through the ``chunk_rows`` op.
 """
 
@@ -48,7 +48,7 @@ class Part(NamedTuple):
     kind: str
     value: Any
     group: Any = None       # the process group of "rows" and "flat" parts
-    cost: int = 0           # bytes one bucket holds for it (see _layouts.part_cost)
+    cost: int = 0           # bytes one bucket holds for it (see model.layouts.part_cost)
     slot: Any = None
     member: int = -1
 
@@ -176,7 +176,7 @@ class Layout:
         raise NotImplementedError
 
     def target(self) -> LoadTarget:
-        """The read as one tensor of a collective load (``_collective.load_collective``)."""
+        """The read as one tensor of a collective load (``store.collective.load_collective``)."""
         return LoadTarget(self.name, self.shape, self.dtype, self.read(), self.local)
 
     def assign(self, value: torch.Tensor) -> None:
@@ -185,7 +185,7 @@ class Layout:
 
     def full_part(self) -> Part:
         """How ``full_state_dict``, ``export`` and the PEFT exports produce the full tensor
-        (``_full_state.Part``): as it is here, by default."""
+        (``store.full_state.Part``): as it is here, by default."""
         return Part(self.name, self.shape, self.dtype, "full", self.local)
 
 

@@ -4,9 +4,9 @@
 rank: ``ReplicatedSlot`` (a parameter or buffer every rank holds whole: plain, DDP, buffers),
 ``ShardedSlot`` (the local shard of a DTensor: FSDP2) or ``FlatSlot`` (the local slice of an FSDP1
 FlatParameter, which holds several named tensors). Each slot knows its names, the
-``_layouts.Layout`` of each of its tensors over the EMA's or the model's storage (what a save
+``model.layouts.Layout`` of each of its tensors over the EMA's or the model's storage (what a save
 writes, what a load reads), its state-dict values and how its full tensors are produced
-(``_full_state.Part``).
+(``store.full_state.Part``).
 """
 
 from __future__ import annotations

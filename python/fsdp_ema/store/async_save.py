@@ -2,7 +2,7 @@
 
 An async save (``ShardedEMA.save(..., async_=True)``, ``save_training_state(..., async_=True)``,
 ``fsdp_ema.checkpoint.save/save_shard(..., async_=True)``) runs the same collective sequence as a
-synchronous one (``_collective.save_collective``: check, agree, write, agree, commit on rank 0,
+synchronous one (``store.collective.save_collective``: check, agree, write, agree, commit on rank 0,
 agree), split in two:
 
 - on the caller's thread, the pieces are computed and *staged*: every tensor is copied into a

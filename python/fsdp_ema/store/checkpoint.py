@@ -47,7 +47,7 @@ def shard_file_name(rank: int, world_size: int) -> str:
 
 
 @contextlib.contextmanager
-def _gc_paused():
+def gc_paused():
     """Bulk calls create or pass 100,000+ tensors; Python's cyclic collector would walk every
     live object several times meanwhile (none of these objects forms a cycle). Only on the main
     thread: gc.disable() is process-wide, and an async save's background write would otherwise
@@ -107,7 +107,7 @@ def save_shard(directory: str | os.PathLike, shards: Mapping[str, Shard], *, ran
                            fsync=fsync, overwrite=overwrite, if_busy=if_busy, and_commit=False)
     # The op creates the directory (with its parents) if missing, and removes what it created when
     # the write fails.
-    with _gc_paused():
+    with gc_paused():
         names, tensors, offsets, global_shapes = _flatten(shards)
         return int(_ops.save_shard(os.fspath(directory), rank, world_size, names, tensors,
                                    offsets, global_shapes, fsync, overwrite))
@@ -149,7 +149,7 @@ def _save_async(name: str, directory, shards, *, rank: int, world_size: int, fsy
     saver = default_saver(name)
     what = f"fsdp_ema.checkpoint.{name}({os.fspath(directory)!r})"
     saver.check_busy(if_busy, None, what)
-    with _gc_paused():
+    with gc_paused():
         staged, event = saver.staging.stage(shards)
 
     def job(_group) -> int:
@@ -199,7 +199,7 @@ def load(directory: str | os.PathLike, names: Sequence[str] | None = None, *, ra
     file afterwards (see :func:`load_shard` for the risks)."""
     if names is None:
         names = sorted(info(directory)["tensors"])
-    with _gc_paused():
+    with gc_paused():
         tensors = _ops.load_tensors(os.fspath(directory), list(names), rank, world_size, verify,
                                     device, mmap)
         return dict(zip(names, tensors))
@@ -226,7 +226,7 @@ def load_into(directory: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
         model = MyModel()
         fsdp_ema.checkpoint.load_into("ckpt", dict(model.state_dict()))
     """
-    with torch.no_grad(), _gc_paused():
+    with torch.no_grad(), gc_paused():
         _ops.load_into_(os.fspath(directory), list(tensors), list(tensors.values()), rank,
                         world_size, verify)
 
@@ -264,7 +264,7 @@ class OpenCheckpoint:
                    world_size: int = 1, verify: bool = True) -> None:
         """What :meth:`load_into` checks (every destination) and, with ``verify``, hashes (every
         stored piece it reads); writes nothing."""
-        with _gc_paused():
+        with gc_paused():
             self._handle.check_into(list(tensors), list(tensors.values()), rank, world_size,
                                     verify)
 
@@ -274,7 +274,7 @@ class OpenCheckpoint:
         the same arguments and passed (on every rank, for a collective load), so the check pass
         is skipped; the write pass still hashes every byte it reads and raises on any change
         since (destinations may then be partly written)."""
-        with torch.no_grad(), _gc_paused():
+        with torch.no_grad(), gc_paused():
             self._handle.load_into_(list(tensors), list(tensors.values()), rank, world_size,
                                     verify, checked)
 
@@ -292,13 +292,13 @@ class OpenCheckpoint:
         names = list(boxes)
         offsets = [int(o) for name in names for o in boxes[name][0]]
         shapes = [int(s) for name in names for s in boxes[name][1]]
-        with _gc_paused():
+        with gc_paused():
             return dict(zip(names, self._handle.load_boxes(names, offsets, shapes, verify)))
 
     def load(self, names: Sequence[str], *, rank: int = 0, world_size: int = 1,
              verify: bool = True) -> dict:
         """:func:`load` (owned CPU tensors) from this directory."""
-        with _gc_paused():
+        with gc_paused():
             return dict(zip(names, self._handle.load(list(names), rank, world_size, verify)))
 
 

@@ -16,7 +16,7 @@ files, the pieces already hashed); all agree. So a bad checkpoint on one rank (a
 only it reads, a dtype it cannot take) raises on every rank with every rank's tensors untouched.
 
 An asynchronous save (``async_saver``) runs the same sequence: the pieces are staged on the
-caller's thread, the check, write and commit steps on the background thread of ``_async``.
+caller's thread, the check, write and commit steps on the background thread of ``store.async_save``.
 """
 
 from __future__ import annotations
@@ -67,16 +67,18 @@ def save_collective(directory: str | os.PathLike, pieces: Callable[[], Mapping[s
                     collective_pieces: bool = True, prepare: Callable[[], None] | None = None,
                     after_commit: Callable[[], None] | None = None, fsync: bool = True,
                     async_saver=None, if_busy: str = "wait",
-                    metadata: Mapping[str, str] | None = None):
+                    metadata: Mapping[str, str] | Callable[[], Mapping[str, str]] | None = None):
     """Collective: check, agree, write, agree, commit on rank 0, agree. Returns the bytes of this
-    rank's file, or with ``async_saver`` (an ``_async.AsyncSaver``) a ``SaveHandle`` for them.
+    rank's file, or with ``async_saver`` (a ``store.async_save.AsyncSaver``) a ``SaveHandle`` for
+    them.
 
     ``pieces()`` gives this rank's ``save_shard`` input. With ``collective_pieces`` it runs after
     the first agreement on every rank (it may run collectives: FSDP1's exchange); without, it runs
     with the check, before it, so that its failure on one rank stops every rank before any file
     is written. ``prepare()`` runs in the write step, once this rank's file is written (sidecar
     files); ``after_commit()`` once the commit is agreed (its error is the caller's to soften).
-    ``metadata``: what rank 0's commit records in the index (``checkpoint.commit``).
+    ``metadata``: what rank 0's commit records in the index (``checkpoint.commit``), or a
+    function giving it, called at the commit (on the background thread of an async save).
 
     Asynchronously, ``pieces()`` runs and its tensors are staged on the caller's thread (so the
     caller may modify its tensors as soon as this returns), and the same check, write and commit
@@ -111,7 +113,8 @@ def save_collective(directory: str | os.PathLike, pieces: Callable[[], Mapping[s
 
         def commit() -> None:
             if rank == 0:
-                _ckpt.commit(directory, world, overwrite=overwrite, fsync=fsync, metadata=metadata)
+                _ckpt.commit(directory, world, overwrite=overwrite, fsync=fsync,
+                             metadata=metadata() if callable(metadata) else metadata)
 
         ready = run(check)
         nbytes = run(write)  # also the barrier: every rank's file is durable past here
@@ -127,7 +130,7 @@ def save_collective(directory: str | os.PathLike, pieces: Callable[[], Mapping[s
     staged, event, error = None, None, None
     try:
         shards = pieces()
-        with _ckpt._gc_paused():
+        with _ckpt.gc_paused():
             staged, event = async_saver.staging.stage(shards)
     except Exception as e:  # noqa: BLE001 (agreed, and re-raised on every rank's handle)
         error = e
@@ -277,7 +280,7 @@ def load_slots(directory: str, slots: list[Slot], tensors: list[torch.Tensor], *
                before_write: Callable[[], None] | None = None,
                check_info: Callable[[Mapping[str, Any]], None] | None = None) -> None:
     """Collective: a checkpoint into ``tensors`` (one per slot: the EMA's, or the model's own for
-    ``load_model_weights``) through ``_collective.load_collective``; ``check_names(available)``
+    ``load_model_weights``) through ``store.collective.load_collective``; ``check_names(available)``
     (global shapes by name) raises on names or shapes the caller refuses. In place where the
     file's layout is the tensor's, else read, agreed, then assigned (FSDP1 units: collective)."""
     def plan(info):

@@ -59,9 +59,9 @@ def full_buckets(parts: Sequence[Part],
     bucket before asking for the next, or the buckets add up.
 
     Parts that need a gather are grouped in order into buckets of one process group whose
-    ``cost`` (``_layouts.part_cost``) adds up to at most ``bucket_bytes`` (a part costing more is
-    a bucket of its own; a bucket also holds tensors of one device only). Parts already full come
-    as they are, in buckets of their own.
+    ``cost`` (``model.layouts.part_cost``) adds up to at most ``bucket_bytes`` (a part costing
+    more is a bucket of its own; a bucket also holds tensors of one device only). Parts already
+    full come as they are, in buckets of their own.
     """
     pending: list[Part] = []
     pending_cost = 0

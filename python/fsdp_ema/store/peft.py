@@ -2,9 +2,10 @@
 the merged full weights (base + scale * B @ A per adapted layer) as a consolidated Hugging Face
 safetensors export that loads into the unadapted model.
 
-Collective, like ``ShardedEMA.export``: every rank gathers (``_full_state``), rank 0 writes. Only
-ShardedEMA's public API is used (``model``, ``shapes``, ``process_group``, ``full_state_dict``);
-the merged weights stream through ``_full_state.export``, the route ``ShardedEMA.export`` takes.
+Collective, like ``ShardedEMA.export``: every rank gathers (``store.full_state``), rank 0
+writes. Only ShardedEMA's public API is used (``model``, ``shapes``, ``process_group``,
+``full_state_dict``); the merged weights stream through ``store.full_state.export``, the route
+``ShardedEMA.export`` takes.
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ def posthoc(snapshot_root: str | os.PathLike, *, sigma_rel: float, out: str | os
                     shards[n] = (t, [begin] + [0] * (len(shape) - 1), shape)
         return shards
 
-    # The one save sequence (_collective.save_collective): the output is checked (refused when
+    # The one save sequence (store.collective.save_collective): the output is checked (refused when
     # committed, unless overwrite) before anything is combined; the combination runs with that
     # check, so a failure on any rank stops every rank before a file is written.
     save_collective(out, combine, group=process_group, device=device, what=what,
