@@ -124,6 +124,24 @@ TEST(OpWrappers, LoadTensorsLoadShardInfoAndTensorCommit) {
   fs::remove_all(dir);
 }
 
+TEST(OpWrappers, CommitWithMetadataRecordsItInTheIndexAndRefusesOddPairs) {
+  const fs::path dir = scratch_dir("commit_metadata");
+  const at::Tensor w = at::arange(6, at::kFloat);
+  ASSERT_GT(fsdp_ema::save_shard(dir.string(), 0, 1, {"w"}, {w}, {0}, {6}), 0);
+  try {
+    fsdp_ema::commit_checkpoint(dir.string(), 1, false, true, {"lonely-key"});
+    FAIL() << "an odd metadata list was taken";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("metadata must hold key, value pairs"));
+  }
+  EXPECT_FALSE(fs::exists(dir / "fsdp_ema.index.json"));  // refused before any file
+  EXPECT_EQ(fsdp_ema::commit_checkpoint(dir.string(), 1, false, true, {"step", "12", "k", "v"}), 1);
+  const std::string info = fsdp_ema::checkpoint_info(dir.string());
+  EXPECT_THAT(info, HasSubstr("\"step\":\"12\""));
+  EXPECT_THAT(info, HasSubstr("\"k\":\"v\""));
+  fs::remove_all(dir);
+}
+
 // A backend that only carries a name (a group's name lives in its backends); no collective runs.
 struct NameOnlyBackend : c10d::Backend {
   NameOnlyBackend() : c10d::Backend(0, 1) {}
