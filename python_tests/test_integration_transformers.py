@@ -545,6 +545,59 @@ def test_async_save_with_load_best_model_at_end_never_brings_a_deleted_checkpoin
         assert r["resumed_step"] == 8, r  # resumed from the best checkpoint, with its EMA
 
 
+class CheckpointCount(transformers.TrainerCallback):
+    """After ShardedEMACallback: the checkpoint folders on disk (rank 0, which rotates) at the
+    step end that schedules a save (the previous save has landed, its rotation done), at each
+    on_save (the one being written is there) and at the end of training."""
+
+    def __init__(self):
+        self.seen = []
+
+    def _count(self, args, event, step):
+        if args.should_save:
+            found = sorted(p for p in os.listdir(args.output_dir) if p.startswith("checkpoint-"))
+            self.seen.append((event, step, found))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if control.should_save:
+            self._count(args, "step_end", state.global_step)
+
+    def on_save(self, args, state, control, **kwargs):
+        self._count(args, "save", state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._count(args, "end", state.global_step)
+
+
+def run_limit_with_async(rank, world, root, async_save, limit):
+    hf_env(rank, world)
+    counter = CheckpointCount()
+    t = make_trainer("plain", os.path.join(root, f"async-{async_save}"),
+                     [ShardedEMACallback(0.875, async_save=async_save), counter],
+                     save_strategy="steps", save_steps=1, save_total_limit=limit, max_steps=5,
+                     gradient_accumulation_steps=1)
+    t.train()
+    return counter.seen
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_save_total_limit_holds_with_async_save_as_without(pools, tmp_path, limit):
+    for async_save in (False, True):
+        seen = pools.get(2).run(run_limit_with_async, str(tmp_path), async_save, limit)[0]
+        assert [e for e, _, _ in seen] == ["step_end", "save"] * 5 + ["end"], seen
+        for event, step, found in seen:
+            # Before a save (the previous one landed and rotated) and at the end: the limit
+            # exactly; while one is written: at most the limit plus that one.
+            last = step - (event == "step_end")
+            if event == "save":
+                assert len(found) <= limit + 1 and f"checkpoint-{step}" in found, (
+                    async_save, seen)
+            else:
+                assert len(found) == min(limit, last), (async_save, event, step, found)
+            if last:
+                assert found[-1] == f"checkpoint-{last}", (async_save, event, step, found)
+
+
 def run_save_on_each_node(rank, world, root):
     hf_env(rank, world)
     os.environ["LOCAL_WORLD_SIZE"] = "1"  # two nodes of one rank each

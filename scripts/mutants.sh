@@ -371,6 +371,20 @@ MUTANTS = {
         "p = x.to(torch.float64).mul_(w)",
         "p = x.to(torch.float64).mul_(0.0 if last else w)",
         [pytest("python_tests/test_posthoc.py", "-k", "cli_equals_python or 2_ranks")]),
+    # --- trainer integrations (#41) --------------------------------------------------------------
+    # async_save: the deferred rotation counted the step about to be saved as a kept checkpoint
+    # (3 on disk with save_total_limit=1).
+    "rotation-counts-a-folder-not-there": (
+        "python/fsdp_ema/integrations/hf_checkpoints.py",
+        "                                 & set(ordered))",
+        "                                 | {saving})",
+        [pytest("python_tests/test_integration_transformers.py", "-k", "limit_holds")]),
+    "rotation-removes-the-folder-being-saved": (
+        "python/fsdp_ema/integrations/hf_checkpoints.py",
+        "             if os.path.abspath(path) != saving]",
+        "             ]",
+        [pytest("python_tests/test_integration_transformers.py", "-k",
+                "never_removes_the_step_being_saved")]),
 }
 
 

@@ -244,7 +244,7 @@ def _remove(folder: str) -> bool:
 
 
 def rotate_by_step(output_dir: str, limit: int, *, newest: str | None = None,
-                   keep: Collection[str | None] = ()) -> list[str]:
+                   keep: Collection[str | None] = (), saving: str | None = None) -> list[str]:
     """The Trainer's ``save_total_limit`` rotation (``transformers.trainer_utils.
     rotate_checkpoints``), with the ``checkpoint-<N>`` folders ordered by their step N, not by
     modification time as the Trainer orders them (``use_mtime=True``): a rotation killed halfway
@@ -254,16 +254,22 @@ def rotate_by_step(output_dir: str, limit: int, *, newest: str | None = None,
     saves below steps already on disk); folders of a higher step than it (an abandoned branch's,
     or an older run's in the same output_dir) count as older than every step up to it, as the
     Trainer's modification-time order would have them. The folders of ``keep`` (the best
-    checkpoint, the step being saved) are never removed. Each folder goes by
-    ``remove_checkpoint_folder``. Returns the folders removed."""
-    found = [(step, os.path.abspath(path)) for step, path in checkpoint_folders(output_dir)]
+    checkpoint) are never removed. ``saving`` (the folder of a save that has begun while an
+    ``async_save`` rotation runs: other ranks may be writing into it) is neither removed nor
+    counted: the limit is that of the checkpoints written, as when the rotation runs right after
+    the save. Each folder goes by ``remove_checkpoint_folder``. Returns the folders removed."""
+    saving = os.path.abspath(saving) if saving is not None else None
+    found = [(step, os.path.abspath(path)) for step, path in checkpoint_folders(output_dir)
+             if os.path.abspath(path) != saving]
     newest = os.path.abspath(newest) if newest is not None else None
     top = next((step for step, path in found if path == newest), None)
     ordered = [path for _, path in sorted(
         found, key=lambda f: (f[1] == newest, top is None or f[0] <= top, f[0]))]
     if len(ordered) <= limit:
         return []
-    protected = {ordered[-1]} | {os.path.abspath(k) for k in keep if k is not None}
+    # Only folders that are there count as kept ones.
+    protected = {ordered[-1]} | ({os.path.abspath(k) for k in keep if k is not None}
+                                 & set(ordered))
     kept = max(limit, len(protected))
     removed = []
     for path in ordered:
@@ -304,11 +310,13 @@ class Rotation:
         ``rotate_by_step``. Returns the folders removed."""
         if self.limit is None or not args.should_save:
             return []
-        # The step being saved now is protected too: with async_save this rotation runs at the
-        # next save, whose folder other ranks may already have begun (their RNG files).
+        # With async_save this rotation runs at the step end that schedules the next save, whose
+        # folder other ranks may already have begun (their RNG files): not removed, not counted.
         current = checkpoint_folder(args.output_dir, state.global_step)
+        saving = current if newest is None or os.path.abspath(newest) != os.path.abspath(
+            current) else None
         return rotate_by_step(args.output_dir, self.limit, newest=newest,
-                              keep=(state.best_model_checkpoint, current))
+                              keep=(state.best_model_checkpoint,), saving=saving)
 
     def hand_back(self, args, state) -> None:
         """At the end of training, once the last EMA is committed: what the Trainer does then
