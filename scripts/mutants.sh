@@ -385,6 +385,23 @@ MUTANTS = {
         "             ]",
         [pytest("python_tests/test_integration_transformers.py", "-k",
                 "never_removes_the_step_being_saved")]),
+    # A search trial's EMA went into output_dir/checkpoint-N (another run's) and its rotation
+    # removed that run's folders.
+    "trial-ema-saved-into-output-dir": (
+        "python/fsdp_ema/integrations/transformers.py",
+        "        self._run_dir = run_folder(args, state)",
+        "        self._run_dir = None",
+        [pytest("python_tests/test_integration_transformers.py", "-k", "search_trial")]),
+    "trial-rotation-in-output-dir": (
+        "python/fsdp_ema/integrations/hf_checkpoints.py",
+        "        folder = self.folder or args.output_dir",
+        "        folder = args.output_dir",
+        [pytest("python_tests/test_integration_transformers.py", "-k", "search_trial")]),
+    "trial-folder-unread-not-refused": (
+        "python/fsdp_ema/integrations/hf_checkpoints.py",
+        "    if trial is None and not getattr(state, \"is_hyper_param_search\", False):",
+        "    if trial is None:",
+        [pytest("python_tests/test_integration_transformers.py", "-k", "trial_whose_folder")]),
 }
 
 

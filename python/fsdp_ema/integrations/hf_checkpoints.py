@@ -72,13 +72,11 @@ def previous_complete_checkpoint(output_dir: str, step: int, subdir: str) -> str
     return None
 
 
-def restored_checkpoint() -> str | None:
-    """The checkpoint folder the running ``Trainer`` restored, or None: the local
-    ``resume_from_checkpoint`` of the innermost ``Trainer._inner_training_loop`` (or ``train``)
-    frame on the call stack, which ``train()`` has resolved from ``True`` to a path before the
-    loop runs and calls ``on_train_begin``. The Trainer hands callbacks neither that folder nor
-    itself, and ``train(resume_from_checkpoint=...)`` leaves ``args.resume_from_checkpoint``
-    unset: its frame is the one place that says."""
+def _training_frame() -> dict[str, Any] | None:
+    """The locals of the innermost ``Trainer._inner_training_loop`` (or ``train``) frame on the
+    call stack (``self`` is the Trainer; ``resume_from_checkpoint`` and ``trial`` are its
+    arguments), or None. The Trainer hands callbacks neither itself nor those arguments: its
+    frame is the one place that says."""
     trainer_cls = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
     if trainer_cls is None:
         return None
@@ -89,10 +87,47 @@ def restored_checkpoint() -> str | None:
                 and "resume_from_checkpoint" in code.co_varnames):
             local = frame.f_locals
             if isinstance(local.get("self"), trainer_cls):
-                value = local.get("resume_from_checkpoint")
-                return os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+                return local
         frame = frame.f_back
     return None
+
+
+def restored_checkpoint() -> str | None:
+    """The checkpoint folder the running ``Trainer`` restored, or None: the local
+    ``resume_from_checkpoint`` of its training frame (``_training_frame``), which ``train()``
+    has resolved from ``True`` to a path before the loop runs and calls ``on_train_begin``
+    (``train(resume_from_checkpoint=...)`` leaves ``args.resume_from_checkpoint`` unset)."""
+    local = _training_frame()
+    value = local.get("resume_from_checkpoint") if local is not None else None
+    return os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+
+
+def run_folder(args, state) -> str:
+    """The folder the running ``Trainer`` saves this run's ``checkpoint-<N>`` folders in:
+    ``args.output_dir``, or for a hyperparameter-search trial the trial's own
+    (``output_dir/run-<trial id>``, or ``hp_name(trial)``), as the Trainer's
+    ``_get_output_dir(trial)`` names it for its own saves (read from its training frame, with
+    the ``trial`` it trains): the EMA of a trial goes beside the trial's checkpoint, and the
+    rotation and a resume stay in the trial's folder. A trial whose folder cannot be read (a
+    Trainer subclass that replaces ``train`` and ``_inner_training_loop``, or a transformers
+    without ``_get_output_dir``) raises ``RuntimeError`` naming the trial folders, before its
+    first step: an ``output_dir/checkpoint-<N>`` of another run is never written or removed."""
+    local = _training_frame()
+    trial = local.get("trial") if local is not None else None
+    if trial is None and not getattr(state, "is_hyper_param_search", False):
+        return os.fspath(args.output_dir)
+    trainer_folder = getattr(local.get("self") if local is not None else None,
+                             "_get_output_dir", None)
+    if trial is not None and callable(trainer_folder):
+        return os.fspath(trainer_folder(trial))
+    trials = os.path.join(args.output_dir, "run-<trial id>", "checkpoint-<N>")
+    raise RuntimeError(
+        f"ShardedEMACallback: this run is a hyperparameter-search trial, whose checkpoints the "
+        f"Trainer saves in the trial's own folder ({trials}, or hp_name(trial) in the "
+        f"run-<trial id>'s place), but that folder "
+        f"could not be read from the Trainer (a Trainer subclass that replaces train and "
+        f"_inner_training_loop hides its training frame): refused before the first step, so "
+        f"that no checkpoint-<N> of another run in {args.output_dir} is written or removed")
 
 
 def resume_folders(restored: str | None, named: Collection[Any], output_dir: str,
@@ -295,9 +330,12 @@ class Rotation:
 
     def __init__(self) -> None:
         self.limit: int | None = None  # the save_total_limit taken over
+        self.folder: str | None = None  # the run's folder (run_folder); None: args.output_dir
 
-    def take_over(self, args) -> None:
-        """At the start of training, before the first save."""
+    def take_over(self, args, folder: str | None = None) -> None:
+        """At the start of training, before the first save; ``folder``: where this run's
+        checkpoints are (``run_folder``: a trial's own)."""
+        self.folder = folder
         if args.save_total_limit is not None and args.save_total_limit > 0:
             self.limit = args.save_total_limit
             args.save_total_limit = None
@@ -312,10 +350,11 @@ class Rotation:
             return []
         # With async_save this rotation runs at the step end that schedules the next save, whose
         # folder other ranks may already have begun (their RNG files): not removed, not counted.
-        current = checkpoint_folder(args.output_dir, state.global_step)
+        folder = self.folder or args.output_dir
+        current = checkpoint_folder(folder, state.global_step)
         saving = current if newest is None or os.path.abspath(newest) != os.path.abspath(
             current) else None
-        return rotate_by_step(args.output_dir, self.limit, newest=newest,
+        return rotate_by_step(folder, self.limit, newest=newest,
                               keep=(state.best_model_checkpoint,), saving=saving)
 
     def hand_back(self, args, state) -> None:
@@ -326,7 +365,7 @@ class Rotation:
             return
         best = state.best_model_checkpoint
         if self.limit == 1 and best is not None and args.should_save and os.path.exists(best):
-            for _, folder in sorted(checkpoint_folders(args.output_dir)):
+            for _, folder in sorted(checkpoint_folders(self.folder or args.output_dir)):
                 if not os.path.samefile(folder, best):
                     _remove(folder)
         args.save_total_limit, self.limit = self.limit, None
