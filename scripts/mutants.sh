@@ -402,6 +402,13 @@ MUTANTS = {
         "    if trial is None and not getattr(state, \"is_hyper_param_search\", False):",
         "    if trial is None:",
         [pytest("python_tests/test_integration_transformers.py", "-k", "trial_whose_folder")]),
+    # fit(ckpt_path=<the final checkpoint>) skips training: the EMA stayed a fresh one.
+    "fit-past-the-end-keeps-a-fresh-ema": (
+        "python/fsdp_ema/integrations/lightning.py",
+        "        # callback's EMA, its swap and its teacher are the checkpoint's, not a fresh one.\n"
+        "        if self._restore is not None:",
+        "        if False:",
+        [pytest("python_tests/test_integration_lightning.py", "-k", "final_checkpoint")]),
 }
 
 
