@@ -898,6 +898,28 @@ def test_rotation_never_removes_the_step_being_saved(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-6", "checkpoint-8"]
 
 
+def test_a_resumed_run_removes_the_checkpoints_above_its_step_highest_first(tmp_path):
+    from fsdp_ema.integrations.hf_checkpoints import Rotation
+
+    # Resumed at step 2 (or 4) while checkpoints of an abandoned branch are above it: with the
+    # rotation on they go before the first step (resume_from_checkpoint=True takes the highest
+    # step), highest first; the best and the restored folder stay; without it nothing goes.
+    for step in (2, 4, 6, 8):
+        make_checkpoint(tmp_path, step, time.time())
+    args = types.SimpleNamespace(output_dir=str(tmp_path), should_save=True,
+                                 save_total_limit=None)
+    rotation = Rotation()
+    rotation.take_over(args)
+    assert rotation.remove_above(args, 4) == []
+    args.save_total_limit = 3
+    rotation.take_over(args)
+    removed = rotation.remove_above(args, 4, keep=(str(tmp_path / "checkpoint-6"), None))
+    assert [os.path.basename(p) for p in removed] == ["checkpoint-8"]
+    removed = rotation.remove_above(args, 2)
+    assert [os.path.basename(p) for p in removed] == ["checkpoint-6", "checkpoint-4"]
+    assert os.listdir(tmp_path) == ["checkpoint-2"]
+
+
 def test_a_removed_checkpoint_loses_its_trainer_state_then_its_ema_index_first(tmp_path):
     from fsdp_ema import _ops
     from fsdp_ema.integrations.hf_checkpoints import remove_checkpoint_folder

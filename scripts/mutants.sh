@@ -409,6 +409,24 @@ MUTANTS = {
         "        if self._restore is not None:",
         "        if False:",
         [pytest("python_tests/test_integration_lightning.py", "-k", "final_checkpoint")]),
+    # A run resumed below an abandoned branch's checkpoints left them until its first rotation:
+    # killed before it, resume_from_checkpoint=True continued that branch.
+    "resumed-run-keeps-an-abandoned-branch": (
+        "python/fsdp_ema/integrations/transformers.py",
+        "        if state.global_step > 0:  # a resumed run: the checkpoints above it are not its",
+        "        if False:  # a resumed run: the checkpoints above it are not its",
+        [pytest("python_tests/test_integration_kills.py", "-k", "abandoned_branch")]),
+    "abandoned-branch-removed-lowest-first": (
+        "python/fsdp_ema/integrations/hf_checkpoints.py",
+        "        for n, path in sorted(checkpoint_folders(self.folder or args.output_dir), "
+        "reverse=True):",
+        "        for n, path in sorted(checkpoint_folders(self.folder or args.output_dir)):",
+        [pytest("python_tests/test_integration_transformers.py", "-k", "above_its_step")]),
+    "abandoned-branch-removed-without-a-limit": (
+        "python/fsdp_ema/integrations/hf_checkpoints.py",
+        "            return []\n        kept = {os.path.abspath(k)",
+        "            pass\n        kept = {os.path.abspath(k)",
+        [pytest("python_tests/test_integration_transformers.py", "-k", "above_its_step")]),
 }
 
 

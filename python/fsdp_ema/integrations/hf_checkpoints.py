@@ -343,6 +343,22 @@ class Rotation:
             self.limit = None
         # else: a second train() after one that stopped early keeps the limit taken over
 
+    def remove_above(self, args, step: int, keep: Collection[str | None] = ()) -> list[str]:
+        """A run resumed at ``step`` below checkpoints already in its folder (an abandoned
+        branch's, or another run's): with the rotation on, they go now, before the run's first
+        step, highest first, each by ``remove_checkpoint_folder`` (its ``trainer_state.json``
+        first). ``resume_from_checkpoint=True`` takes the highest step: were they left until the
+        first rotation, a kill before it would continue that branch. The folders of ``keep``
+        (the best checkpoint, the restored one) stay. Returns the folders removed."""
+        if self.limit is None or not args.should_save:
+            return []
+        kept = {os.path.abspath(k) for k in keep if k is not None}
+        removed = []
+        for n, path in sorted(checkpoint_folders(self.folder or args.output_dir), reverse=True):
+            if n > step and os.path.abspath(path) not in kept and _remove(path):
+                removed.append(path)
+        return removed
+
     def after_commit(self, args, state, newest: str | None = None) -> list[str]:
         """The rotation, once ``newest`` (the checkpoint just saved) holds its EMA; see
         ``rotate_by_step``. Returns the folders removed."""

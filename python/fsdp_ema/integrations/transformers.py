@@ -9,7 +9,9 @@ Trainer's checkpoint folders (which one a resume restored, the rotation) is ``hf
   over, shard by shard (FSDP is read from the model, not from the arguments); on a resumed run
   the EMA comes back from the checkpoint whose model the Trainer restored
   (``hf_checkpoints.restored_checkpoint``), proven by the step and the model fingerprint
-  recorded beside it (``common.ResumeChecks``);
+  recorded beside it (``common.ResumeChecks``), and with ``save_total_limit`` the checkpoints
+  above the restored step (an abandoned branch) go before the first step; a hyperparameter-search
+  trial's checkpoints are in its own folder (``hf_checkpoints.run_folder``);
 - ``on_step_end`` (after the optimizer step; once per accumulated step): ``update()``;
 - ``on_save``: the EMA into ``checkpoint-N/ema/`` (``fsdp_ema.save_training_state``, one file per
   rank, committed by rank 0 once every rank's file is written); the ``save_total_limit``
@@ -300,6 +302,9 @@ class ShardedEMACallback(CallbackCore, TrainerCallback):
             self._resume(args, state)
         # After a resume that may refuse: args untouched then.
         self.rotation.take_over(args, self._run_dir)
+        if state.global_step > 0:  # a resumed run: the checkpoints above it are not its own
+            self.rotation.remove_above(args, state.global_step,
+                                       keep=(state.best_model_checkpoint, restored_checkpoint()))
         self.evaluation.install(model, self.ema, args)
 
     def _folder(self, args) -> str:
