@@ -6,10 +6,12 @@ a message that says what to do; doing it then resumes bit for bit too.
 
 The ranks are fork servers (``dist_utils.ForkRanks``): a killed rank costs a fork, not an
 interpreter. Hugging Face: DDP over 2 gloo ranks, a checkpoint every 2 steps, ``save_total_limit=1``
-(the previous checkpoint is the one a rotation would remove), killed in the save of step 4.
+(the previous checkpoint is the one a rotation would remove), killed in the save of step 4; and
+a run resumed below an abandoned branch's checkpoints, killed in its first save.
 Lightning: ``ModelParallelStrategy`` (FSDP2) over 2 gloo ranks, killed in the save after epoch 1,
 with the checkpoint overwritten in place (``filename="last"``) and with the recipe that keeps the
-previous one (versioned names, ``save_last="link"``).
+previous one (versioned names, ``save_last="link"``), also between removing ``last.ckpt`` and
+linking it again.
 """
 
 from __future__ import annotations
@@ -68,15 +70,16 @@ def assert_same(got: dict, want: dict, what: str) -> None:
 HF_STEPS, HF_KILL_STEP = 6, 4
 
 
-def hf_setup(rank, world, root, max_steps, cb):
+def hf_setup(rank, world, root, max_steps, cb, data=1, **options):
     from test_integration_transformers import Tokens, hf_env, tiny_llama
 
     hf_env(rank, world)
+    options = dict(dict(save_steps=2, save_total_limit=1), **options)
     args = transformers.TrainingArguments(
         output_dir=os.path.join(root, "out"), use_cpu=True, per_device_train_batch_size=2,
         max_steps=max_steps, learning_rate=1e-2, report_to=[], disable_tqdm=True,
-        save_strategy="steps", save_steps=2, save_total_limit=1, logging_steps=100, seed=0)
-    return transformers.Trainer(model=tiny_llama(), args=args, train_dataset=Tokens(64, 1),
+        save_strategy="steps", logging_steps=100, seed=0, **options)
+    return transformers.Trainer(model=tiny_llama(), args=args, train_dataset=Tokens(64, data),
                                 callbacks=[cb])
 
 
@@ -248,12 +251,75 @@ def test_hf_kill_in_each_window_of_a_save_resumes_bit_for_bit_or_says_what_to_do
         assert os.listdir(out) == [f"checkpoint-{HF_STEPS}"], (point, os.listdir(out))
 
 
+# An abandoned branch: a run saved checkpoints 4, 6 and 8; a second run (other data) resumes from
+# checkpoint-4 (a path) and is killed in its save of step 6, once its EMA is committed, before the
+# rotation. resume_from_checkpoint=True must continue the second run, never the first's 8.
+BRANCH = dict(data=3, save_total_limit=3)
+
+
+class RestoredStep(transformers.TrainerCallback):
+    def __init__(self):
+        self.step = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.step = state.global_step
+
+
+def hf_branch_run(rank, world, root, resume, kill_at=None):
+    """The second run (resumed from ``resume``), killed before the rotation of ``kill_at``."""
+    real_rotate = Rotation.after_commit
+
+    def rotate(self, args, state, *rest):
+        if state.global_step == kill_at:
+            die()
+        return real_rotate(self, args, state, *rest)
+    Rotation.after_commit = rotate
+    cb, restored = hf_callback(), RestoredStep()
+    trainer = hf_setup(rank, world, root, 8, cb, **BRANCH)
+    trainer.add_callback(restored)
+    if resume is not True:
+        resume = os.path.join(root, "out", resume)
+    trainer.train(resume_from_checkpoint=resume)
+    return {"restored": restored.step, **hf_result(trainer, cb)}
+
+
+def hf_abandoned_run(rank, world, root):
+    trainer = hf_setup(rank, world, root, 8, hf_callback(), save_total_limit=3)
+    trainer.train()
+    torch.distributed.barrier()
+    if rank == 0:  # the second run's uninterrupted reference starts from the same checkpoint-4
+        shutil.copytree(os.path.join(root, "out", "checkpoint-4"),
+                        os.path.join(root + "-reference", "out", "checkpoint-4"))
+    torch.distributed.barrier()
+    return sorted(os.listdir(os.path.join(root, "out")))
+
+
+def test_hf_kill_after_resuming_below_an_abandoned_branch_never_continues_that_branch(ranks,
+                                                                                    tmp_path):
+    root = str(tmp_path / "branch")
+    first = ranks.run(hf_abandoned_run, root)
+    assert first == [("ok", ["checkpoint-4", "checkpoint-6", "checkpoint-8"])] * 2, first
+    reference = ranks.run(hf_branch_run, root + "-reference", "checkpoint-4")
+    killed = ranks.run(hf_branch_run, root, "checkpoint-4", 6)
+    assert killed == [("killed", None)] * 2, killed
+    # The second run took the first run's checkpoints above its own step away before its first
+    # step: what a kill leaves holds no checkpoint of the abandoned branch.
+    out = os.path.join(root, "out")
+    assert complete_hf_checkpoints(out) == ["checkpoint-4", "checkpoint-6"], os.listdir(out)
+    assert sorted(os.listdir(out)) == ["checkpoint-4", "checkpoint-6"], os.listdir(out)
+    resumed = ranks.run(hf_branch_run, root, True)
+    for rank, (status, r) in enumerate(resumed):
+        assert status == "ok", r
+        assert r["restored"] == 6, r["restored"]  # the second run's latest, not the first's 8
+        assert_same(r, reference[rank][1], "abandoned branch")
+
+
 # --- Lightning ------------------------------------------------------------------------------------
 
 PL_EPOCHS = 3
 
 
-def pl_setup(rank, world, root, recipe, cb):
+def pl_setup(rank, world, root, recipe, cb, *extra):
     from test_integration_lightning import lightning_env, trainer
 
     lightning_env(rank, world)
@@ -264,8 +330,8 @@ def pl_setup(rank, world, root, recipe, cb):
         save = pl.callbacks.ModelCheckpoint(dirpath=root, filename="{epoch}-{step}",
                                             monitor="step", mode="max", save_top_k=2,
                                             save_last="link")
-    return trainer("fsdp2", world, root, [cb, save], max_epochs=PL_EPOCHS, limit_val_batches=0,
-                   enable_checkpointing=True)
+    return trainer("fsdp2", world, root, [cb, *extra, save], max_epochs=PL_EPOCHS,
+                   limit_val_batches=0, enable_checkpointing=True)
 
 
 def pl_callback():
@@ -284,6 +350,7 @@ def pl_killed_run(rank, world, root, recipe, point):
     import warnings
 
     import torch.distributed.checkpoint.filesystem as dcp_fs
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import ModelParallelStrategy
     from lightning.pytorch.strategies import model_parallel as mp
     from test_integration_lightning import Module, loader
@@ -314,6 +381,23 @@ def pl_killed_run(rank, world, root, recipe, point):
         if saves["n"] == 2 and point == "after_meta":
             die()
 
+    real_link, real_symlink = ModelCheckpoint._link_checkpoint, os.symlink
+
+    def link(trainer, filepath, linkpath):
+        # "relink": rank 0 (the one that links) removes last.ckpt and is killed before it links
+        # it again; the others die before they would wait for it.
+        if saves["n"] == 2 and point == "relink" and not trainer.is_global_zero:
+            die()
+        real_link(trainer, filepath, linkpath)
+
+    def symlink(src, dst, *args, **kwargs):
+        if saves["n"] == 2 and point == "relink":
+            die()
+        real_symlink(src, dst, *args, **kwargs)
+
+    ModelCheckpoint._link_checkpoint = staticmethod(link)
+    os.symlink = symlink
+
     mp._distributed_checkpoint_save = dcp_save
     dcp_fs._FileSystemWriter.write_data = write_data
     ModelParallelStrategy.save_checkpoint = save_checkpoint
@@ -323,19 +407,32 @@ def pl_killed_run(rank, world, root, recipe, point):
     return pl_result(trainer, module, cb)
 
 
-def pl_resume(rank, world, root, recipe):
+class StartStep(pl.Callback):
+    def __init__(self):
+        self.step = None
+
+    def on_train_start(self, trainer, pl_module):
+        self.step = trainer.global_step
+
+
+def pl_resume(rank, world, root, recipe, ckpt="last.ckpt"):
+    """``fit(ckpt_path=root/ckpt)`` (``ckpt="last"``: Lightning's own choice)."""
     import warnings
 
     from test_integration_lightning import Module, loader
 
     warnings.filterwarnings("ignore")
-    cb, module = pl_callback(), Module("fsdp2")
-    trainer = pl_setup(rank, world, root, recipe, cb)
-    try:
-        trainer.fit(module, loader(), ckpt_path=os.path.join(root, "last.ckpt"))
-    except ValueError as e:
-        return {"refusal": str(e)}
-    return {"refusal": None, **pl_result(trainer, module, cb)}
+    cb, module, start = pl_callback(), Module("fsdp2"), StartStep()
+    trainer = pl_setup(rank, world, root, recipe, cb, start)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(module, loader(), ckpt_path=ckpt if ckpt == "last" else
+                        os.path.join(root, ckpt))
+        except ValueError as e:
+            return {"refusal": str(e)}
+    return {"refusal": None, "start": start.step, **pl_result(trainer, module, cb),
+            "no_last": any("no last checkpoint" in str(w.message) for w in caught)}
 
 
 def pl_straight(rank, world, root):
@@ -350,11 +447,17 @@ def pl_straight(rank, world, root):
     return pl_result(trainer, module, cb)
 
 
-# (recipe, point) -> "resumes" or "torn" (the callback refuses: the checkpoint mixes two saves)
+# (recipe, point) -> "resumes" or "torn" (the callback refuses: the checkpoint mixes two saves),
+# or "unlinked" (no last.ckpt: ckpt_path="last" starts from scratch; the newest versioned
+# checkpoint, named, resumes)
 PL_CASES = {("overwrite", "before_data"): "resumes", ("overwrite", "before_metadata"): "torn",
             ("overwrite", "before_meta"): "torn", ("overwrite", "after_meta"): "resumes",
             ("versioned", "before_data"): "resumes", ("versioned", "before_metadata"): "resumes",
-            ("versioned", "before_meta"): "resumes", ("versioned", "after_meta"): "resumes"}
+            ("versioned", "before_meta"): "resumes", ("versioned", "after_meta"): "resumes",
+            ("versioned", "relink"): "unlinked"}
+NEWEST = "epoch=1-step=6.ckpt"  # the versioned checkpoint of the killed save
+# The global step each case resumes at: epoch 0's checkpoint (3), or the killed save's (6).
+PL_RESUMED_AT = {("overwrite", "after_meta"): 6, ("versioned", "relink"): 6}
 
 
 def test_lightning_kill_in_each_window_of_a_save_resumes_bit_for_bit_or_refuses_a_torn_one(
@@ -364,7 +467,18 @@ def test_lightning_kill_in_each_window_of_a_save_resumes_bit_for_bit_or_refuses_
         root = str(tmp_path / f"{recipe}-{point}")
         killed = ranks.run(pl_killed_run, root, recipe, point)
         assert killed == [("killed", None)] * 2, (recipe, point, killed)
-        results = ranks.run(pl_resume, root, recipe)
+        if expect == "unlinked":
+            # last.ckpt is gone while the checkpoint of the killed save is complete.
+            assert not os.path.lexists(os.path.join(root, "last.ckpt")), os.listdir(root)
+            assert NEWEST in os.listdir(root), os.listdir(root)
+            shutil.copytree(root, root + "-last", symlinks=True)
+            for rank, (status, r) in enumerate(ranks.run(pl_resume, root + "-last", recipe,
+                                                         "last")):
+                assert status == "ok" and r["refusal"] is None, r
+                # ckpt_path="last" finds none: Lightning says so (rank 0) and starts over.
+                assert r["start"] == 0 and r["no_last"] == (rank == 0), (r["start"], r["no_last"])
+        results = ranks.run(pl_resume, root, recipe,
+                            NEWEST if expect == "unlinked" else "last.ckpt")
         for rank, (status, r) in enumerate(results):
             assert status == "ok", (recipe, point, r)
             if expect == "torn":
@@ -372,4 +486,5 @@ def test_lightning_kill_in_each_window_of_a_save_resumes_bit_for_bit_or_refuses_
                 assert "global step 6" in r["refusal"] and "step 3" in r["refusal"], r
             else:
                 assert r["refusal"] is None, (recipe, point, r["refusal"])
+                assert r["start"] == PL_RESUMED_AT.get((recipe, point), 3), (recipe, point, r)
                 assert_same(r, reference[rank], f"{recipe}-{point}")

@@ -391,6 +391,51 @@ def test_fsdp2_checkpoint_of_2_ranks_resumes_at_1_rank_with_the_ema_resharded(po
     assert nbytes == sum(t.numel() * 4 for name, t in saved.items() if name != "fsdp_ema.step")
 
 
+def run_resume_past_the_end(rank, world, kind, root):
+    """Two epochs with a checkpoint after each, then fit(ckpt_path=<the final checkpoint>) as a
+    requeued job that had finished does: Lightning restores it and skips training (no
+    on_train_start, no on_train_end). The callback's EMA, its swap and its teacher are the
+    checkpoint's EMA all the same."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    lightning_env(rank, world)
+    ckpt = os.path.join(root, "ckpt")
+    cb = ShardedEMA(0.875, **OPTIONS)
+    t = trainer(kind, world, os.path.join(root, "first"),
+                [cb, pl.callbacks.ModelCheckpoint(dirpath=ckpt, every_n_epochs=1, save_top_k=-1)],
+                max_epochs=2, limit_val_batches=0, enable_checkpointing=True)
+    t.fit(Module(kind), loader())
+    saved, saved_step = full_ema(cb.ema), int(cb.ema.step)
+    again, module = ShardedEMA(0.875, **OPTIONS), Module(kind)
+    t = trainer(kind, world, os.path.join(root, "again"), [again], max_epochs=2,
+                limit_val_batches=0)
+    t.fit(module, loader(), ckpt_path=os.path.join(ckpt, "epoch=1-step=6.ckpt"))
+    x = next(iter(loader(seed=7)))[0]
+    with torch.no_grad():
+        with again.ema.swap():
+            swapped, swapped_out = full_weights(module), module(x)
+        teacher_out = again.ema.module(compile=False)(x)
+        raw_out = module(x)
+    return {"saved": saved, "saved_step": saved_step, "global_step": t.global_step,
+            "ema": full_ema(again.ema), "step": int(again.ema.step), "swapped": swapped,
+            "swapped_out": swapped_out, "teacher_out": teacher_out, "raw_out": raw_out}
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "ddp"])
+def test_fit_from_the_final_checkpoint_gives_the_checkpoints_ema_though_training_is_skipped(
+        pools, tmp_path, kind):
+    for rank, r in enumerate(pools.get(2).run(run_resume_past_the_end, kind, str(tmp_path))):
+        assert r["global_step"] == 6 and r["saved_step"] == r["step"] == 6, (rank, r["step"])
+        assert sorted(r["ema"]) == sorted(r["saved"])
+        for name, t in r["saved"].items():
+            assert torch.equal(r["ema"][name], t), (rank, name)
+            if name in r["swapped"]:
+                assert torch.equal(r["swapped"][name], t), (rank, name)
+        assert torch.equal(r["teacher_out"], r["swapped_out"]), rank
+        assert not torch.equal(r["raw_out"], r["swapped_out"]), rank
+
+
 # --- parity with Lightning's EMAWeightAveraging ---------------------------------------------------
 
 def run_parity(rank, world, root):

@@ -545,6 +545,156 @@ def test_async_save_with_load_best_model_at_end_never_brings_a_deleted_checkpoin
         assert r["resumed_step"] == 8, r  # resumed from the best checkpoint, with its EMA
 
 
+class CheckpointCount(transformers.TrainerCallback):
+    """After ShardedEMACallback: the checkpoint folders on disk (rank 0, which rotates) at the
+    step end that schedules a save (the previous save has landed, its rotation done), at each
+    on_save (the one being written is there) and at the end of training."""
+
+    def __init__(self):
+        self.seen = []
+
+    def _count(self, args, event, step):
+        if args.should_save:
+            found = sorted(p for p in os.listdir(args.output_dir) if p.startswith("checkpoint-"))
+            self.seen.append((event, step, found))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if control.should_save:
+            self._count(args, "step_end", state.global_step)
+
+    def on_save(self, args, state, control, **kwargs):
+        self._count(args, "save", state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._count(args, "end", state.global_step)
+
+
+def run_limit_with_async(rank, world, root, async_save, limit):
+    hf_env(rank, world)
+    counter = CheckpointCount()
+    t = make_trainer("plain", os.path.join(root, f"async-{async_save}"),
+                     [ShardedEMACallback(0.875, async_save=async_save), counter],
+                     save_strategy="steps", save_steps=1, save_total_limit=limit, max_steps=5,
+                     gradient_accumulation_steps=1)
+    t.train()
+    return counter.seen
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_save_total_limit_holds_with_async_save_as_without(pools, tmp_path, limit):
+    for async_save in (False, True):
+        seen = pools.get(2).run(run_limit_with_async, str(tmp_path), async_save, limit)[0]
+        assert [e for e, _, _ in seen] == ["step_end", "save"] * 5 + ["end"], seen
+        for event, step, found in seen:
+            # Before a save (the previous one landed and rotated) and at the end: the limit
+            # exactly; while one is written: at most the limit plus that one.
+            last = step - (event == "step_end")
+            if event == "save":
+                assert len(found) <= limit + 1 and f"checkpoint-{step}" in found, (
+                    async_save, seen)
+            else:
+                assert len(found) == min(limit, last), (async_save, event, step, found)
+            if last:
+                assert found[-1] == f"checkpoint-{last}", (async_save, event, step, found)
+
+
+# --- hyperparameter search: each trial's checkpoints in its own folder ----------------------------
+
+class Trial:
+    """What an optuna trial gives the Trainer (optuna is not installed here): its number and
+    parameters. ``hyperparameter_search`` calls ``train(trial=trial)`` with it."""
+
+    def __init__(self, number: int):
+        self.number, self.params = number, {}
+
+
+def tree_digest(root: str) -> dict[str, str]:
+    """Every file under ``root`` (relative path -> sha256 of its bytes)."""
+    import hashlib
+
+    out = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def committed_ema(ema_dir: str) -> dict[str, torch.Tensor]:
+    """The EMA tensors of a committed ``ema/`` (the replicated EMA: rank 0's file holds all)."""
+    from safetensors import safe_open
+
+    assert fsdp_ema._ops.is_committed(ema_dir), ema_dir
+    out = {}
+    for path in sorted(glob.glob(os.path.join(ema_dir, "*.safetensors"))):
+        with safe_open(path, "pt") as f:
+            out.update({k[len("ema."):]: f.get_tensor(k) for k in f.keys() if k.startswith("ema.")})
+    return out
+
+
+def run_trial_beside_an_earlier_run(rank, world, root):
+    """An earlier run's checkpoints 4, 8 and 12 in output_dir, then one trial of a search into
+    the same output_dir, driven as ``hyperparameter_search`` drives it (the optuna backend set,
+    ``train(trial=...)``): the Trainer saves the trial's checkpoints in output_dir/run-0."""
+    import transformers.integrations as integrations
+    from transformers.trainer_utils import HPSearchBackend
+
+    out = os.path.join(root, "out")
+    hf_env(rank, world)
+    steps = dict(save_strategy="steps", save_steps=4, gradient_accumulation_steps=1)
+    make_trainer("plain", out, [ShardedEMACallback(0.875)], max_steps=12, **steps).train()
+    torch.distributed.barrier()
+    before = tree_digest(out)
+    torch.distributed.barrier()
+    hf_env(rank, world)
+    cb = ShardedEMACallback(0.5)
+    t = make_trainer("plain", out, [cb], max_steps=8, save_total_limit=1, **steps)
+    t.train_dataset = Tokens(TRAIN_ROWS, 5)
+    t.hp_search_backend, t.hp_space, t.hp_name = HPSearchBackend.OPTUNA, lambda trial: {}, None
+    real_hp_params = integrations.hp_params  # it knows optuna's trial class only
+    integrations.hp_params = lambda trial: dict(trial.params)
+    result = {"before": before}
+    try:
+        t.train(trial=Trial(0))
+    except Exception as e:  # noqa: BLE001 (the test reports it)
+        result["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        integrations.hp_params = real_hp_params
+    torch.distributed.barrier()
+    result["after"] = tree_digest(out)
+    if "error" not in result:
+        result["ema"] = cb.ema.full_state_dict(rank0_only=False)
+        result["trial"] = sorted(os.listdir(os.path.join(out, "run-0")))
+        result["saved"] = committed_ema(os.path.join(out, "run-0", "checkpoint-8", "ema"))
+    torch.distributed.barrier()
+    return result
+
+
+def test_a_search_trial_saves_its_ema_in_its_own_folder_and_leaves_other_runs_alone(pools,
+                                                                                  tmp_path):
+    for r in pools.get(2).run(run_trial_beside_an_earlier_run, str(tmp_path)):
+        assert "error" not in r, r["error"]
+        # The earlier run's folders: not one file written or removed.
+        old = {k: v for k, v in r["after"].items() if not k.startswith("run-0" + os.sep)}
+        assert old == r["before"], sorted(set(old.items()) ^ set(r["before"].items()))
+        # The trial's checkpoints hold its EMA, rotated in its folder (save_total_limit=1).
+        assert r["trial"] == ["checkpoint-8"], r["trial"]
+        assert sorted(r["saved"]) == sorted(r["ema"]), sorted(r["saved"])
+        for name, t in r["saved"].items():
+            assert torch.equal(r["ema"][name], t), name
+
+
+def test_a_trial_whose_folder_cannot_be_read_is_refused_naming_the_trial_folders(tmp_path):
+    from fsdp_ema.integrations.hf_checkpoints import run_folder
+
+    args = types.SimpleNamespace(output_dir=str(tmp_path))
+    # No Trainer on the stack (a subclass that replaces train and _inner_training_loop).
+    assert run_folder(args, types.SimpleNamespace(is_hyper_param_search=False)) == str(tmp_path)
+    with pytest.raises(RuntimeError, match=r"hyperparameter-search trial.*run-<trial id>"):
+        run_folder(args, types.SimpleNamespace(is_hyper_param_search=True))
+
+
 def run_save_on_each_node(rank, world, root):
     hf_env(rank, world)
     os.environ["LOCAL_WORLD_SIZE"] = "1"  # two nodes of one rank each
@@ -746,6 +896,28 @@ def test_rotation_never_removes_the_step_being_saved(tmp_path):
     cb.rotation.after_commit(args, types.SimpleNamespace(best_model_checkpoint=None,
                                                          global_step=8), str(newest))
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-6", "checkpoint-8"]
+
+
+def test_a_resumed_run_removes_the_checkpoints_above_its_step_highest_first(tmp_path):
+    from fsdp_ema.integrations.hf_checkpoints import Rotation
+
+    # Resumed at step 2 (or 4) while checkpoints of an abandoned branch are above it: with the
+    # rotation on they go before the first step (resume_from_checkpoint=True takes the highest
+    # step), highest first; the best and the restored folder stay; without it nothing goes.
+    for step in (2, 4, 6, 8):
+        make_checkpoint(tmp_path, step, time.time())
+    args = types.SimpleNamespace(output_dir=str(tmp_path), should_save=True,
+                                 save_total_limit=None)
+    rotation = Rotation()
+    rotation.take_over(args)
+    assert rotation.remove_above(args, 4) == []
+    args.save_total_limit = 3
+    rotation.take_over(args)
+    removed = rotation.remove_above(args, 4, keep=(str(tmp_path / "checkpoint-6"), None))
+    assert [os.path.basename(p) for p in removed] == ["checkpoint-8"]
+    removed = rotation.remove_above(args, 2)
+    assert [os.path.basename(p) for p in removed] == ["checkpoint-6", "checkpoint-4"]
+    assert os.listdir(tmp_path) == ["checkpoint-2"]
 
 
 def test_a_removed_checkpoint_loses_its_trainer_state_then_its_ema_index_first(tmp_path):

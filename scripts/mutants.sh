@@ -371,6 +371,62 @@ MUTANTS = {
         "p = x.to(torch.float64).mul_(w)",
         "p = x.to(torch.float64).mul_(0.0 if last else w)",
         [pytest("python_tests/test_posthoc.py", "-k", "cli_equals_python or 2_ranks")]),
+    # --- trainer integrations (#41) --------------------------------------------------------------
+    # async_save: the deferred rotation counted the step about to be saved as a kept checkpoint
+    # (3 on disk with save_total_limit=1).
+    "rotation-counts-a-folder-not-there": (
+        "python/fsdp_ema/integrations/hf_checkpoints.py",
+        "                                 & set(ordered))",
+        "                                 | {saving})",
+        [pytest("python_tests/test_integration_transformers.py", "-k", "limit_holds")]),
+    "rotation-removes-the-folder-being-saved": (
+        "python/fsdp_ema/integrations/hf_checkpoints.py",
+        "             if os.path.abspath(path) != saving]",
+        "             ]",
+        [pytest("python_tests/test_integration_transformers.py", "-k",
+                "never_removes_the_step_being_saved")]),
+    # A search trial's EMA went into output_dir/checkpoint-N (another run's) and its rotation
+    # removed that run's folders.
+    "trial-ema-saved-into-output-dir": (
+        "python/fsdp_ema/integrations/transformers.py",
+        "        self._run_dir = run_folder(args, state)",
+        "        self._run_dir = None",
+        [pytest("python_tests/test_integration_transformers.py", "-k", "search_trial")]),
+    "trial-rotation-in-output-dir": (
+        "python/fsdp_ema/integrations/hf_checkpoints.py",
+        "        folder = self.folder or args.output_dir",
+        "        folder = args.output_dir",
+        [pytest("python_tests/test_integration_transformers.py", "-k", "search_trial")]),
+    "trial-folder-unread-not-refused": (
+        "python/fsdp_ema/integrations/hf_checkpoints.py",
+        "    if trial is None and not getattr(state, \"is_hyper_param_search\", False):",
+        "    if trial is None:",
+        [pytest("python_tests/test_integration_transformers.py", "-k", "trial_whose_folder")]),
+    # fit(ckpt_path=<the final checkpoint>) skips training: the EMA stayed a fresh one.
+    "fit-past-the-end-keeps-a-fresh-ema": (
+        "python/fsdp_ema/integrations/lightning.py",
+        "        # callback's EMA, its swap and its teacher are the checkpoint's, not a fresh one.\n"
+        "        if self._restore is not None:",
+        "        if False:",
+        [pytest("python_tests/test_integration_lightning.py", "-k", "final_checkpoint")]),
+    # A run resumed below an abandoned branch's checkpoints left them until its first rotation:
+    # killed before it, resume_from_checkpoint=True continued that branch.
+    "resumed-run-keeps-an-abandoned-branch": (
+        "python/fsdp_ema/integrations/transformers.py",
+        "        if state.global_step > 0:  # a resumed run: the checkpoints above it are not its",
+        "        if False:  # a resumed run: the checkpoints above it are not its",
+        [pytest("python_tests/test_integration_kills.py", "-k", "abandoned_branch")]),
+    "abandoned-branch-removed-lowest-first": (
+        "python/fsdp_ema/integrations/hf_checkpoints.py",
+        "        for n, path in sorted(checkpoint_folders(self.folder or args.output_dir), "
+        "reverse=True):",
+        "        for n, path in sorted(checkpoint_folders(self.folder or args.output_dir)):",
+        [pytest("python_tests/test_integration_transformers.py", "-k", "above_its_step")]),
+    "abandoned-branch-removed-without-a-limit": (
+        "python/fsdp_ema/integrations/hf_checkpoints.py",
+        "            return []\n        kept = {os.path.abspath(k)",
+        "            pass\n        kept = {os.path.abspath(k)",
+        [pytest("python_tests/test_integration_transformers.py", "-k", "above_its_step")]),
 }
 
 

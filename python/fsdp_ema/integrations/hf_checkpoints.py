@@ -72,13 +72,11 @@ def previous_complete_checkpoint(output_dir: str, step: int, subdir: str) -> str
     return None
 
 
-def restored_checkpoint() -> str | None:
-    """The checkpoint folder the running ``Trainer`` restored, or None: the local
-    ``resume_from_checkpoint`` of the innermost ``Trainer._inner_training_loop`` (or ``train``)
-    frame on the call stack, which ``train()`` has resolved from ``True`` to a path before the
-    loop runs and calls ``on_train_begin``. The Trainer hands callbacks neither that folder nor
-    itself, and ``train(resume_from_checkpoint=...)`` leaves ``args.resume_from_checkpoint``
-    unset: its frame is the one place that says."""
+def _training_frame() -> dict[str, Any] | None:
+    """The locals of the innermost ``Trainer._inner_training_loop`` (or ``train``) frame on the
+    call stack (``self`` is the Trainer; ``resume_from_checkpoint`` and ``trial`` are its
+    arguments), or None. The Trainer hands callbacks neither itself nor those arguments: its
+    frame is the one place that says."""
     trainer_cls = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
     if trainer_cls is None:
         return None
@@ -89,10 +87,47 @@ def restored_checkpoint() -> str | None:
                 and "resume_from_checkpoint" in code.co_varnames):
             local = frame.f_locals
             if isinstance(local.get("self"), trainer_cls):
-                value = local.get("resume_from_checkpoint")
-                return os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+                return local
         frame = frame.f_back
     return None
+
+
+def restored_checkpoint() -> str | None:
+    """The checkpoint folder the running ``Trainer`` restored, or None: the local
+    ``resume_from_checkpoint`` of its training frame (``_training_frame``), which ``train()``
+    has resolved from ``True`` to a path before the loop runs and calls ``on_train_begin``
+    (``train(resume_from_checkpoint=...)`` leaves ``args.resume_from_checkpoint`` unset)."""
+    local = _training_frame()
+    value = local.get("resume_from_checkpoint") if local is not None else None
+    return os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+
+
+def run_folder(args, state) -> str:
+    """The folder the running ``Trainer`` saves this run's ``checkpoint-<N>`` folders in:
+    ``args.output_dir``, or for a hyperparameter-search trial the trial's own
+    (``output_dir/run-<trial id>``, or ``hp_name(trial)``), as the Trainer's
+    ``_get_output_dir(trial)`` names it for its own saves (read from its training frame, with
+    the ``trial`` it trains): the EMA of a trial goes beside the trial's checkpoint, and the
+    rotation and a resume stay in the trial's folder. A trial whose folder cannot be read (a
+    Trainer subclass that replaces ``train`` and ``_inner_training_loop``, or a transformers
+    without ``_get_output_dir``) raises ``RuntimeError`` naming the trial folders, before its
+    first step: an ``output_dir/checkpoint-<N>`` of another run is never written or removed."""
+    local = _training_frame()
+    trial = local.get("trial") if local is not None else None
+    if trial is None and not getattr(state, "is_hyper_param_search", False):
+        return os.fspath(args.output_dir)
+    trainer_folder = getattr(local.get("self") if local is not None else None,
+                             "_get_output_dir", None)
+    if trial is not None and callable(trainer_folder):
+        return os.fspath(trainer_folder(trial))
+    trials = os.path.join(args.output_dir, "run-<trial id>", "checkpoint-<N>")
+    raise RuntimeError(
+        f"ShardedEMACallback: this run is a hyperparameter-search trial, whose checkpoints the "
+        f"Trainer saves in the trial's own folder ({trials}, or hp_name(trial) in the "
+        f"run-<trial id>'s place), but that folder "
+        f"could not be read from the Trainer (a Trainer subclass that replaces train and "
+        f"_inner_training_loop hides its training frame): refused before the first step, so "
+        f"that no checkpoint-<N> of another run in {args.output_dir} is written or removed")
 
 
 def resume_folders(restored: str | None, named: Collection[Any], output_dir: str,
@@ -244,7 +279,7 @@ def _remove(folder: str) -> bool:
 
 
 def rotate_by_step(output_dir: str, limit: int, *, newest: str | None = None,
-                   keep: Collection[str | None] = ()) -> list[str]:
+                   keep: Collection[str | None] = (), saving: str | None = None) -> list[str]:
     """The Trainer's ``save_total_limit`` rotation (``transformers.trainer_utils.
     rotate_checkpoints``), with the ``checkpoint-<N>`` folders ordered by their step N, not by
     modification time as the Trainer orders them (``use_mtime=True``): a rotation killed halfway
@@ -254,16 +289,22 @@ def rotate_by_step(output_dir: str, limit: int, *, newest: str | None = None,
     saves below steps already on disk); folders of a higher step than it (an abandoned branch's,
     or an older run's in the same output_dir) count as older than every step up to it, as the
     Trainer's modification-time order would have them. The folders of ``keep`` (the best
-    checkpoint, the step being saved) are never removed. Each folder goes by
-    ``remove_checkpoint_folder``. Returns the folders removed."""
-    found = [(step, os.path.abspath(path)) for step, path in checkpoint_folders(output_dir)]
+    checkpoint) are never removed. ``saving`` (the folder of a save that has begun while an
+    ``async_save`` rotation runs: other ranks may be writing into it) is neither removed nor
+    counted: the limit is that of the checkpoints written, as when the rotation runs right after
+    the save. Each folder goes by ``remove_checkpoint_folder``. Returns the folders removed."""
+    saving = os.path.abspath(saving) if saving is not None else None
+    found = [(step, os.path.abspath(path)) for step, path in checkpoint_folders(output_dir)
+             if os.path.abspath(path) != saving]
     newest = os.path.abspath(newest) if newest is not None else None
     top = next((step for step, path in found if path == newest), None)
     ordered = [path for _, path in sorted(
         found, key=lambda f: (f[1] == newest, top is None or f[0] <= top, f[0]))]
     if len(ordered) <= limit:
         return []
-    protected = {ordered[-1]} | {os.path.abspath(k) for k in keep if k is not None}
+    # Only folders that are there count as kept ones.
+    protected = {ordered[-1]} | ({os.path.abspath(k) for k in keep if k is not None}
+                                 & set(ordered))
     kept = max(limit, len(protected))
     removed = []
     for path in ordered:
@@ -289,9 +330,12 @@ class Rotation:
 
     def __init__(self) -> None:
         self.limit: int | None = None  # the save_total_limit taken over
+        self.folder: str | None = None  # the run's folder (run_folder); None: args.output_dir
 
-    def take_over(self, args) -> None:
-        """At the start of training, before the first save."""
+    def take_over(self, args, folder: str | None = None) -> None:
+        """At the start of training, before the first save; ``folder``: where this run's
+        checkpoints are (``run_folder``: a trial's own)."""
+        self.folder = folder
         if args.save_total_limit is not None and args.save_total_limit > 0:
             self.limit = args.save_total_limit
             args.save_total_limit = None
@@ -299,16 +343,35 @@ class Rotation:
             self.limit = None
         # else: a second train() after one that stopped early keeps the limit taken over
 
+    def remove_above(self, args, step: int, keep: Collection[str | None] = ()) -> list[str]:
+        """A run resumed at ``step`` below checkpoints already in its folder (an abandoned
+        branch's, or another run's): with the rotation on, they go now, before the run's first
+        step, highest first, each by ``remove_checkpoint_folder`` (its ``trainer_state.json``
+        first). ``resume_from_checkpoint=True`` takes the highest step: were they left until the
+        first rotation, a kill before it would continue that branch. The folders of ``keep``
+        (the best checkpoint, the restored one) stay. Returns the folders removed."""
+        if self.limit is None or not args.should_save:
+            return []
+        kept = {os.path.abspath(k) for k in keep if k is not None}
+        removed = []
+        for n, path in sorted(checkpoint_folders(self.folder or args.output_dir), reverse=True):
+            if n > step and os.path.abspath(path) not in kept and _remove(path):
+                removed.append(path)
+        return removed
+
     def after_commit(self, args, state, newest: str | None = None) -> list[str]:
         """The rotation, once ``newest`` (the checkpoint just saved) holds its EMA; see
         ``rotate_by_step``. Returns the folders removed."""
         if self.limit is None or not args.should_save:
             return []
-        # The step being saved now is protected too: with async_save this rotation runs at the
-        # next save, whose folder other ranks may already have begun (their RNG files).
-        current = checkpoint_folder(args.output_dir, state.global_step)
-        return rotate_by_step(args.output_dir, self.limit, newest=newest,
-                              keep=(state.best_model_checkpoint, current))
+        # With async_save this rotation runs at the step end that schedules the next save, whose
+        # folder other ranks may already have begun (their RNG files): not removed, not counted.
+        folder = self.folder or args.output_dir
+        current = checkpoint_folder(folder, state.global_step)
+        saving = current if newest is None or os.path.abspath(newest) != os.path.abspath(
+            current) else None
+        return rotate_by_step(folder, self.limit, newest=newest,
+                              keep=(state.best_model_checkpoint,), saving=saving)
 
     def hand_back(self, args, state) -> None:
         """At the end of training, once the last EMA is committed: what the Trainer does then
@@ -318,7 +381,7 @@ class Rotation:
             return
         best = state.best_model_checkpoint
         if self.limit == 1 and best is not None and args.should_save and os.path.exists(best):
-            for _, folder in sorted(checkpoint_folders(args.output_dir)):
+            for _, folder in sorted(checkpoint_folders(self.folder or args.output_dir)):
                 if not os.path.samefile(folder, best):
                     _remove(folder)
         args.save_total_limit, self.limit = self.limit, None

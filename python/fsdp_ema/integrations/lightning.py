@@ -375,6 +375,14 @@ class ShardedEMA(CallbackCore, Callback):
         if self.export_dir is not None:
             self.export(self.export_dir, module=self.export_module, dtype=self.export_dtype)
 
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # fit(ckpt_path=...) of a checkpoint at or past the end (max_epochs or max_steps reached:
+        # a requeued job that had finished) restores it and skips training, so on_train_start
+        # never loaded its EMA: load it now (collective; every rank gets here), so that the
+        # callback's EMA, its swap and its teacher are the checkpoint's, not a fresh one.
+        if self._restore is not None:
+            self._ensure(trainer, pl_module)
+
     def export(self, path: str | os.PathLike, *, module: str | None = None,
                dtype: torch.dtype | None = None) -> list[str]:
         """Writes the full EMA weights as a consolidated Hugging Face safetensors directory

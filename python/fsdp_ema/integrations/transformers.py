@@ -9,7 +9,9 @@ Trainer's checkpoint folders (which one a resume restored, the rotation) is ``hf
   over, shard by shard (FSDP is read from the model, not from the arguments); on a resumed run
   the EMA comes back from the checkpoint whose model the Trainer restored
   (``hf_checkpoints.restored_checkpoint``), proven by the step and the model fingerprint
-  recorded beside it (``common.ResumeChecks``);
+  recorded beside it (``common.ResumeChecks``), and with ``save_total_limit`` the checkpoints
+  above the restored step (an abandoned branch) go before the first step; a hyperparameter-search
+  trial's checkpoints are in its own folder (``hf_checkpoints.run_folder``);
 - ``on_step_end`` (after the optimizer step; once per accumulated step): ``update()``;
 - ``on_save``: the EMA into ``checkpoint-N/ema/`` (``fsdp_ema.save_training_state``, one file per
   rank, committed by rank 0 once every rank's file is written); the ``save_total_limit``
@@ -56,6 +58,7 @@ from .hf_checkpoints import (
     missing_ema,
     restored_checkpoint,
     resume_folders,
+    run_folder,
 )
 from .hf_eval import EMAEvaluation
 
@@ -160,6 +163,7 @@ class ShardedEMACallback(CallbackCore, TrainerCallback):
         self.save_ema_model, self.save_ema_dtype = save_ema_model, save_ema_dtype
         self.async_save, self.subdir, self.resume_from = async_save, subdir, resume_from
         self.rotation = Rotation()   # save_total_limit, which the callback applies
+        self._run_dir: str | None = None  # where this run's checkpoint-N are (a trial's own)
         self._handle = None          # the async save in flight
         self._after_commit = None    # what waits for its commit (the rotation)
         self.evaluation = EMAEvaluation(eval_with_ema, self.ema_metric_name, self._swap)
@@ -288,6 +292,7 @@ class ShardedEMACallback(CallbackCore, TrainerCallback):
             raise RuntimeError("ShardedEMACallback: the trainer handed over no model")
         self.evaluation.control = control
         self._check_settings(args)
+        self._run_dir = run_folder(args, state)  # a search trial's: output_dir/run-<id>
         if not is_fsdp(model):
             asked = fsdp_asked_by(args)
             if asked is not None:
@@ -295,8 +300,17 @@ class ShardedEMACallback(CallbackCore, TrainerCallback):
         self.attach(model)
         if state.global_step > 0:  # a resumed run: the EMA of the checkpoint the Trainer restored
             self._resume(args, state)
-        self.rotation.take_over(args)  # after a resume that may refuse: args untouched then
+        # After a resume that may refuse: args untouched then.
+        self.rotation.take_over(args, self._run_dir)
+        if state.global_step > 0:  # a resumed run: the checkpoints above it are not its own
+            self.rotation.remove_above(args, state.global_step,
+                                       keep=(state.best_model_checkpoint, restored_checkpoint()))
         self.evaluation.install(model, self.ema, args)
+
+    def _folder(self, args) -> str:
+        """The folder of this run's ``checkpoint-N`` (``run_folder``, read when training
+        began)."""
+        return self._run_dir if self._run_dir is not None else args.output_dir
 
     def _check_settings(self, args) -> None:
         _, world = rank_world(default_group())
@@ -315,7 +329,7 @@ class ShardedEMACallback(CallbackCore, TrainerCallback):
         step = state.global_step
         restored = restored_checkpoint()
         named = (self.resume_from, getattr(args, "resume_from_checkpoint", None))
-        folders = resume_folders(restored, named, args.output_dir, step)
+        folders = resume_folders(restored, named, self._folder(args), step)
         restored = os.path.abspath(restored) if restored is not None else None
         ema = self._ema("resume")
         candidates = _agree(lambda: [EMAFolder(f, self.subdir) for f in folders if
@@ -384,7 +398,7 @@ class ShardedEMACallback(CallbackCore, TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         self.evaluation.control = control
         self.evaluation.end()
-        checkpoint = checkpoint_folder(args.output_dir, state.global_step)
+        checkpoint = checkpoint_folder(self._folder(args), state.global_step)
         ema = self._ema("on_save")
         self._wait(rotate=False)
 
