@@ -945,6 +945,23 @@ def test_a_removed_checkpoint_loses_its_trainer_state_then_its_ema_index_first(t
     assert os.listdir(tmp_path) == []
 
 
+def test_a_folder_the_rotation_cannot_remove_costs_no_other_checkpoint(tmp_path):
+    from fsdp_ema.integrations.hf_checkpoints import rotate_by_step
+
+    # save_total_limit=2 over a link (checkpoint-1) and checkpoints 2, 3, 4: the link stays (one
+    # warning), checkpoint-2 goes, and 3 and 4, the two the Trainer keeps, both stay.
+    elsewhere = make_checkpoint(tmp_path / "kept", 1, time.time())
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "checkpoint-1").symlink_to(elsewhere)
+    for step in (2, 3, 4):
+        newest = make_checkpoint(out, step, time.time())
+    with pytest.warns(RuntimeWarning, match="could not remove .*checkpoint-1"):
+        removed = rotate_by_step(str(out), 2, newest=str(newest))
+    assert [os.path.basename(p) for p in removed] == ["checkpoint-2"]
+    assert sorted(os.listdir(out)) == ["checkpoint-1", "checkpoint-3", "checkpoint-4"]
+
+
 def test_the_rotation_never_removes_through_a_link_and_says_so(tmp_path):
     from fsdp_ema.integrations.hf_checkpoints import rotate_by_step
 

@@ -427,6 +427,12 @@ MUTANTS = {
         "            return []\n        kept = {os.path.abspath(k)",
         "            pass\n        kept = {os.path.abspath(k)",
         [pytest("python_tests/test_integration_transformers.py", "-k", "above_its_step")]),
+    # The HF rotation: a folder it cannot remove counts as gone, no other checkpoint in its place.
+    "rotation-replaces-a-folder-it-could-not-remove": (
+        "python/fsdp_ema/integrations/hf_checkpoints.py",
+        "        tried += 1\n        if _remove(path):",
+        "        if _remove(path):\n            tried += 1",
+        [pytest("python_tests/test_integration_transformers.py", "-k", "cannot_remove")]),
 }
 
 

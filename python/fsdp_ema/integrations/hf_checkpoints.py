@@ -306,11 +306,16 @@ def rotate_by_step(output_dir: str, limit: int, *, newest: str | None = None,
     protected = {ordered[-1]} | ({os.path.abspath(k) for k in keep if k is not None}
                                  & set(ordered))
     kept = max(limit, len(protected))
-    removed = []
+    # A folder that could not be removed (a link, say: one warning) counts as gone: the rotation
+    # removes no other complete checkpoint in its place (the Trainer's own does the same).
+    removed, tried = [], 0
     for path in ordered:
-        if len(ordered) - len(removed) <= kept:
+        if len(ordered) - tried <= kept:
             break
-        if path not in protected and _remove(path):
+        if path in protected:
+            continue
+        tried += 1
+        if _remove(path):
             removed.append(path)
     return removed
 
