@@ -954,6 +954,40 @@ def test_a_student_resharded_onto_another_mesh_since_the_ema_is_refused(pools):
         assert "the model is sharded on" in e and "make a new ShardedEMA for the new sharding" in e
 
 
+def run_submodule_not_a_unit(rank, world):
+    """The EMA of a submodule of an FSDP2 model: one that is not its own ``fully_shard`` unit
+    (its parameters are its parent's unit's) is refused when the teacher is made; one that is
+    its own unit runs as the EMA."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(seq[0], mesh=mesh)
+    fully_shard(seq, mesh=mesh)
+    try:
+        ShardedEMA(seq[2], decay=0.5).module()
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    own = ShardedEMA(seq[0], decay=0.5)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        sd = own.state_dict()
+        want = F.linear(x, full(sd["weight"]), full(sd["bias"]))
+        got = own.module()(x)
+    return dict(refused=refused, diff=(got - want).abs().max().item())
+
+
+def test_the_teacher_of_a_submodule_that_is_not_its_own_fsdp2_unit_is_refused(pools):
+    for res in pools.get(2).run(run_submodule_not_a_unit):
+        e = res["refused"]
+        assert e is not None and "'weight'" in e and "not its own fully_shard unit" in e, e
+        assert "fully_shard(module)" in e and "ema.swap()" in e, e
+        assert res["diff"] < 1e-6, res["diff"]  # a submodule that is its own unit: its EMA
+
+
 # --- the trainers' callbacks expose the teacher --------------------------------------------------
 
 def run_lightning_teacher(rank, world, root):

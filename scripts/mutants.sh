@@ -371,6 +371,12 @@ MUTANTS = {
         "p = x.to(torch.float64).mul_(w)",
         "p = x.to(torch.float64).mul_(0.0 if last else w)",
         [pytest("python_tests/test_posthoc.py", "-k", "cli_equals_python or 2_ranks")]),
+    # #41: the teacher of a submodule that is not its own FSDP2 unit is refused at module().
+    "teacher-of-a-submodule-without-its-unit": (
+        "python/fsdp_ema/ema/teacher.py",
+        "        _check_own_units(model, managed)\n",
+        "",
+        [pytest("python_tests/test_teacher.py", "-k", "own_fsdp2_unit")]),
 }
 
 

@@ -344,6 +344,7 @@ class TeacherBuilder:
                 managed[(id(info.module), info.param_name)] = fp
                 for sm, sn in zip(info.shared_modules, info.shared_param_names):
                     managed[(id(sm), sn)] = fp
+        _check_own_units(model, managed)
 
         def student_param(module, name, p):
             fp = managed.get((id(module), name))
@@ -544,6 +545,25 @@ class TeacherBuilder:
                     param._local_tensor = local
                     fp.sharded_param = param
                     fp._setattr_on_modules(param)
+
+
+def _check_own_units(model: nn.Module, managed) -> None:
+    """Refuses a model (the EMA's) holding a parameter that an FSDP2 unit above it shards: the
+    model is a submodule of a sharded model and not its own ``fully_shard`` unit, so the teacher
+    would have no unit to gather that parameter (its forward would fail in DTensor's sharding
+    propagation)."""
+    for m, prefix in _named(model):
+        if not m.__dict__.get("_is_fsdp_managed_module"):
+            continue
+        for name, p in m._parameters.items():
+            if p is not None and is_dtensor(p) and (id(m), name) not in managed:
+                raise ValueError(
+                    f"ShardedEMA.module(): the model's parameter {join_name(prefix, name)!r} is "
+                    f"sharded by an FSDP2 unit outside the model the EMA was made of (a "
+                    f"{type(model).__name__} that is not its own fully_shard unit), so a teacher "
+                    f"of it would have no unit to gather it; make the module its own unit "
+                    f"(fully_shard(module) before fully_shard of its parent), or evaluate the "
+                    f"EMA with ema.swap()")
 
 
 class _ReshardWhenStale:
