@@ -988,6 +988,134 @@ def test_the_teacher_of_a_submodule_that_is_not_its_own_fsdp2_unit_is_refused(po
         assert res["diff"] < 1e-6, res["diff"]  # a submodule that is its own unit: its EMA
 
 
+def raised(fn) -> str | None:
+    """``fn()``'s error as ``"Type: message"``, or None."""
+    try:
+        fn()
+    except (ValueError, RuntimeError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def run_ema_dtypes(rank, world):
+    """An EMA in another dtype than the student's weights (float64 or bfloat16 of a float32
+    student, float32 of a bfloat16 student without a policy): an FSDP2 teacher computes as the
+    student does, bit for bit the student holding the EMA; where the teacher cannot (a plain
+    model's, an ``mp_policy`` without ``param_dtype``), an input of the student's dtype is refused
+    naming both dtypes and the fix."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    x32 = torch.randn(4, 4, generator=torch.Generator().manual_seed(5))
+
+    def student(dtype, fsdp2=True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)).to(dtype)  # uneven
+        if fsdp2:
+            fully_shard(model[0], mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        return model
+
+    out = {}
+    for name, ema_dtype, dtype in (("float64 EMA", torch.float64, torch.float32),
+                                   ("bfloat16 EMA", torch.bfloat16, torch.float32),
+                                   ("bfloat16 student", torch.float32, torch.bfloat16)):
+        model = student(dtype)
+        ema = ShardedEMA(model, decay=0.5, dtype=ema_dtype)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.3)
+        ema.update()  # the EMA, between the two, differs from the student
+        x = x32.to(dtype)
+        with torch.no_grad():
+            got = ema.module()(x)
+            with ema.swap():
+                want = model(x)  # the student holding the EMA, cast to its dtype
+            own = model(x)
+        out[name] = dict(dtype=got.dtype, equal=torch.equal(got, want),
+                         moved=(got.float() - own.float()).abs().max().item())
+    model = student(torch.float32)
+    ema = ShardedEMA(model, decay=0.5, dtype=torch.float64)
+    explicit = ema.module(mp_policy=MixedPrecisionPolicy())
+    with torch.no_grad():
+        out["policy refused"] = raised(lambda: explicit(x32))
+        out["policy float64"] = explicit(x32.double()).dtype
+    plain = student(torch.float32, fsdp2=False)
+    ema = ShardedEMA(plain, decay=0.5, dtype=torch.float64)
+    with torch.no_grad():
+        out["plain refused"] = raised(lambda: ema.module()(x32))
+        out["plain float64"] = ema.module()(x32.double()).dtype
+    out["plain mp_policy"] = raised(lambda: ema.module(mp_policy=MixedPrecisionPolicy()))
+    return out
+
+
+def test_a_teacher_of_an_ema_in_another_dtype_computes_as_the_student_or_names_the_fix(pools):
+    for res in pools.get(2).run(run_ema_dtypes):
+        for name, want in (("float64 EMA", torch.float32), ("bfloat16 EMA", torch.float32),
+                           ("bfloat16 student", torch.bfloat16)):
+            r = res[name]
+            assert r["dtype"] == want and r["equal"] and r["moved"] > 1e-3, (name, r)
+        e = res["policy refused"]
+        assert e is not None and "torch.float64" in e and "args[0] is torch.float32" in e, e
+        assert "mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32)" in e, e
+        assert res["policy float64"] == res["plain float64"] == torch.float64
+        e = res["plain refused"]
+        assert e is not None and "the EMA's (torch.float64)" in e and "torch.float32" in e, e
+        assert "dtype=None" in e and "mp_policy=MixedPrecisionPolicy" in e, e
+        e = res["plain mp_policy"]
+        assert e is not None and e.startswith("ValueError") and "leave mp_policy out" in e, e
+
+
+def run_teacher_misuse(rank, world, layout):
+    """``teacher.requires_grad_(True)`` and an optimizer over the teacher: refused before the
+    forward (the EMA unchanged), by update() and by module(); ``teacher.double()``: the teacher
+    refuses to run, and ``module()`` builds a new one on the EMA."""
+    model, _, ema = make(layout)
+    teacher = ema.module()
+    x = batch(layout, rank, 0)
+    before = [t.clone() for t in ema.state.tensors]
+    teacher.requires_grad_(True)
+    opt = torch.optim.SGD(teacher.parameters(), lr=0.5)
+    out = dict(forward=raised(lambda: teacher(x).square().mean().backward()),
+               method=raised(lambda: teacher.features(x)) if layout == "fsdp2" else "n/a")
+    opt.step()
+    out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, ema.state.tensors))
+    out["update"], out["module"] = raised(ema.update), raised(ema.module)
+    teacher.requires_grad_(False)
+    ema.update()
+    teacher.double()
+    with torch.no_grad():
+        out["stale"] = raised(lambda: teacher(x.double()))
+    fresh = ema.module()
+    ema.update()
+    index = ema_index(ema)
+    with torch.no_grad():
+        got = fresh(x)
+        with ema.swap():
+            inner(model).eval()
+            want = model(x)
+            inner(model).train()
+    out.update(fresh=fresh is not teacher, equal=torch.equal(got, want),
+               cached=ema.module() is fresh,
+               shares=all(local(p).data_ptr() == ema.state.tensors[index[n]].data_ptr()
+                          for n, p in fresh.named_parameters()))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "plain"])
+def test_a_teacher_made_trainable_or_converted_is_refused_and_replaced(pools, layout):
+    for res in pools.get(2).run(run_teacher_misuse, layout):
+        assert res["unchanged"], res  # the optimizer had no gradient: the EMA as it was
+        for key in ("forward", "update", "module") + (("method",) if layout == "fsdp2" else ()):
+            e = res[key]
+            assert e is not None and "requires grad" in e and "requires_grad_(False)" in e, (key, e)
+        assert res["update"].startswith("RuntimeError: ShardedEMA.update(): "), res["update"]
+        e = res["stale"]
+        assert e is not None and "no longer runs on the EMA" in e and "ema.module()" in e, e
+        assert res["fresh"] and res["equal"] and res["cached"] and res["shares"], res
+
+
 # --- the trainers' callbacks expose the teacher --------------------------------------------------
 
 def run_lightning_teacher(rank, world, root):

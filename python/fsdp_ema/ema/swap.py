@@ -85,8 +85,16 @@ class SwapMixin:
         keep (``params="trainable"``) are the student's own; buffers the EMA keeps are the
         EMA's, the others the teacher's own (copied from the student's once).
 
+        The teacher computes as the student does (FSDP2: each unit's ``param_dtype``, or the
+        student's parameters' dtype where the unit has none). A teacher made trainable
+        (``requires_grad_(True)``) is refused before its forward, by ``module()`` and by
+        ``update()``; one converted since (``teacher.double()``) refuses to run, and
+        ``module()`` builds a new one.
+
         Args:
-            mp_policy: FSDP2: the units' MixedPrecisionPolicy (default: each student unit's).
+            mp_policy: FSDP2: the units' MixedPrecisionPolicy (default: each student unit's, with
+                the student's parameters' dtype as ``param_dtype`` where it has none and the EMA
+                has another dtype). Refused for a model not sharded with FSDP2.
             reshard_after_forward: FSDP2: as ``fully_shard``'s (True: every unit, the root too,
                 frees its gathered parameters after each forward).
             mesh: optional check: the mesh the teacher should run on, which must be the one the

@@ -18,6 +18,7 @@ the others are the teacher's own, copied from the student's once.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import types
@@ -29,6 +30,7 @@ from torch import nn
 
 from ..model.layouts import is_dtensor
 from ..model.slots import WRAPPER_ATTRS, FlatSlot, is_ddp, join_name
+from .teacher_checks import BeforeForward, DtypeCheck, Links, ReshardWhenStale, Teacher
 
 # Attributes of a module's __dict__ that belong to the wrappers around it, not to the module:
 # FSDP2's markers for dynamo and nn.Module.compile's compiled call (bound to the student).
@@ -265,11 +267,16 @@ def module(ema, *, mp_policy=None, reshard_after_forward: bool | int = True, mes
             isinstance(m, FSDPModule) for m in model.modules()) else [])
     key = (mp_policy, reshard_after_forward, repr(compile))
     built = ema.state.teachers
-    if key not in built:
-        built[key] = builder.build()
-    else:
+    teacher = built.get(key)
+    if teacher is not None:
         builder.resolve()  # what update() checks too: a model resharded or reshaped since
-    return built[key]
+        if teacher.links.replaced():  # converted since (teacher.double()): its forward refuses
+            teacher = None
+        else:
+            teacher.links.refuse_grad("ShardedEMA.module()")
+    if teacher is None:
+        teacher = built[key] = builder.build()
+    return teacher.module
 
 
 class TeacherBuilder:
@@ -323,7 +330,7 @@ class TeacherBuilder:
 
     # --- build ------------------------------------------------------------------------------------
 
-    def build(self) -> nn.Module:
+    def build(self) -> Teacher:
         from torch.distributed.fsdp import FSDPModule
 
         ema = self.ema  # module() ran check() and the mesh check
@@ -332,6 +339,11 @@ class TeacherBuilder:
         slot_of = {id(t): i for i, t in enumerate(live)}
         model = ema.model
         fsdp2 = any(isinstance(m, FSDPModule) for m in model.modules())
+        if self.mp_policy is not None and not fsdp2:
+            raise ValueError(f"ShardedEMA.module(mp_policy={self.mp_policy}): mp_policy is the "
+                             f"policy of FSDP2 units, and this model is not sharded with "
+                             f"fully_shard: its teacher runs on the EMA's tensors, in their "
+                             f"dtype; leave mp_policy out")
 
         # The student's FSDPParams by (module, name) (shared parameters under every owner): the
         # sharded DTensor even while FSDP2 holds the unsharded one in the module.
@@ -363,17 +375,38 @@ class TeacherBuilder:
 
         clone = _Clone(model, placeholder)
         self._check_same_model(clone, student_param, slot_index, live)
+        links = Links(registered=clone.root.parameters)
+        ignored = self._own_tensors(clone, managed, slot_index, links)
+        root = clone.root
+        policies = []
+        if fsdp2:
+            policies = self._shard(clone, units, ignored)
+            self._point(clone, managed, slot_index, links)
+        root.requires_grad_(False)
+        root.eval()
+        checks = [c for c in (self._dtype_check(clone, policies, managed),) if c is not None]
+        if self.reshard_after_forward is not True and fsdp2:
+            checks.append(ReshardWhenStale(root, ema))
+        teacher = self._compiled(clone)
+        # The checks run before every forward, eagerly where the root is torch.compile(model)'s.
+        BeforeForward(teacher, clone.forward_methods, links, checks)
+        return Teacher(teacher, links)
 
-        # Parameters FSDP2 does not manage (plain, DDP; DTensors outside any unit) and buffers get
-        # their tensors now: they are the EMA's, or the student's own.
+    def _own_tensors(self, clone: _Clone, managed, slot_index, links: Links) -> set[nn.Parameter]:
+        """Parameters FSDP2 does not manage (plain, DDP; DTensors outside any unit) and buffers:
+        the EMA's tensors, or the student's own; returns the parameters (for ``ignored_params``)."""
+        ema = self.ema
         ignored: set[nn.Parameter] = set()
         done: dict[int, nn.Parameter] = {}
         for student, new in clone.modules():
+            prefix = clone.names[id(student)]
             for name, p in student._parameters.items():
                 if p is None or (id(student), name) in managed:
                     continue
                 if id(p) not in done:
-                    done[id(p)] = self._unmanaged(p, slot_index(p))
+                    done[id(p)], local = self._unmanaged(p, slot_index(p))
+                    links.add(join_name(prefix, name),
+                              lambda m=new, n=name: m._parameters.get(n), local)
                 new._parameters[name] = done[id(p)]
                 ignored.add(done[id(p)])
             for name, b in student._buffers.items():
@@ -381,15 +414,17 @@ class TeacherBuilder:
                     continue
                 i = slot_index(b)
                 # A DTensor buffer (rare: tensor parallelism) is the teacher's own copy too.
-                new._buffers[name] = (ema.state.tensors[i] if i is not None and not is_dtensor(b)
-                                      else b.detach().clone())
+                if i is not None and not is_dtensor(b):
+                    new._buffers[name] = ema.state.tensors[i]
+                    links.add(join_name(prefix, name), lambda m=new, n=name: m._buffers.get(n),
+                              ema.state.tensors[i])
+                else:
+                    new._buffers[name] = b.detach().clone()
+        return ignored
 
+    def _compiled(self, clone: _Clone) -> nn.Module:
+        """The teacher, its modules compiled as the student's were (``compile``)."""
         teacher = clone.root
-        if fsdp2:
-            self._shard(clone, units, ignored)
-            self._point(clone, managed, slot_index)
-        teacher.requires_grad_(False)
-        teacher.eval()
         if self.compile is not False:
             options = self.compile if isinstance(self.compile, dict) else {}
             for m in clone.compiled:
@@ -398,9 +433,35 @@ class TeacherBuilder:
                 teacher = torch.compile(teacher, **options)
         return teacher
 
-    def _unmanaged(self, p, i: int | None) -> nn.Parameter:
+    def _dtype_check(self, clone: _Clone, policies, managed) -> DtypeCheck | None:
+        """A ``DtypeCheck`` where the teacher computes in one dtype and the student in another
+        (and the teacher's root does not cast its inputs): a plain or DDP model's EMA in another
+        dtype than the model, or an FSDP2 ``mp_policy`` without ``param_dtype``."""
+        student, teacher = set(), set()
+        for unit, policy in policies:
+            if unit.params:
+                student |= ({unit.mp_policy.param_dtype} if unit.mp_policy.param_dtype else
+                            {fp.sharded_param.dtype for fp in unit.params})
+                teacher |= ({policy.param_dtype} if policy.param_dtype else
+                            {_placeholder(clone, fp).dtype for fp in unit.params})
+        for s, new in clone.modules():
+            for name, p in s._parameters.items():
+                if p is not None and (id(s), name) not in managed:
+                    student.add(p.dtype)
+                    teacher.add(new._parameters[name].dtype)
+        student = {d for d in student if d.is_floating_point}
+        teacher = {d for d in teacher if d.is_floating_point}
+        if len(student) != 1 or len(teacher) != 1 or student == teacher:
+            return None
+        root_policy = next((policy for unit, policy in policies
+                            if clone.of[id(unit.modules[0])] is clone.root), None)
+        if root_policy is not None and root_policy.param_dtype and root_policy.cast_forward_inputs:
+            return None  # the root casts the inputs to its param_dtype
+        return DtypeCheck(student.pop(), teacher.pop(), bool(policies), self.mp_policy)
+
+    def _unmanaged(self, p, i: int | None) -> tuple[nn.Parameter, torch.Tensor]:
         """A parameter FSDP2 does not shard: over the EMA's tensor, or the student's own tensor
-        where the EMA does not keep it."""
+        where the EMA does not keep it; with the (local) tensor it runs on."""
         from ..model.slots import dtensor_view
 
         if i is None:
@@ -410,7 +471,7 @@ class TeacherBuilder:
                                 p.stride())
         else:
             data = self.ema.state.tensors[i]
-        return nn.Parameter(data, requires_grad=False)
+        return nn.Parameter(data, requires_grad=False), _local_of(data)
 
     def check_mesh(self, units: list[_Unit]) -> None:
         meshes = [(u.name, u.mesh) for u in units if u.mesh is not None]
@@ -458,15 +519,19 @@ class TeacherBuilder:
                                f"the model no longer holds: the model changed since the EMA was "
                                f"made; make a new ShardedEMA of it")
 
-    def _shard(self, clone: _Clone, units: list[_Unit], ignored: set[nn.Parameter]) -> None:
-        """The student's fully_shard units, applied to the clone (children first)."""
+    def _shard(self, clone: _Clone, units: list[_Unit],
+               ignored: set[nn.Parameter]) -> list[tuple[_Unit, Any]]:
+        """The student's fully_shard units, applied to the clone (children first); returns each
+        unit with the teacher's policy of it."""
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
         from torch.distributed.tensor import Shard
 
+        policies = []
         for unit in units:
             modules = [clone.of[id(m)] for m in unit.modules]
+            policies.append((unit, self._policy(unit, clone)))
             kwargs: dict[str, Any] = dict(reshard_after_forward=self.reshard_after_forward,
-                                          mp_policy=self.mp_policy or unit.mp_policy)
+                                          mp_policy=policies[-1][1])
             if unit.group is not None:
                 kwargs["mesh"] = unit.mesh
                 if isinstance(unit.group.offload_policy, CPUOffloadPolicy):
@@ -486,10 +551,24 @@ class TeacherBuilder:
 
         for module, name in clone.forward_methods:
             register_fsdp_forward_method(module, name)
-        if self.reshard_after_forward is not True:
-            _ReshardWhenStale(clone.root, self.ema, clone.forward_methods)
+        return policies
 
-    def _point(self, clone: _Clone, managed, slot_index) -> None:
+    def _policy(self, unit: _Unit, clone: _Clone):
+        """The teacher unit's MixedPrecisionPolicy: ``mp_policy``, else the student unit's; where
+        that computes in the parameters' own dtype (no ``param_dtype``), one dtype, and the
+        teacher's parameters (the EMA's) are of another, ``param_dtype`` is the student's and the
+        inputs are not cast (the student casts none): the teacher computes as the student does."""
+        policy = self.mp_policy or unit.mp_policy
+        if self.mp_policy is not None or policy.param_dtype is not None or not unit.params:
+            return policy
+        student = {fp.sharded_param.dtype for fp in unit.params}
+        teacher = {_placeholder(clone, fp).dtype for fp in unit.params}
+        if len(student) == 1 and teacher != student:
+            return dataclasses.replace(policy, param_dtype=student.pop(),
+                                       cast_forward_inputs=False)
+        return policy
+
+    def _point(self, clone: _Clone, managed, slot_index, links: Links) -> None:
         """Every sharded parameter of the teacher over the EMA's tensor (or the student's shard
         where the EMA does not keep it): FSDP2's padded buffer and the DTensor's local tensor."""
         from torch.distributed.fsdp import FSDPModule
@@ -545,6 +624,7 @@ class TeacherBuilder:
                     param._local_tensor = local
                     fp.sharded_param = param
                     fp._setattr_on_modules(param)
+                    links.add(fqn, lambda fp=fp: fp.sharded_param, local)
 
 
 def _check_own_units(model: nn.Module, managed) -> None:
@@ -566,35 +646,14 @@ def _check_own_units(model: nn.Module, managed) -> None:
                     f"EMA with ema.swap()")
 
 
-class _ReshardWhenStale:
-    """With ``reshard_after_forward`` other than True the teacher keeps gathered parameters
-    between forwards, which would not see an ``update()`` (or a load) of the EMA since: before a
-    forward, if any EMA tensor was written since the last one (its version counter moved), every
-    unit is resharded so that the forward gathers the new values."""
+def _placeholder(clone: _Clone, fp) -> nn.Parameter:
+    """The teacher's placeholder of the student's FSDPParam ``fp`` (in the EMA's dtype)."""
+    info = fp._module_info
+    return clone.of[id(info.module)]._parameters[info.param_name]
 
-    def __init__(self, root: nn.Module, ema, forward_methods):
-        from torch.distributed.fsdp import FSDPModule
 
-        self.ema = ema
-        self.units = [m for m in root.modules() if isinstance(m, FSDPModule)]
-        self.seen: list[int] | None = None
-        root.register_forward_pre_hook(lambda module, args: self(), prepend=True)
-        for module, name in forward_methods:
-            method = getattr(module, name)
-
-            @functools.wraps(method)
-            def checked(*args, _method=method, **kwargs):
-                self()
-                return _method(*args, **kwargs)
-
-            setattr(module, name, checked)
-
-    def __call__(self) -> None:
-        versions = [t._version for t in self.ema.state.tensors]
-        if versions != self.seen:
-            for m in self.units:
-                m.reshard()
-            self.seen = versions
+def _local_of(p: torch.Tensor) -> torch.Tensor:
+    return p._local_tensor if is_dtensor(p) else p
 
 
 def _named(model: nn.Module) -> list[tuple[nn.Module, str]]:
