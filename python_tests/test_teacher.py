@@ -872,7 +872,7 @@ def run_ema_buffers(rank, world, layout, mode):
     teacher.eval()
     written = buffers_of(teacher)
     ema_written = not torch.equal(ema.state.tensors[index["bn.running_mean"]], t["bn.running_mean"])
-    ema.update()  # no student step between: what the forward wrote goes
+    ema.update()  # no student step between: "copy" writes over it, "average" averages it in
     return dict(decay=d, student=s, teacher=t, shared=shared, lerp=lerp, written=written,
                 ema_written=ema_written, again=buffers_of(teacher),
                 decay2=ema.last_decay.item())
@@ -1313,6 +1313,111 @@ def test_cosine_momentum_is_dinos_schedule_on_the_device_and_resumes_by_step():
     power.update()
     assert torch.equal(teacher[0].weight, power.state_dict()["0.weight"])
     assert teacher[0].weight.data_ptr() == power.profile_tensors(0)[0].data_ptr()
+
+
+def test_ema_decay_at_counts_update_calls_from_0_and_a_schedule_averaging_updates_from_1():
+    """The two counts, pinned: ``ema.decay_at(k)`` is the decay of update() call ``k`` (from 0:
+    ``ema.step`` when it runs); a schedule's ``decay_at(t)`` that of the ``t``-th averaging update
+    (from 1), so ``ema.decay_at(k) == schedule.decay_at(k // update_every + 1)`` on averaging
+    updates and 1.0 between; a schedule asked for ``t = 0`` says so."""
+    s = CosineMomentum(0.9, 1.0, total_steps=4)
+    ema = ShardedEMA(nn.Linear(2, 2), schedule=s, update_every=3)
+    for k in range(15):
+        want = s.decay_at(k // 3 + 1) if k % 3 == 0 else 1.0
+        assert int(ema.step) == k and ema.decay_at(k) == want, k
+        ema.update()
+        assert ema.last_decay.item() == pytest.approx(want, abs=1e-15), k
+    assert s.decay_at(1) == 0.9 and ema.decay_at(0) == 0.9 and ema.decay_at(3) == s.decay_at(2)
+    for schedule in (s, fsdp_ema.PowerEMA(0.1)):
+        with pytest.raises(ValueError, match=r"t counts averaging updates from 1 .* got 0; "
+                                             r"ShardedEMA.decay_at\(k\) counts update\(\) calls "
+                                             r"from 0: .*decay_at\(k // update_every \+ 1\)"):
+            schedule.decay_at(0)
+
+
+def test_a_training_state_records_what_gives_the_decay_and_refuses_another_schedule(tmp_path,
+                                                                                     monkeypatch):
+    """``training_state.json``: no "decay" where a schedule gives the decays (the settings name the
+    schedule), the decay of the last update; ``load_training_state`` refuses an EMA of another
+    schedule before anything changes, as ``ShardedEMA.load`` does, takes it with
+    ``allow_changes``, and loads an older document (no settings) whatever the schedule."""
+    import json
+
+    from fsdp_ema.store import training_state
+
+    model = nn.Linear(4, 3)
+    sched = CosineMomentum(**SCHEDULE)
+    ema, fixed = ShardedEMA(model, schedule=sched), ShardedEMA(model, decay=0.9)
+    for _ in range(3):
+        with torch.no_grad():
+            model.weight.add_(0.5)
+        ema.update()
+        fixed.update()
+    docs = {}
+    for name, e in (("scheduled", ema), ("fixed", fixed)):
+        fsdp_ema.save_training_state(tmp_path / name, ema=e)
+        docs[name] = json.loads((tmp_path / name / "training_state.json").read_text())["ema"]
+    assert docs["scheduled"]["decay"] is None and repr(sched) in docs["scheduled"]["settings"][
+        "schedule"], docs["scheduled"]
+    assert docs["scheduled"]["last_decay"] == ema.decay_at(2) == sched.decay_at(3)
+    assert docs["fixed"]["decay"] == docs["fixed"]["last_decay"] == 0.9, docs["fixed"]
+    other_schedule = CosineMomentum(base=0.9, final=1.0, total_steps=8)
+    other = ShardedEMA(model, schedule=other_schedule)
+    before = [t.clone() for t in other.state.tensors]
+    with pytest.raises(ValueError) as refused:
+        fsdp_ema.load_training_state(tmp_path / "scheduled", ema=other)
+    e = str(refused.value)
+    assert repr(sched) in e and repr(other_schedule) in e and "allow_changes=['schedule']" in e, e
+    assert int(other.step) == 0 and all(torch.equal(a, b)
+                                        for a, b in zip(before, other.state.tensors))
+    fsdp_ema.load_training_state(tmp_path / "scheduled", ema=other, allow_changes=["schedule"])
+    assert int(other.step) == 3 and torch.equal(other.state.tensors[0], ema.state.tensors[0])
+    again = ShardedEMA(model, schedule=sched)
+    fsdp_ema.load_training_state(tmp_path / "scheduled", ema=again)
+    assert int(again.step) == 3
+    # A document an older fsdp_ema wrote: no settings to compare, the step taken.
+    pieces = training_state._ema_pieces
+
+    def older(*args):
+        out = pieces(*args)
+        return {"step": out["step"], "decay": 0.9999, "tensors": out["tensors"]}
+
+    monkeypatch.setattr(training_state, "_ema_pieces", older)
+    fsdp_ema.save_training_state(tmp_path / "older", ema=ema)
+    old = ShardedEMA(model, schedule=other_schedule)
+    fsdp_ema.load_training_state(tmp_path / "older", ema=old)
+    assert int(old.step) == 3 and torch.equal(old.state.tensors[0], ema.state.tensors[0])
+
+
+def marked(gm, example_inputs):
+    """A torch.compile backend whose compiled code adds 100 to every output: where it ran shows
+    in the values."""
+    def run(*args):
+        out = gm(*args)
+        return type(out)(o + 100.0 for o in out) if isinstance(out, tuple | list) else out + 100.0
+    return run
+
+
+def test_the_teacher_compiles_with_the_students_torch_compile_settings():
+    """``compile=True``: each module the student compiled (``nn.Module.compile``) or the root
+    (``torch.compile(model)``) runs in the teacher with the student's backend and settings, not
+    torch.compile's defaults; ``compile={...}`` gives other ones, ``compile=False`` none."""
+    torch._dynamo.reset()
+    x = torch.randn(2, 4)
+    net = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
+    net[0].compile(backend=marked, dynamic=False)
+    root = torch.compile(nn.Linear(4, 3), backend=marked)
+    with torch.no_grad():
+        for student in (net, root):
+            ema = ShardedEMA(student, decay=0.5)
+            teacher, plain = ema.module(), ema.module(compile=False)
+            eager = ema.module(compile={"backend": "eager"})
+            want, linear = plain(x), plain(x) if student is root else plain[0](x)
+            assert not (want > 50).any()  # eager: no mark
+            marked_linear = linear + 100.0  # the student's backend ran the linear layer
+            assert torch.allclose(teacher(x), marked_linear.relu() if student is net
+                                  else marked_linear), student
+            assert torch.equal(eager(x), want)
 
 
 def run_example(tmp_path: Path, *args: str) -> str:

@@ -422,6 +422,30 @@ MUTANTS = {
         "            if t is None or not _same(_local(t), expected):",
         "            if t is None:",
         [pytest("python_tests/test_teacher.py", "-k", "trainable_or_converted")]),
+    # #41: a schedule's decay_at(0) says how its count relates to ShardedEMA.decay_at(k).
+    "schedule-takes-t-0": (
+        "python/fsdp_ema/ema/config.py",
+        "    if t < 1:\n        raise ValueError(f\"{what}.decay_at: t counts",
+        "    if t < 0:\n        raise ValueError(f\"{what}.decay_at: t counts",
+        [pytest("python_tests/test_teacher.py", "-k", "counts_update_calls")]),
+    # #41: training_state.json records no decay where a schedule gives the decays, and
+    # load_training_state refuses an EMA of another schedule as ShardedEMA.load does.
+    "training-state-records-an-unused-decay": (
+        "python/fsdp_ema/store/training_state.py",
+        "\"decay\": None if ema.schedule is not None else ema.decay,",
+        "\"decay\": ema.decay,",
+        [pytest("python_tests/test_teacher.py", "-k", "what_gives_the_decay")]),
+    "load-training-state-takes-another-schedule": (
+        "python/fsdp_ema/store/training_load.py",
+        "        given[\"ema\"].state.check_position(saved, what=what, allow=allow_changes)",
+        "        pass",
+        [pytest("python_tests/test_teacher.py", "-k", "what_gives_the_decay")]),
+    # #41: compile=True compiles the teacher with the student's torch.compile settings.
+    "teacher-compiles-with-torch-compile-defaults": (
+        "python/fsdp_ema/ema/teacher.py",
+        "        if self.compile is not True:\n            return None",
+        "        if True:\n            return None",
+        [pytest("python_tests/test_teacher.py", "-k", "students_torch_compile")]),
 }
 
 

@@ -100,8 +100,10 @@ class SwapMixin:
             mesh: optional check: the mesh the teacher should run on, which must be the one the
                 student's units (and so the EMA's shards) are on.
             compile: True: modules the student compiled (``nn.Module.compile``, or
-                ``torch.compile(model)`` at the root) are compiled alike, with torch.compile's
-                defaults; a dict: with those arguments; False: none.
+                ``torch.compile(model)`` at the root) are compiled alike, with the student's
+                settings (backend, mode, options, fullgraph, dynamic; torch.compile's defaults,
+                with a warning, where they cannot be read); a dict: with those arguments;
+                False: none.
 
         Built once per set of arguments; later calls return the same module.
         """

@@ -18,10 +18,12 @@ the others are the teacher's own, copied from the student's once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -132,8 +134,10 @@ class _Clone:
         self.names: dict[int, str] = {}              # id(student module) -> clean name
         self.params: dict[int, nn.Parameter] = {}    # id(student parameter) -> placeholder
         self.forward_methods: list[tuple[nn.Module, str]] = []  # register_fsdp_forward_method
-        self.compiled: list[nn.Module] = []          # clones of modules nn.Module.compile'd
-        self.wrap_compiled = False                   # the root was torch.compile(model)
+        # Clones of modules nn.Module.compile'd, each with the student's compiled call; the
+        # student's torch.compile(model) (an OptimizedModule) where the root was one.
+        self.compiled: list[tuple[nn.Module, Any]] = []
+        self.wrap_compiled: Any = None
         self.root = self._clone(root, "")
 
     def _clone(self, m: nn.Module, prefix: str) -> nn.Module:
@@ -146,7 +150,7 @@ class _Clone:
                 raise ValueError("ShardedEMA.module(): a torch.compile'd submodule "
                                  "(OptimizedModule) below the root is not supported; compile it "
                                  "with module.compile() instead, which the teacher mirrors")
-            self.wrap_compiled = True
+            self.wrap_compiled = m
             inner = self._clone(m._orig_mod, prefix)
             self.of[id(m)] = inner
             return inner
@@ -168,7 +172,7 @@ class _Clone:
         new.__dict__.update(state)
         if "_compiled_call_impl" in m.__dict__ and m.__dict__["_compiled_call_impl"] is not None:
             new._compiled_call_impl = None
-            self.compiled.append(new)
+            self.compiled.append((new, m.__dict__["_compiled_call_impl"]))
         for key in _HOOK_DICTS:
             hooks = getattr(m, key, None)
             if hooks is not None:
@@ -423,15 +427,49 @@ class TeacherBuilder:
         return ignored
 
     def _compiled(self, clone: _Clone) -> nn.Module:
-        """The teacher, its modules compiled as the student's were (``compile``)."""
+        """The teacher, its modules compiled where the student's were: ``compile=True`` with the
+        student's own torch.compile settings (backend, mode, options, fullgraph, dynamic: the
+        compile context itself, applied to the teacher's module), ``compile={...}`` with those
+        arguments."""
         teacher = clone.root
-        if self.compile is not False:
-            options = self.compile if isinstance(self.compile, dict) else {}
-            for m in clone.compiled:
-                m.compile(**options)
-            if clone.wrap_compiled:
-                teacher = torch.compile(teacher, **options)
+        if self.compile is False:
+            return teacher
+        for m, student_call in clone.compiled:
+            context = self._compile_context(student_call, clone.names[id(clone.student[id(m)])])
+            if context is not None:
+                m._compiled_call_impl = context(m._call_impl)  # what nn.Module.compile does
+            else:
+                m.compile(**(self.compile if isinstance(self.compile, dict) else {}))
+        if clone.wrap_compiled is not None:
+            context = self._compile_context(clone.wrap_compiled, "<root>")
+            teacher = (context(teacher) if context is not None else
+                       torch.compile(teacher, **(self.compile if isinstance(self.compile, dict)
+                                                 else {})))
         return teacher
+
+    def _compile_context(self, compiled: Any, name: str) -> Any:
+        """The torch.compile context behind the student's ``compiled`` (an OptimizedModule's
+        ``dynamo_ctx``, or the one a function torch.compile made closes over, as
+        ``nn.Module.compile``'s call), for ``compile=True``; None for ``compile={...}``, or with a
+        warning where it cannot be read (torch.compile's defaults then)."""
+        from torch._dynamo.eval_frame import _TorchDynamoContext
+
+        if self.compile is not True:
+            return None
+        context = getattr(compiled, "dynamo_ctx", None)
+        code = getattr(compiled, "__code__", None)
+        if context is None and code is not None:
+            for var, cell in zip(code.co_freevars, compiled.__closure__ or ()):
+                if var == "self":
+                    with contextlib.suppress(ValueError):  # an empty cell
+                        context = cell.cell_contents
+        if isinstance(context, _TorchDynamoContext):
+            return context
+        warnings.warn(f"ShardedEMA.module(): cannot read the torch.compile settings the student's "
+                      f"{name!r} was compiled with; the teacher's is compiled with torch.compile's "
+                      f"defaults (pass compile={{...}} to give its arguments)", RuntimeWarning,
+                      stacklevel=4)
+        return None
 
     def _dtype_check(self, clone: _Clone, policies, managed) -> DtypeCheck | None:
         """A ``DtypeCheck`` where the teacher computes in one dtype and the student in another
