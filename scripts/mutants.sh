@@ -419,7 +419,7 @@ MUTANTS = {
         [pytest("python_tests/test_teacher.py", "-k", "trainable_or_converted")]),
     "teacher-links-miss-a-replaced-tensor": (
         "python/fsdp_ema/ema/teacher_checks.py",
-        "            if t is None or not _same(_local(t), expected):",
+        "            if t is None or not _same(local_of(t), expected):",
         "            if t is None:",
         [pytest("python_tests/test_teacher.py", "-k", "trainable_or_converted")]),
     # #41: a schedule's decay_at(0) says how its count relates to ShardedEMA.decay_at(k).

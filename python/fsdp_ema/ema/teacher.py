@@ -13,7 +13,10 @@ new values. Plain and DDP models: each parameter is an ``nn.Parameter`` over the
 
 Parameters the EMA does not keep (``params="trainable"``: a LoRA model's frozen base) are the
 student's own tensors (FSDP2: its padded shards). Buffers the EMA keeps are the EMA's tensors;
-the others are the teacher's own, copied from the student's once.
+the others are the teacher's own, copied from the student's once. An FSDP2 teacher computes as
+the student does (each unit's ``param_dtype``, or the student's parameters' dtype), and modules
+the student compiled are compiled with the student's settings. What keeps the teacher the EMA's
+while it runs (frozen, on the EMA's tensors, given inputs of its dtype) is ``teacher_checks``'.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from torch import nn
 
 from ..model.layouts import is_dtensor
 from ..model.slots import WRAPPER_ATTRS, FlatSlot, is_ddp, join_name
-from .teacher_checks import BeforeForward, DtypeCheck, Links, ReshardWhenStale, Teacher
+from .teacher_checks import BeforeForward, DtypeCheck, Links, ReshardWhenStale, Teacher, local_of
 
 # Attributes of a module's __dict__ that belong to the wrappers around it, not to the module:
 # FSDP2's markers for dynamo and nn.Module.compile's compiled call (bound to the student).
@@ -379,7 +382,8 @@ class TeacherBuilder:
 
         clone = _Clone(model, placeholder)
         self._check_same_model(clone, student_param, slot_index, live)
-        links = Links(registered=clone.root.parameters)
+        # FSDP2 registers gathered parameters on the modules between a forward and its reshard.
+        links = Links(registered=clone.root.parameters) if fsdp2 else Links()
         ignored = self._own_tensors(clone, managed, slot_index, links)
         root = clone.root
         policies = []
@@ -509,7 +513,7 @@ class TeacherBuilder:
                                 p.stride())
         else:
             data = self.ema.state.tensors[i]
-        return nn.Parameter(data, requires_grad=False), _local_of(data)
+        return nn.Parameter(data, requires_grad=False), local_of(data)
 
     def check_mesh(self, units: list[_Unit]) -> None:
         meshes = [(u.name, u.mesh) for u in units if u.mesh is not None]
@@ -688,10 +692,6 @@ def _placeholder(clone: _Clone, fp) -> nn.Parameter:
     """The teacher's placeholder of the student's FSDPParam ``fp`` (in the EMA's dtype)."""
     info = fp._module_info
     return clone.of[id(info.module)]._parameters[info.param_name]
-
-
-def _local_of(p: torch.Tensor) -> torch.Tensor:
-    return p._local_tensor if is_dtensor(p) else p
 
 
 def _named(model: nn.Module) -> list[tuple[nn.Module, str]]:

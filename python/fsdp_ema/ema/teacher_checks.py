@@ -32,7 +32,8 @@ _FROZEN = ("keep the teacher frozen (teacher.requires_grad_(False)); to train a 
            "copy it into a model of your own (ema.copy_to(model))")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor, or the tensor itself."""
     return t._local_tensor if is_dtensor(t) else t
 
 
@@ -41,7 +42,7 @@ class Links:
     """The teacher's tensors and what each must be: ``(fqn, current, expected)`` where
     ``current()`` reads the tensor the teacher runs on now (FSDP2: the sharded parameter) and
     ``expected`` is the EMA's tensor (or the student's, where the EMA keeps none); ``registered``
-    reads every parameter the teacher's modules hold now (FSDP2: the gathered ones between a
+    reads every parameter an FSDP2 teacher's modules hold now (the gathered ones between a
     forward and its reshard), whose ``requires_grad`` is checked too."""
 
     tensors: list[tuple[str, Callable[[], Any], torch.Tensor]] = dataclasses.field(
@@ -64,7 +65,7 @@ class Links:
         out = []
         for fqn, current, expected in self.tensors:
             t = current()
-            if t is None or not _same(_local(t), expected):
+            if t is None or not _same(local_of(t), expected):
                 out.append(fqn)
         return out
 
