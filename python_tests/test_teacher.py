@@ -599,7 +599,7 @@ def run_gradients_reshard_compile_lora(rank, world):
         fully_shard(layer, mesh=mesh)
     fully_shard(net, mesh=mesh)
     ema = ShardedEMA(net, decay=0.5)
-    compiled = ema.module(compile={"backend": "aot_eager"})
+    compiled = ema.module()  # with the student's torch.compile settings: aot_eager
     eager = ema.module(compile=False)
     opt = torch.optim.SGD(net.parameters(), lr=0.2)
     probe = torch.randn(4, 5)
@@ -872,7 +872,7 @@ def run_ema_buffers(rank, world, layout, mode):
     teacher.eval()
     written = buffers_of(teacher)
     ema_written = not torch.equal(ema.state.tensors[index["bn.running_mean"]], t["bn.running_mean"])
-    ema.update()  # no student step between: what the forward wrote goes
+    ema.update()  # no student step between: "copy" writes over it, "average" averages it in
     return dict(decay=d, student=s, teacher=t, shared=shared, lerp=lerp, written=written,
                 ema_written=ema_written, again=buffers_of(teacher),
                 decay2=ema.last_decay.item())
@@ -952,6 +952,168 @@ def test_a_student_resharded_onto_another_mesh_since_the_ema_is_refused(pools):
         assert e is not None and e.startswith("RuntimeError: ShardedEMA.module(): the EMA of "
                                               "'inp.weight' was made on mesh "), e
         assert "the model is sharded on" in e and "make a new ShardedEMA for the new sharding" in e
+
+
+def run_submodule_not_a_unit(rank, world):
+    """The EMA of a submodule of an FSDP2 model: one that is not its own ``fully_shard`` unit
+    (its parameters are its parent's unit's) is refused when the teacher is made; one that is
+    its own unit runs as the EMA."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(seq[0], mesh=mesh)
+    fully_shard(seq, mesh=mesh)
+    try:
+        ShardedEMA(seq[2], decay=0.5).module()
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    own = ShardedEMA(seq[0], decay=0.5)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        sd = own.state_dict()
+        want = F.linear(x, full(sd["weight"]), full(sd["bias"]))
+        got = own.module()(x)
+    return dict(refused=refused, diff=(got - want).abs().max().item())
+
+
+def test_the_teacher_of_a_submodule_that_is_not_its_own_fsdp2_unit_is_refused(pools):
+    for res in pools.get(2).run(run_submodule_not_a_unit):
+        e = res["refused"]
+        assert e is not None and "'weight'" in e and "not its own fully_shard unit" in e, e
+        assert "fully_shard(module)" in e and "ema.swap()" in e, e
+        assert res["diff"] < 1e-6, res["diff"]  # a submodule that is its own unit: its EMA
+
+
+def raised(fn) -> str | None:
+    """``fn()``'s error as ``"Type: message"``, or None."""
+    try:
+        fn()
+    except (ValueError, RuntimeError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def run_ema_dtypes(rank, world):
+    """An EMA in another dtype than the student's weights (float64 or bfloat16 of a float32
+    student, float32 of a bfloat16 student without a policy): an FSDP2 teacher computes as the
+    student does, bit for bit the student holding the EMA; where the teacher cannot (a plain
+    model's, an ``mp_policy`` without ``param_dtype``), an input of the student's dtype is refused
+    naming both dtypes and the fix."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    x32 = torch.randn(4, 4, generator=torch.Generator().manual_seed(5))
+
+    def student(dtype, fsdp2=True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)).to(dtype)  # uneven
+        if fsdp2:
+            fully_shard(model[0], mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        return model
+
+    out = {}
+    for name, ema_dtype, dtype in (("float64 EMA", torch.float64, torch.float32),
+                                   ("bfloat16 EMA", torch.bfloat16, torch.float32),
+                                   ("bfloat16 student", torch.float32, torch.bfloat16)):
+        model = student(dtype)
+        ema = ShardedEMA(model, decay=0.5, dtype=ema_dtype)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.3)
+        ema.update()  # the EMA, between the two, differs from the student
+        x = x32.to(dtype)
+        with torch.no_grad():
+            got = ema.module()(x)
+            with ema.swap():
+                want = model(x)  # the student holding the EMA, cast to its dtype
+            own = model(x)
+        out[name] = dict(dtype=got.dtype, equal=torch.equal(got, want),
+                         moved=(got.float() - own.float()).abs().max().item())
+    model = student(torch.float32)
+    ema = ShardedEMA(model, decay=0.5, dtype=torch.float64)
+    explicit = ema.module(mp_policy=MixedPrecisionPolicy())
+    with torch.no_grad():
+        out["policy refused"] = raised(lambda: explicit(x32))
+        out["policy float64"] = explicit(x32.double()).dtype
+    plain = student(torch.float32, fsdp2=False)
+    ema = ShardedEMA(plain, decay=0.5, dtype=torch.float64)
+    with torch.no_grad():
+        out["plain refused"] = raised(lambda: ema.module()(x32))
+        out["plain float64"] = ema.module()(x32.double()).dtype
+    out["plain mp_policy"] = raised(lambda: ema.module(mp_policy=MixedPrecisionPolicy()))
+    return out
+
+
+def test_a_teacher_of_an_ema_in_another_dtype_computes_as_the_student_or_names_the_fix(pools):
+    for res in pools.get(2).run(run_ema_dtypes):
+        for name, want in (("float64 EMA", torch.float32), ("bfloat16 EMA", torch.float32),
+                           ("bfloat16 student", torch.bfloat16)):
+            r = res[name]
+            assert r["dtype"] == want and r["equal"] and r["moved"] > 1e-3, (name, r)
+        e = res["policy refused"]
+        assert e is not None and "torch.float64" in e and "args[0] is torch.float32" in e, e
+        assert "mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32)" in e, e
+        assert res["policy float64"] == res["plain float64"] == torch.float64
+        e = res["plain refused"]
+        assert e is not None and "the EMA's (torch.float64)" in e and "torch.float32" in e, e
+        assert "dtype=None" in e and "mp_policy=MixedPrecisionPolicy" in e, e
+        e = res["plain mp_policy"]
+        assert e is not None and e.startswith("ValueError") and "leave mp_policy out" in e, e
+
+
+def run_teacher_misuse(rank, world, layout):
+    """``teacher.requires_grad_(True)`` and an optimizer over the teacher: refused before the
+    forward (the EMA unchanged), by update() and by module(); ``teacher.double()``: the teacher
+    refuses to run, and ``module()`` builds a new one on the EMA."""
+    model, _, ema = make(layout)
+    teacher = ema.module()
+    x = batch(layout, rank, 0)
+    before = [t.clone() for t in ema.state.tensors]
+    teacher.requires_grad_(True)
+    opt = torch.optim.SGD(teacher.parameters(), lr=0.5)
+    out = dict(forward=raised(lambda: teacher(x).square().mean().backward()),
+               method=raised(lambda: teacher.features(x)) if layout == "fsdp2" else "n/a")
+    opt.step()
+    out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, ema.state.tensors))
+    out["update"], out["module"] = raised(ema.update), raised(ema.module)
+    teacher.requires_grad_(False)
+    ema.update()
+    teacher.double()
+    with torch.no_grad():
+        out["stale"] = raised(lambda: teacher(x.double()))
+    fresh = ema.module()
+    ema.update()
+    index = ema_index(ema)
+    with torch.no_grad():
+        got = fresh(x)
+        with ema.swap():
+            inner(model).eval()
+            want = model(x)
+            inner(model).train()
+    out.update(fresh=fresh is not teacher, equal=torch.equal(got, want),
+               cached=ema.module() is fresh,
+               shares=all(local(p).data_ptr() == ema.state.tensors[index[n]].data_ptr()
+                          for n, p in fresh.named_parameters()))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "plain"])
+def test_a_teacher_made_trainable_or_converted_is_refused_and_replaced(pools, layout):
+    for res in pools.get(2).run(run_teacher_misuse, layout):
+        assert res["unchanged"], res  # the optimizer had no gradient: the EMA as it was
+        for key in ("forward", "update", "module") + (("method",) if layout == "fsdp2" else ()):
+            e = res[key]
+            assert e is not None and "requires grad" in e and "requires_grad_(False)" in e, (key, e)
+        assert res["update"].startswith("RuntimeError: ShardedEMA.update(): "), res["update"]
+        e = res["stale"]
+        assert e is not None and "no longer runs on the EMA" in e and "ema.module()" in e, e
+        assert res["fresh"] and res["equal"] and res["cached"] and res["shares"], res
 
 
 # --- the trainers' callbacks expose the teacher --------------------------------------------------
@@ -1151,6 +1313,111 @@ def test_cosine_momentum_is_dinos_schedule_on_the_device_and_resumes_by_step():
     power.update()
     assert torch.equal(teacher[0].weight, power.state_dict()["0.weight"])
     assert teacher[0].weight.data_ptr() == power.profile_tensors(0)[0].data_ptr()
+
+
+def test_ema_decay_at_counts_update_calls_from_0_and_a_schedule_averaging_updates_from_1():
+    """The two counts, pinned: ``ema.decay_at(k)`` is the decay of update() call ``k`` (from 0:
+    ``ema.step`` when it runs); a schedule's ``decay_at(t)`` that of the ``t``-th averaging update
+    (from 1), so ``ema.decay_at(k) == schedule.decay_at(k // update_every + 1)`` on averaging
+    updates and 1.0 between; a schedule asked for ``t = 0`` says so."""
+    s = CosineMomentum(0.9, 1.0, total_steps=4)
+    ema = ShardedEMA(nn.Linear(2, 2), schedule=s, update_every=3)
+    for k in range(15):
+        want = s.decay_at(k // 3 + 1) if k % 3 == 0 else 1.0
+        assert int(ema.step) == k and ema.decay_at(k) == want, k
+        ema.update()
+        assert ema.last_decay.item() == pytest.approx(want, abs=1e-15), k
+    assert s.decay_at(1) == 0.9 and ema.decay_at(0) == 0.9 and ema.decay_at(3) == s.decay_at(2)
+    for schedule in (s, fsdp_ema.PowerEMA(0.1)):
+        with pytest.raises(ValueError, match=r"t counts averaging updates from 1 .* got 0; "
+                                             r"ShardedEMA.decay_at\(k\) counts update\(\) calls "
+                                             r"from 0: .*decay_at\(k // update_every \+ 1\)"):
+            schedule.decay_at(0)
+
+
+def test_a_training_state_records_what_gives_the_decay_and_refuses_another_schedule(tmp_path,
+                                                                                     monkeypatch):
+    """``training_state.json``: no "decay" where a schedule gives the decays (the settings name the
+    schedule), the decay of the last update; ``load_training_state`` refuses an EMA of another
+    schedule before anything changes, as ``ShardedEMA.load`` does, takes it with
+    ``allow_changes``, and loads an older document (no settings) whatever the schedule."""
+    import json
+
+    from fsdp_ema.store import training_state
+
+    model = nn.Linear(4, 3)
+    sched = CosineMomentum(**SCHEDULE)
+    ema, fixed = ShardedEMA(model, schedule=sched), ShardedEMA(model, decay=0.9)
+    for _ in range(3):
+        with torch.no_grad():
+            model.weight.add_(0.5)
+        ema.update()
+        fixed.update()
+    docs = {}
+    for name, e in (("scheduled", ema), ("fixed", fixed)):
+        fsdp_ema.save_training_state(tmp_path / name, ema=e)
+        docs[name] = json.loads((tmp_path / name / "training_state.json").read_text())["ema"]
+    assert docs["scheduled"]["decay"] is None and repr(sched) in docs["scheduled"]["settings"][
+        "schedule"], docs["scheduled"]
+    assert docs["scheduled"]["last_decay"] == ema.decay_at(2) == sched.decay_at(3)
+    assert docs["fixed"]["decay"] == docs["fixed"]["last_decay"] == 0.9, docs["fixed"]
+    other_schedule = CosineMomentum(base=0.9, final=1.0, total_steps=8)
+    other = ShardedEMA(model, schedule=other_schedule)
+    before = [t.clone() for t in other.state.tensors]
+    with pytest.raises(ValueError) as refused:
+        fsdp_ema.load_training_state(tmp_path / "scheduled", ema=other)
+    e = str(refused.value)
+    assert repr(sched) in e and repr(other_schedule) in e and "allow_changes=['schedule']" in e, e
+    assert int(other.step) == 0 and all(torch.equal(a, b)
+                                        for a, b in zip(before, other.state.tensors))
+    fsdp_ema.load_training_state(tmp_path / "scheduled", ema=other, allow_changes=["schedule"])
+    assert int(other.step) == 3 and torch.equal(other.state.tensors[0], ema.state.tensors[0])
+    again = ShardedEMA(model, schedule=sched)
+    fsdp_ema.load_training_state(tmp_path / "scheduled", ema=again)
+    assert int(again.step) == 3
+    # A document an older fsdp_ema wrote: no settings to compare, the step taken.
+    pieces = training_state._ema_pieces
+
+    def older(*args):
+        out = pieces(*args)
+        return {"step": out["step"], "decay": 0.9999, "tensors": out["tensors"]}
+
+    monkeypatch.setattr(training_state, "_ema_pieces", older)
+    fsdp_ema.save_training_state(tmp_path / "older", ema=ema)
+    old = ShardedEMA(model, schedule=other_schedule)
+    fsdp_ema.load_training_state(tmp_path / "older", ema=old)
+    assert int(old.step) == 3 and torch.equal(old.state.tensors[0], ema.state.tensors[0])
+
+
+def marked(gm, example_inputs):
+    """A torch.compile backend whose compiled code adds 100 to every output: where it ran shows
+    in the values."""
+    def run(*args):
+        out = gm(*args)
+        return type(out)(o + 100.0 for o in out) if isinstance(out, tuple | list) else out + 100.0
+    return run
+
+
+def test_the_teacher_compiles_with_the_students_torch_compile_settings():
+    """``compile=True``: each module the student compiled (``nn.Module.compile``) or the root
+    (``torch.compile(model)``) runs in the teacher with the student's backend and settings, not
+    torch.compile's defaults; ``compile={...}`` gives other ones, ``compile=False`` none."""
+    torch._dynamo.reset()
+    x = torch.randn(2, 4)
+    net = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
+    net[0].compile(backend=marked, dynamic=False)
+    root = torch.compile(nn.Linear(4, 3), backend=marked)
+    with torch.no_grad():
+        for student in (net, root):
+            ema = ShardedEMA(student, decay=0.5)
+            teacher, plain = ema.module(), ema.module(compile=False)
+            eager = ema.module(compile={"backend": "eager"})
+            want, linear = plain(x), plain(x) if student is root else plain[0](x)
+            assert not (want > 50).any()  # eager: no mark
+            marked_linear = linear + 100.0  # the student's backend ran the linear layer
+            assert torch.allclose(teacher(x), marked_linear.relu() if student is net
+                                  else marked_linear), student
+            assert torch.equal(eager(x), want)
 
 
 def run_example(tmp_path: Path, *args: str) -> str:

@@ -433,6 +433,81 @@ MUTANTS = {
         "        tried += 1\n        if _remove(path):",
         "        if _remove(path):\n            tried += 1",
         [pytest("python_tests/test_integration_transformers.py", "-k", "cannot_remove")]),
+    # #41: the teacher of a submodule that is not its own FSDP2 unit is refused at module().
+    "teacher-of-a-submodule-without-its-unit": (
+        "python/fsdp_ema/ema/teacher.py",
+        "        _check_own_units(model, managed)\n",
+        "",
+        [pytest("python_tests/test_teacher.py", "-k", "own_fsdp2_unit")]),
+    # #41: an EMA in another dtype than the student: an FSDP2 teacher computes in the student's
+    # dtype; a plain model's (or an mp_policy without param_dtype) refuses an input of the
+    # student's dtype naming the fix; a plain model's mp_policy is refused, not ignored.
+    "teacher-policy-keeps-the-ema-dtype": (
+        "python/fsdp_ema/ema/teacher.py",
+        "        if len(student) == 1 and teacher != student:\n",
+        "        if False:\n",
+        [pytest("python_tests/test_teacher.py", "-k", "another_dtype")]),
+    "teacher-dtype-check-lets-the-input-through": (
+        "python/fsdp_ema/ema/teacher_checks.py",
+        "                raise RuntimeError(self.message(where))",
+        "                pass",
+        [pytest("python_tests/test_teacher.py", "-k", "another_dtype")]),
+    "teacher-of-a-plain-model-ignores-mp-policy": (
+        "python/fsdp_ema/ema/teacher.py",
+        "        if self.mp_policy is not None and not fsdp2:\n",
+        "        if False:\n",
+        [pytest("python_tests/test_teacher.py", "-k", "another_dtype")]),
+    # #41: a teacher made trainable is refused before its forward, by update() and by module();
+    # one converted since (teacher.double()) refuses to run and module() builds a new one.
+    "teacher-forward-runs-with-requires-grad": (
+        "python/fsdp_ema/ema/teacher_checks.py",
+        "        if not torch.compiler.is_compiling():\n            self.links.check_forward()",
+        "        if False:\n            self.links.check_forward()",
+        [pytest("python_tests/test_teacher.py", "-k", "trainable_or_converted")]),
+    "update-ignores-a-trainable-teacher": (
+        "python/fsdp_ema/ema/sharded.py",
+        "                check_teachers(state.teachers, \"ShardedEMA.update()\")",
+        "                pass",
+        [pytest("python_tests/test_teacher.py", "-k", "trainable_or_converted")]),
+    "module-returns-a-trainable-teacher": (
+        "python/fsdp_ema/ema/teacher.py",
+        "            teacher.links.refuse_grad(\"ShardedEMA.module()\")\n",
+        "            pass\n",
+        [pytest("python_tests/test_teacher.py", "-k", "trainable_or_converted")]),
+    "module-returns-a-converted-teacher": (
+        "python/fsdp_ema/ema/teacher.py",
+        "        if teacher.links.replaced():",
+        "        if False:",
+        [pytest("python_tests/test_teacher.py", "-k", "trainable_or_converted")]),
+    "teacher-links-miss-a-replaced-tensor": (
+        "python/fsdp_ema/ema/teacher_checks.py",
+        "            if t is None or not _same(local_of(t), expected):",
+        "            if t is None:",
+        [pytest("python_tests/test_teacher.py", "-k", "trainable_or_converted")]),
+    # #41: a schedule's decay_at(0) says how its count relates to ShardedEMA.decay_at(k).
+    "schedule-takes-t-0": (
+        "python/fsdp_ema/ema/config.py",
+        "    if t < 1:\n        raise ValueError(f\"{what}.decay_at: t counts",
+        "    if t < 0:\n        raise ValueError(f\"{what}.decay_at: t counts",
+        [pytest("python_tests/test_teacher.py", "-k", "counts_update_calls")]),
+    # #41: training_state.json records no decay where a schedule gives the decays, and
+    # load_training_state refuses an EMA of another schedule as ShardedEMA.load does.
+    "training-state-records-an-unused-decay": (
+        "python/fsdp_ema/store/training_state.py",
+        "\"decay\": None if ema.schedule is not None else ema.decay,",
+        "\"decay\": ema.decay,",
+        [pytest("python_tests/test_teacher.py", "-k", "what_gives_the_decay")]),
+    "load-training-state-takes-another-schedule": (
+        "python/fsdp_ema/store/training_load.py",
+        "        given[\"ema\"].state.check_position(saved, what=what, allow=allow_changes)",
+        "        pass",
+        [pytest("python_tests/test_teacher.py", "-k", "what_gives_the_decay")]),
+    # #41: compile=True compiles the teacher with the student's torch.compile settings.
+    "teacher-compiles-with-torch-compile-defaults": (
+        "python/fsdp_ema/ema/teacher.py",
+        "        if self.compile is not True:\n            return None",
+        "        if True:\n            return None",
+        [pytest("python_tests/test_teacher.py", "-k", "students_torch_compile")]),
 }
 
 

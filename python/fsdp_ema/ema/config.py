@@ -49,6 +49,17 @@ class Warmup:
         return self._curve(s).clamp(self.min_decay, decay)
 
 
+def check_schedule_t(what: str, t: int) -> None:
+    """A schedule's ``decay_at(t)`` takes ``t >= 1``, the ``t``-th averaging update; the EMA's
+    own ``decay_at(k)`` counts ``update()`` calls from 0 (the value of ``step`` when update ``k``
+    runs), and update ``k`` averages with the schedule's ``decay_at(k // update_every + 1)``."""
+    if t < 1:
+        raise ValueError(f"{what}.decay_at: t counts averaging updates from 1 (the t-th one), got "
+                         f"{t}; ShardedEMA.decay_at(k) counts update() calls from 0: update k "
+                         f"averages with {what}.decay_at(k // update_every + 1), which is "
+                         f"ema.decay_at(k)")
+
+
 # Who the user called, for the errors: "ShardedEMA: decay must be ..." from ShardedEMA(...),
 # "EMAConfig: ..." from EMAConfig(...) itself.
 _CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("fsdp_ema_config_caller",
@@ -78,8 +89,9 @@ class EMAConfig:
     """Instead of ``decay`` and ``warmup``, an object computing the decay of the ``t``-th
     averaging update (``t`` from 1) on the device: ``device_decay(t)`` (0-dim int64 tensor ->
     0-dim float64 tensor) and ``decay_at(t)`` (float), such as ``fsdp_ema.PowerEMA`` (EDM2's
-    power-function EMA) or ``fsdp_ema.CosineMomentum``. Needs no ``warmup`` and
-    ``start_step=0``. *Compared* (by its type and repr)."""
+    power-function EMA) or ``fsdp_ema.CosineMomentum``. ``update()`` call ``k`` (from 0, as
+    ``ShardedEMA.decay_at(k)`` counts) is averaging update ``t = k // update_every + 1``. Needs no
+    ``warmup`` and ``start_step=0``; ``decay`` is unused. *Compared* (by its type and repr)."""
 
     update_every: int = dataclasses.field(default=1, metadata=_STEPPED)
     """Average on updates ``k`` with ``k % update_every == 0`` only (``k`` counts ``update()``

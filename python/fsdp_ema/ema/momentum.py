@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from .config import check_schedule_t
+
 __all__ = ["CosineMomentum"]
 
 
@@ -47,9 +49,10 @@ class CosineMomentum:
         self._omega = math.pi / self.total_steps
 
     def decay_at(self, t: int) -> float:
-        """The momentum of the ``t``-th averaging update (``t >= 1``), as a Python float."""
-        if t < 1:
-            raise ValueError(f"CosineMomentum.decay_at: t counts updates from 1, got {t}")
+        """The momentum of the ``t``-th averaging update (``t >= 1``: iteration ``t - 1``), as a
+        Python float. ``ShardedEMA.decay_at(k)`` counts ``update()`` calls from 0: update ``k``
+        uses ``decay_at(k // update_every + 1)``."""
+        check_schedule_t("CosineMomentum", t)
         i = t - 1
         if i >= self.total_steps:
             return self.final

@@ -24,7 +24,7 @@ from torch import nn
 
 from .. import _ops
 from ..model.slots import global_shape
-from .config import EMAConfig
+from .config import EMAConfig, check_schedule_t
 from .sharded import ShardedEMA
 
 __all__ = ["SNAPSHOT_GAMMA_KEY", "SNAPSHOT_STEP_KEY", "PowerEMA", "ShardedPowerEMA"]
@@ -56,8 +56,7 @@ class PowerEMA:
 
     def decay_at(self, t: int) -> float:
         """``beta_t`` as a Python float (``t >= 1``)."""
-        if t < 1:
-            raise ValueError(f"PowerEMA.decay_at: t counts updates from 1, got {t}")
+        check_schedule_t("PowerEMA", t)
         return (1.0 - 1.0 / t) ** self._exponent
 
     def device_decay(self, t: torch.Tensor) -> torch.Tensor:

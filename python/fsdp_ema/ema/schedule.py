@@ -63,7 +63,10 @@ class ScheduleMixin:
         return d
 
     def decay_at(self, step: int) -> float:
-        """The decay update number ``step`` (counted from 0) uses, as a Python float."""
+        """The decay update number ``step`` uses, as a Python float: ``step`` counts ``update()``
+        calls from 0 (the value of ``self.step`` when that update runs). A schedule's own
+        ``decay_at(t)`` counts averaging updates from 1: this is
+        ``schedule.decay_at(step // update_every + 1)`` on the averaging updates, 1.0 between."""
         if step < self.start_step:
             return 0.0
         if step % self.update_every:

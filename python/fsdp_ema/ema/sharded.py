@@ -31,6 +31,7 @@ from .persist import CheckpointMixin
 from .schedule import ScheduleMixin
 from .state import STEP_KEY, DeviceGroup, EMAState
 from .swap import SwapMixin
+from .teacher_checks import check_teachers
 
 __all__ = ["ShardedEMA", "Warmup", "EMAConfig"]
 
@@ -129,6 +130,8 @@ class ShardedEMA(ScheduleMixin, CheckpointMixin, FullStateMixin, SwapMixin):
         if not torch.compiler.is_compiling():
             state.check_selection("ShardedEMA.update")
             state.refresh()
+            if state.teachers:  # module()'s: none requires grad (an optimizer would write here)
+                check_teachers(state.teachers, "ShardedEMA.update()")
         decay = self._scheduled_decay(state.step)
         if state.host is not None:  # EMA in host memory: staged copy, worker-thread update
             state.host.update(state.tensors, state.model_tensors, decay,

@@ -85,15 +85,25 @@ class SwapMixin:
         keep (``params="trainable"``) are the student's own; buffers the EMA keeps are the
         EMA's, the others the teacher's own (copied from the student's once).
 
+        The teacher computes as the student does (FSDP2: each unit's ``param_dtype``, or the
+        student's parameters' dtype where the unit has none). A teacher made trainable
+        (``requires_grad_(True)``) is refused before its forward, by ``module()`` and by
+        ``update()``; one converted since (``teacher.double()``) refuses to run, and
+        ``module()`` builds a new one.
+
         Args:
-            mp_policy: FSDP2: the units' MixedPrecisionPolicy (default: each student unit's).
+            mp_policy: FSDP2: the units' MixedPrecisionPolicy (default: each student unit's, with
+                the student's parameters' dtype as ``param_dtype`` where it has none and the EMA
+                has another dtype). Refused for a model not sharded with FSDP2.
             reshard_after_forward: FSDP2: as ``fully_shard``'s (True: every unit, the root too,
                 frees its gathered parameters after each forward).
             mesh: optional check: the mesh the teacher should run on, which must be the one the
                 student's units (and so the EMA's shards) are on.
             compile: True: modules the student compiled (``nn.Module.compile``, or
-                ``torch.compile(model)`` at the root) are compiled alike, with torch.compile's
-                defaults; a dict: with those arguments; False: none.
+                ``torch.compile(model)`` at the root) are compiled alike, with the student's
+                settings (backend, mode, options, fullgraph, dynamic; torch.compile's defaults,
+                with a warning, where they cannot be read); a dict: with those arguments;
+                False: none.
 
         Built once per set of arguments; later calls return the same module.
         """

@@ -13,14 +13,20 @@ new values. Plain and DDP models: each parameter is an ``nn.Parameter`` over the
 
 Parameters the EMA does not keep (``params="trainable"``: a LoRA model's frozen base) are the
 student's own tensors (FSDP2: its padded shards). Buffers the EMA keeps are the EMA's tensors;
-the others are the teacher's own, copied from the student's once.
+the others are the teacher's own, copied from the student's once. An FSDP2 teacher computes as
+the student does (each unit's ``param_dtype``, or the student's parameters' dtype), and modules
+the student compiled are compiled with the student's settings. What keeps the teacher the EMA's
+while it runs (frozen, on the EMA's tensors, given inputs of its dtype) is ``teacher_checks``'.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import os
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,6 +35,7 @@ from torch import nn
 
 from ..model.layouts import is_dtensor
 from ..model.slots import WRAPPER_ATTRS, FlatSlot, is_ddp, join_name
+from .teacher_checks import BeforeForward, DtypeCheck, Links, ReshardWhenStale, Teacher, local_of
 
 # Attributes of a module's __dict__ that belong to the wrappers around it, not to the module:
 # FSDP2's markers for dynamo and nn.Module.compile's compiled call (bound to the student).
@@ -130,8 +137,10 @@ class _Clone:
         self.names: dict[int, str] = {}              # id(student module) -> clean name
         self.params: dict[int, nn.Parameter] = {}    # id(student parameter) -> placeholder
         self.forward_methods: list[tuple[nn.Module, str]] = []  # register_fsdp_forward_method
-        self.compiled: list[nn.Module] = []          # clones of modules nn.Module.compile'd
-        self.wrap_compiled = False                   # the root was torch.compile(model)
+        # Clones of modules nn.Module.compile'd, each with the student's compiled call; the
+        # student's torch.compile(model) (an OptimizedModule) where the root was one.
+        self.compiled: list[tuple[nn.Module, Any]] = []
+        self.wrap_compiled: Any = None
         self.root = self._clone(root, "")
 
     def _clone(self, m: nn.Module, prefix: str) -> nn.Module:
@@ -144,7 +153,7 @@ class _Clone:
                 raise ValueError("ShardedEMA.module(): a torch.compile'd submodule "
                                  "(OptimizedModule) below the root is not supported; compile it "
                                  "with module.compile() instead, which the teacher mirrors")
-            self.wrap_compiled = True
+            self.wrap_compiled = m
             inner = self._clone(m._orig_mod, prefix)
             self.of[id(m)] = inner
             return inner
@@ -166,7 +175,7 @@ class _Clone:
         new.__dict__.update(state)
         if "_compiled_call_impl" in m.__dict__ and m.__dict__["_compiled_call_impl"] is not None:
             new._compiled_call_impl = None
-            self.compiled.append(new)
+            self.compiled.append((new, m.__dict__["_compiled_call_impl"]))
         for key in _HOOK_DICTS:
             hooks = getattr(m, key, None)
             if hooks is not None:
@@ -265,11 +274,16 @@ def module(ema, *, mp_policy=None, reshard_after_forward: bool | int = True, mes
             isinstance(m, FSDPModule) for m in model.modules()) else [])
     key = (mp_policy, reshard_after_forward, repr(compile))
     built = ema.state.teachers
-    if key not in built:
-        built[key] = builder.build()
-    else:
+    teacher = built.get(key)
+    if teacher is not None:
         builder.resolve()  # what update() checks too: a model resharded or reshaped since
-    return built[key]
+        if teacher.links.replaced():  # converted since (teacher.double()): its forward refuses
+            teacher = None
+        else:
+            teacher.links.refuse_grad("ShardedEMA.module()")
+    if teacher is None:
+        teacher = built[key] = builder.build()
+    return teacher.module
 
 
 class TeacherBuilder:
@@ -323,7 +337,7 @@ class TeacherBuilder:
 
     # --- build ------------------------------------------------------------------------------------
 
-    def build(self) -> nn.Module:
+    def build(self) -> Teacher:
         from torch.distributed.fsdp import FSDPModule
 
         ema = self.ema  # module() ran check() and the mesh check
@@ -332,6 +346,11 @@ class TeacherBuilder:
         slot_of = {id(t): i for i, t in enumerate(live)}
         model = ema.model
         fsdp2 = any(isinstance(m, FSDPModule) for m in model.modules())
+        if self.mp_policy is not None and not fsdp2:
+            raise ValueError(f"ShardedEMA.module(mp_policy={self.mp_policy}): mp_policy is the "
+                             f"policy of FSDP2 units, and this model is not sharded with "
+                             f"fully_shard: its teacher runs on the EMA's tensors, in their "
+                             f"dtype; leave mp_policy out")
 
         # The student's FSDPParams by (module, name) (shared parameters under every owner): the
         # sharded DTensor even while FSDP2 holds the unsharded one in the module.
@@ -344,6 +363,7 @@ class TeacherBuilder:
                 managed[(id(info.module), info.param_name)] = fp
                 for sm, sn in zip(info.shared_modules, info.shared_param_names):
                     managed[(id(sm), sn)] = fp
+        _check_own_units(model, managed)
 
         def student_param(module, name, p):
             fp = managed.get((id(module), name))
@@ -362,17 +382,39 @@ class TeacherBuilder:
 
         clone = _Clone(model, placeholder)
         self._check_same_model(clone, student_param, slot_index, live)
+        # FSDP2 registers gathered parameters on the modules between a forward and its reshard.
+        links = Links(registered=clone.root.parameters) if fsdp2 else Links()
+        ignored = self._own_tensors(clone, managed, slot_index, links)
+        root = clone.root
+        policies = []
+        if fsdp2:
+            policies = self._shard(clone, units, ignored)
+            self._point(clone, managed, slot_index, links)
+        root.requires_grad_(False)
+        root.eval()
+        checks = [c for c in (self._dtype_check(clone, policies, managed),) if c is not None]
+        if self.reshard_after_forward is not True and fsdp2:
+            checks.append(ReshardWhenStale(root, ema))
+        teacher = self._compiled(clone)
+        # The checks run before every forward, eagerly where the root is torch.compile(model)'s.
+        BeforeForward(teacher, clone.forward_methods, links, checks)
+        return Teacher(teacher, links)
 
-        # Parameters FSDP2 does not manage (plain, DDP; DTensors outside any unit) and buffers get
-        # their tensors now: they are the EMA's, or the student's own.
+    def _own_tensors(self, clone: _Clone, managed, slot_index, links: Links) -> set[nn.Parameter]:
+        """Parameters FSDP2 does not manage (plain, DDP; DTensors outside any unit) and buffers:
+        the EMA's tensors, or the student's own; returns the parameters (for ``ignored_params``)."""
+        ema = self.ema
         ignored: set[nn.Parameter] = set()
         done: dict[int, nn.Parameter] = {}
         for student, new in clone.modules():
+            prefix = clone.names[id(student)]
             for name, p in student._parameters.items():
                 if p is None or (id(student), name) in managed:
                     continue
                 if id(p) not in done:
-                    done[id(p)] = self._unmanaged(p, slot_index(p))
+                    done[id(p)], local = self._unmanaged(p, slot_index(p))
+                    links.add(join_name(prefix, name),
+                              lambda m=new, n=name: m._parameters.get(n), local)
                 new._parameters[name] = done[id(p)]
                 ignored.add(done[id(p)])
             for name, b in student._buffers.items():
@@ -380,26 +422,88 @@ class TeacherBuilder:
                     continue
                 i = slot_index(b)
                 # A DTensor buffer (rare: tensor parallelism) is the teacher's own copy too.
-                new._buffers[name] = (ema.state.tensors[i] if i is not None and not is_dtensor(b)
-                                      else b.detach().clone())
+                if i is not None and not is_dtensor(b):
+                    new._buffers[name] = ema.state.tensors[i]
+                    links.add(join_name(prefix, name), lambda m=new, n=name: m._buffers.get(n),
+                              ema.state.tensors[i])
+                else:
+                    new._buffers[name] = b.detach().clone()
+        return ignored
 
+    def _compiled(self, clone: _Clone) -> nn.Module:
+        """The teacher, its modules compiled where the student's were: ``compile=True`` with the
+        student's own torch.compile settings (backend, mode, options, fullgraph, dynamic: the
+        compile context itself, applied to the teacher's module), ``compile={...}`` with those
+        arguments."""
         teacher = clone.root
-        if fsdp2:
-            self._shard(clone, units, ignored)
-            self._point(clone, managed, slot_index)
-        teacher.requires_grad_(False)
-        teacher.eval()
-        if self.compile is not False:
-            options = self.compile if isinstance(self.compile, dict) else {}
-            for m in clone.compiled:
-                m.compile(**options)
-            if clone.wrap_compiled:
-                teacher = torch.compile(teacher, **options)
+        if self.compile is False:
+            return teacher
+        for m, student_call in clone.compiled:
+            context = self._compile_context(student_call, clone.names[id(clone.student[id(m)])])
+            if context is not None:
+                m._compiled_call_impl = context(m._call_impl)  # what nn.Module.compile does
+            else:
+                m.compile(**(self.compile if isinstance(self.compile, dict) else {}))
+        if clone.wrap_compiled is not None:
+            context = self._compile_context(clone.wrap_compiled, "<root>")
+            teacher = (context(teacher) if context is not None else
+                       torch.compile(teacher, **(self.compile if isinstance(self.compile, dict)
+                                                 else {})))
         return teacher
 
-    def _unmanaged(self, p, i: int | None) -> nn.Parameter:
+    def _compile_context(self, compiled: Any, name: str) -> Any:
+        """The torch.compile context behind the student's ``compiled`` (an OptimizedModule's
+        ``dynamo_ctx``, or the one a function torch.compile made closes over, as
+        ``nn.Module.compile``'s call), for ``compile=True``; None for ``compile={...}``, or with a
+        warning where it cannot be read (torch.compile's defaults then)."""
+        from torch._dynamo.eval_frame import _TorchDynamoContext
+
+        if self.compile is not True:
+            return None
+        context = getattr(compiled, "dynamo_ctx", None)
+        code = getattr(compiled, "__code__", None)
+        if context is None and code is not None:
+            for var, cell in zip(code.co_freevars, compiled.__closure__ or ()):
+                if var == "self":
+                    with contextlib.suppress(ValueError):  # an empty cell
+                        context = cell.cell_contents
+        if isinstance(context, _TorchDynamoContext):
+            return context
+        warnings.warn(f"ShardedEMA.module(): cannot read the torch.compile settings the student's "
+                      f"{name!r} was compiled with; the teacher's is compiled with torch.compile's "
+                      f"defaults (pass compile={{...}} to give its arguments)", RuntimeWarning,
+                      stacklevel=4)
+        return None
+
+    def _dtype_check(self, clone: _Clone, policies, managed) -> DtypeCheck | None:
+        """A ``DtypeCheck`` where the teacher computes in one dtype and the student in another
+        (and the teacher's root does not cast its inputs): a plain or DDP model's EMA in another
+        dtype than the model, or an FSDP2 ``mp_policy`` without ``param_dtype``."""
+        student, teacher = set(), set()
+        for unit, policy in policies:
+            if unit.params:
+                student |= ({unit.mp_policy.param_dtype} if unit.mp_policy.param_dtype else
+                            {fp.sharded_param.dtype for fp in unit.params})
+                teacher |= ({policy.param_dtype} if policy.param_dtype else
+                            {_placeholder(clone, fp).dtype for fp in unit.params})
+        for s, new in clone.modules():
+            for name, p in s._parameters.items():
+                if p is not None and (id(s), name) not in managed:
+                    student.add(p.dtype)
+                    teacher.add(new._parameters[name].dtype)
+        student = {d for d in student if d.is_floating_point}
+        teacher = {d for d in teacher if d.is_floating_point}
+        if len(student) != 1 or len(teacher) != 1 or student == teacher:
+            return None
+        root_policy = next((policy for unit, policy in policies
+                            if clone.of[id(unit.modules[0])] is clone.root), None)
+        if root_policy is not None and root_policy.param_dtype and root_policy.cast_forward_inputs:
+            return None  # the root casts the inputs to its param_dtype
+        return DtypeCheck(student.pop(), teacher.pop(), bool(policies), self.mp_policy)
+
+    def _unmanaged(self, p, i: int | None) -> tuple[nn.Parameter, torch.Tensor]:
         """A parameter FSDP2 does not shard: over the EMA's tensor, or the student's own tensor
-        where the EMA does not keep it."""
+        where the EMA does not keep it; with the (local) tensor it runs on."""
         from ..model.slots import dtensor_view
 
         if i is None:
@@ -409,7 +513,7 @@ class TeacherBuilder:
                                 p.stride())
         else:
             data = self.ema.state.tensors[i]
-        return nn.Parameter(data, requires_grad=False)
+        return nn.Parameter(data, requires_grad=False), local_of(data)
 
     def check_mesh(self, units: list[_Unit]) -> None:
         meshes = [(u.name, u.mesh) for u in units if u.mesh is not None]
@@ -457,15 +561,19 @@ class TeacherBuilder:
                                f"the model no longer holds: the model changed since the EMA was "
                                f"made; make a new ShardedEMA of it")
 
-    def _shard(self, clone: _Clone, units: list[_Unit], ignored: set[nn.Parameter]) -> None:
-        """The student's fully_shard units, applied to the clone (children first)."""
+    def _shard(self, clone: _Clone, units: list[_Unit],
+               ignored: set[nn.Parameter]) -> list[tuple[_Unit, Any]]:
+        """The student's fully_shard units, applied to the clone (children first); returns each
+        unit with the teacher's policy of it."""
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
         from torch.distributed.tensor import Shard
 
+        policies = []
         for unit in units:
             modules = [clone.of[id(m)] for m in unit.modules]
+            policies.append((unit, self._policy(unit, clone)))
             kwargs: dict[str, Any] = dict(reshard_after_forward=self.reshard_after_forward,
-                                          mp_policy=self.mp_policy or unit.mp_policy)
+                                          mp_policy=policies[-1][1])
             if unit.group is not None:
                 kwargs["mesh"] = unit.mesh
                 if isinstance(unit.group.offload_policy, CPUOffloadPolicy):
@@ -485,10 +593,24 @@ class TeacherBuilder:
 
         for module, name in clone.forward_methods:
             register_fsdp_forward_method(module, name)
-        if self.reshard_after_forward is not True:
-            _ReshardWhenStale(clone.root, self.ema, clone.forward_methods)
+        return policies
 
-    def _point(self, clone: _Clone, managed, slot_index) -> None:
+    def _policy(self, unit: _Unit, clone: _Clone):
+        """The teacher unit's MixedPrecisionPolicy: ``mp_policy``, else the student unit's; where
+        that computes in the parameters' own dtype (no ``param_dtype``), one dtype, and the
+        teacher's parameters (the EMA's) are of another, ``param_dtype`` is the student's and the
+        inputs are not cast (the student casts none): the teacher computes as the student does."""
+        policy = self.mp_policy or unit.mp_policy
+        if self.mp_policy is not None or policy.param_dtype is not None or not unit.params:
+            return policy
+        student = {fp.sharded_param.dtype for fp in unit.params}
+        teacher = {_placeholder(clone, fp).dtype for fp in unit.params}
+        if len(student) == 1 and teacher != student:
+            return dataclasses.replace(policy, param_dtype=student.pop(),
+                                       cast_forward_inputs=False)
+        return policy
+
+    def _point(self, clone: _Clone, managed, slot_index, links: Links) -> None:
         """Every sharded parameter of the teacher over the EMA's tensor (or the student's shard
         where the EMA does not keep it): FSDP2's padded buffer and the DTensor's local tensor."""
         from torch.distributed.fsdp import FSDPModule
@@ -544,37 +666,32 @@ class TeacherBuilder:
                     param._local_tensor = local
                     fp.sharded_param = param
                     fp._setattr_on_modules(param)
+                    links.add(fqn, lambda fp=fp: fp.sharded_param, local)
 
 
-class _ReshardWhenStale:
-    """With ``reshard_after_forward`` other than True the teacher keeps gathered parameters
-    between forwards, which would not see an ``update()`` (or a load) of the EMA since: before a
-    forward, if any EMA tensor was written since the last one (its version counter moved), every
-    unit is resharded so that the forward gathers the new values."""
+def _check_own_units(model: nn.Module, managed) -> None:
+    """Refuses a model (the EMA's) holding a parameter that an FSDP2 unit above it shards: the
+    model is a submodule of a sharded model and not its own ``fully_shard`` unit, so the teacher
+    would have no unit to gather that parameter (its forward would fail in DTensor's sharding
+    propagation)."""
+    for m, prefix in _named(model):
+        if not m.__dict__.get("_is_fsdp_managed_module"):
+            continue
+        for name, p in m._parameters.items():
+            if p is not None and is_dtensor(p) and (id(m), name) not in managed:
+                raise ValueError(
+                    f"ShardedEMA.module(): the model's parameter {join_name(prefix, name)!r} is "
+                    f"sharded by an FSDP2 unit outside the model the EMA was made of (a "
+                    f"{type(model).__name__} that is not its own fully_shard unit), so a teacher "
+                    f"of it would have no unit to gather it; make the module its own unit "
+                    f"(fully_shard(module) before fully_shard of its parent), or evaluate the "
+                    f"EMA with ema.swap()")
 
-    def __init__(self, root: nn.Module, ema, forward_methods):
-        from torch.distributed.fsdp import FSDPModule
 
-        self.ema = ema
-        self.units = [m for m in root.modules() if isinstance(m, FSDPModule)]
-        self.seen: list[int] | None = None
-        root.register_forward_pre_hook(lambda module, args: self(), prepend=True)
-        for module, name in forward_methods:
-            method = getattr(module, name)
-
-            @functools.wraps(method)
-            def checked(*args, _method=method, **kwargs):
-                self()
-                return _method(*args, **kwargs)
-
-            setattr(module, name, checked)
-
-    def __call__(self) -> None:
-        versions = [t._version for t in self.ema.state.tensors]
-        if versions != self.seen:
-            for m in self.units:
-                m.reshard()
-            self.seen = versions
+def _placeholder(clone: _Clone, fp) -> nn.Parameter:
+    """The teacher's placeholder of the student's FSDPParam ``fp`` (in the EMA's dtype)."""
+    info = fp._module_info
+    return clone.of[id(info.module)]._parameters[info.param_name]
 
 
 def _named(model: nn.Module) -> list[tuple[nn.Module, str]]:

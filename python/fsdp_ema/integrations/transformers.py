@@ -253,8 +253,9 @@ class ShardedEMACallback(CallbackCore, TrainerCallback):
                          f"again that was stopped after the Trainer rewrote the model (then "
                          f"remove it and resume from the checkpoint before it: rm -r "
                          f"'{candidate.folder}')")
+        # The resume checks above compared every setting (allow_changes, strict_resume).
         return load_training_state(candidate.ema_dir, ema=ema, rng=False,
-                                   strict=self.checks.strict)
+                                   strict=self.checks.strict, allow_changes=["all"])
 
     def wait(self) -> None:
         """Waits for the async save in flight (raising its error on every rank), then runs what

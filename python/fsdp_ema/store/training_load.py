@@ -8,7 +8,7 @@ every rank and leaves every object (and the RNGs) as it was.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,8 @@ from .training_state_dicts import States, model_state, optim_state, state_option
 
 
 def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=None, ema=None,
-                        rng: bool = True, strict: bool = True, verify: bool = True) -> dict:
+                        rng: bool = True, strict: bool = True, verify: bool = True,
+                        allow_changes: Sequence[str] = ()) -> dict:
     """Restores what ``save_training_state`` wrote, at the same or another world size, into
     ``model``, ``optimizer`` and ``ema`` (each optional), and returns ``extra``. Collective.
 
@@ -34,6 +35,11 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     saved; ranks past the saved world size keep theirs. Everything is checked (checksums
     included) on every rank before anything is written: a failure on any rank raises on every
     rank and leaves every object (and the RNGs) as it was.
+
+    The EMA resumes the step it was saved at; one saved under another schedule (where either
+    schedule's decay depends on the step) is refused, naming both, as ``ShardedEMA.load`` refuses
+    it, unless ``allow_changes`` names the settings that may differ (``"decay"``, ``"warmup"``,
+    ``"schedule"``, ``"update_every"``, ``"start_step"``, or ``"all"``).
     """
     directory = os.fspath(directory)
     what = f"load_training_state({directory!r})"
@@ -47,8 +53,8 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     # a failure anywhere raises on every rank and leaves model, optimizer, EMA and RNGs as they
     # were.
     ckpt, info, doc, extra, rng_state = agreed(
-        lambda: _read_checked(directory, given, rank, rng, verify), group=group,
-        device=torch.device("cpu"), what=what)
+        lambda: _read_checked(directory, given, rank, rng, verify, what, allow_changes),
+        group=group, device=torch.device("cpu"), what=what)
     # Templates (collective for FSDP1; the optimizer's state is initialized if it is empty).
     optim_sd = optim_state(model, optimizer) if optimizer is not None else None
     states = States(model=model_state(model) if model is not None else None,
@@ -63,10 +69,12 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     return extra
 
 
-def _read_checked(directory: str, given: Mapping[str, Any], rank: int, rng: bool,
-                  verify: bool) -> tuple[_ckpt.OpenCheckpoint, dict, dict, dict, Any]:
+def _read_checked(directory: str, given: Mapping[str, Any], rank: int, rng: bool, verify: bool,
+                  what: str, allow_changes: Sequence[str],
+                  ) -> tuple[_ckpt.OpenCheckpoint, dict, dict, dict, Any]:
     """Step 1 of a load (agreed): the document, ``extra`` and this rank's RNG states, read and
-    checked from one open of the checkpoint (every later read sees the same files)."""
+    checked from one open of the checkpoint (every later read sees the same files); the EMA's
+    saved step and schedule against the EMA's (``EMAState.check_position``)."""
     ckpt = _ckpt.open_checkpoint(directory)
     info = ckpt.info()
     doc = read_doc(ckpt, info, verify)
@@ -79,6 +87,11 @@ def _read_checked(directory: str, given: Mapping[str, Any], rank: int, rng: bool
     if given["ema"] is not None and doc["ema"]["step"] is not None and (
             type(doc["ema"]["step"]) is not int or doc["ema"]["step"] < 0):
         raise ValueError(f"the EMA step {doc['ema']['step']!r} is not a count")
+    if given["ema"] is not None and doc["ema"]["step"] is not None:
+        settings = doc["ema"].get("settings")  # absent from an older fsdp_ema's: not compared
+        saved = {"step": doc["ema"]["step"],
+                 "settings": settings if isinstance(settings, dict) else {}}
+        given["ema"].state.check_position(saved, what=what, allow=allow_changes)
     rng_state = None
     if rng and doc.get("rng") and rank < doc["rng"]["ranks"]:
         name = f"{RNG_PREFIX}{rank}"

@@ -158,7 +158,11 @@ def _ema_pieces(ema, ema_sd: Mapping[str, Any], rank: int,
         shards.update(layout_of(EMA_PREFIX + fqn, ema_sd[fqn]).piece(rank))
     # The host's count when known: int() of a device step would wait for all the work queued on
     # the stream (an async save would block on the training).
-    return {"step": ema.state.step_count() if step_key in ema_sd else None, "decay": ema.decay,
+    step = ema.state.step_count() if step_key in ema_sd else None
+    # "decay": the fixed decay (a warmup's upper bound), none where a schedule gives every decay
+    # (settings.schedule names it); "last_decay": the one the last update used.
+    return {"step": step, "decay": None if ema.schedule is not None else ema.decay,
+            "last_decay": ema.decay_at(step - 1) if step else None,
             "settings": settings(ema), "tensors": sorted(names)}
 
 
