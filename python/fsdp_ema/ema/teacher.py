@@ -23,204 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import os
-import types
 import warnings
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..model.layouts import is_dtensor
-from ..model.slots import WRAPPER_ATTRS, FlatSlot, is_ddp, join_name
+from ..model.slots import FlatSlot, join_name
 from .teacher_checks import BeforeForward, DtypeCheck, Links, ReshardWhenStale, Teacher, local_of
-
-# Attributes of a module's __dict__ that belong to the wrappers around it, not to the module:
-# FSDP2's markers for dynamo and nn.Module.compile's compiled call (bound to the student).
-_DROPPED_ATTRS = frozenset({"_is_fsdp_managed_module", "_fsdp_use_orig_params",
-                            "_compiled_call_impl"})
-_COMPOSABLE_STATE = "__composable_api_state_key"  # fully_shard's state and registry keys
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
-               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-               "_load_state_dict_post_hooks")
-_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
-               "_forward_hooks_always_called")
-
-
-def _code_file(fn: Any) -> str:
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    fn = getattr(fn, "__func__", fn)
-    code = getattr(fn, "__code__", None)
-    return code.co_filename.replace(os.sep, "/") if code is not None else ""
-
-
-def _from_fsdp(fn: Any) -> bool:
-    """A hook or method that FSDP2 installed (its pre/post-forward hooks, state-dict hooks,
-    ``register_fsdp_forward_method``'s wrapper): the teacher's own units install their own."""
-    return "torch/distributed/fsdp/" in _code_file(fn)
-
-
-def _original_class(module: nn.Module) -> type:
-    from torch.distributed.fsdp import FSDPModule
-
-    cls = type(module)
-    if issubclass(cls, FSDPModule):  # fully_shard's FSDP<cls>: the class it was made from
-        cls = cls.__mro__[getattr(cls, "_orig_cls_mro_index", 2)]
-    return cls
-
-
-# --- the student's FSDP2 units ------------------------------------------------------------------
-
-class _Unit:
-    """One of the student's ``fully_shard`` units: its modules, its MixedPrecisionPolicy, and its
-    one parameter group (mesh, offload policy, FSDPParams), if it has parameters."""
-
-    def __init__(self, state, name: str):
-        self.state, self.name = state, name
-        self.modules = list(state._modules)
-        groups = list(getattr(state, "_fsdp_param_groups", None) or
-                      ([state._fsdp_param_group] if state._fsdp_param_group else []))
-        if len(groups) > 1:
-            raise ValueError(f"ShardedEMA.module(): the FSDP2 unit {name or '<root>'!r} shards its "
-                             f"parameters over {len(groups)} meshes (shard_placement_fn with "
-                             f"ShardPlacementResult); a teacher of it is not supported")
-        self.group = groups[0] if groups else None
-        self.params = list(self.group.fsdp_params) if self.group else []
-        self.mp_policy = state._mp_policy
-        if self.group is not None and getattr(self.group.mesh_info, "is_spmd_mesh", False):
-            raise ValueError(f"ShardedEMA.module(): the FSDP2 unit {name or '<root>'!r} was made "
-                             f"with dp_mesh_dims (an SPMD mesh); a teacher of it is not supported")
-
-    @property
-    def mesh(self):
-        return self.group.mesh_info.mesh if self.group is not None else None
-
-
-def _units(model: nn.Module, names: dict[int, str]) -> list[_Unit]:
-    """The student's FSDP2 units, children before parents (the order fully_shard needs)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    seen, units = set(), []
-    for module in reversed(list(model.modules())):
-        if isinstance(module, FSDPModule):
-            state = module._get_fsdp_state()
-            if id(state) not in seen:
-                seen.add(id(state))
-                units.append(_Unit(state, names.get(id(module), "")))
-    return units
-
-
-# --- cloning the structure onto the meta device --------------------------------------------------
-
-class _Clone:
-    """The student's module tree, module by module, with meta placeholders for its parameters.
-
-    Each module is an instance of its own class (FSDP2's ``FSDP<cls>`` stripped, DDP unwrapped)
-    made without ``__init__``: its ``__dict__`` is the student module's, shallow (plain attributes
-    are shared), except the children (cloned), the parameters (meta placeholders, replaced later),
-    the buffers (set later) and what belongs to wrappers: FSDP2's state, hooks and forward-method
-    wrappers, and ``nn.Module.compile``'s compiled call. Other hooks are kept (tensor parallelism's
-    input/output redistribution hooks, the user's), bound methods of student modules rebound to
-    their clones. Modules the student compiled are recorded, to be compiled again.
-    """
-
-    def __init__(self, root: nn.Module, placeholder: Callable[[nn.Module, str, Any], nn.Parameter]):
-        from torch._dynamo.eval_frame import OptimizedModule
-
-        self._placeholder = placeholder
-        self._optimized = OptimizedModule
-        self.of: dict[int, nn.Module] = {}           # id(student module) -> clone
-        self.student: dict[int, nn.Module] = {}      # id(clone) -> student module
-        self.names: dict[int, str] = {}              # id(student module) -> clean name
-        self.params: dict[int, nn.Parameter] = {}    # id(student parameter) -> placeholder
-        self.forward_methods: list[tuple[nn.Module, str]] = []  # register_fsdp_forward_method
-        # Clones of modules nn.Module.compile'd, each with the student's compiled call; the
-        # student's torch.compile(model) (an OptimizedModule) where the root was one.
-        self.compiled: list[tuple[nn.Module, Any]] = []
-        self.wrap_compiled: Any = None
-        self.root = self._clone(root, "")
-
-    def _clone(self, m: nn.Module, prefix: str) -> nn.Module:
-        if id(m) in self.of:
-            return self.of[id(m)]
-        if is_ddp(m):
-            return self._clone(m.module, prefix)
-        if isinstance(m, self._optimized):
-            if self.of:  # a module was cloned before it: it is below the root
-                raise ValueError("ShardedEMA.module(): a torch.compile'd submodule "
-                                 "(OptimizedModule) below the root is not supported; compile it "
-                                 "with module.compile() instead, which the teacher mirrors")
-            self.wrap_compiled = m
-            inner = self._clone(m._orig_mod, prefix)
-            self.of[id(m)] = inner
-            return inner
-        cls = _original_class(m)
-        new = object.__new__(cls)
-        self.of[id(m)] = new
-        self.student[id(new)] = m
-        self.names[id(m)] = prefix
-        state = {}
-        for key, value in m.__dict__.items():
-            if key in _DROPPED_ATTRS or key.startswith(_COMPOSABLE_STATE):
-                continue
-            if isinstance(value, types.MethodType) and isinstance(value.__self__, nn.Module):
-                if _from_fsdp(value):  # register_fsdp_forward_method's wrapper: redone later
-                    self.forward_methods.append((new, key))
-                    continue
-                value = types.MethodType(value.__func__, self._rebind(value.__self__))
-            state[key] = value
-        new.__dict__.update(state)
-        if "_compiled_call_impl" in m.__dict__ and m.__dict__["_compiled_call_impl"] is not None:
-            new._compiled_call_impl = None
-            self.compiled.append((new, m.__dict__["_compiled_call_impl"]))
-        for key in _HOOK_DICTS:
-            hooks = getattr(m, key, None)
-            if hooks is not None:
-                setattr(new, key, type(hooks)(
-                    (i, self._rebind_hook(h)) for i, h in hooks.items() if not _from_fsdp(h)))
-        for key in _HOOK_FLAGS:
-            flags = getattr(m, key, None)
-            if flags is not None:
-                setattr(new, key, type(flags)(
-                    (i, v) for i, v in flags.items()
-                    if any(i in getattr(new, d) for d in _HOOK_DICTS)))
-        new._parameters = {name: None if p is None else self._param(m, name, p)
-                           for name, p in m._parameters.items()}
-        new._buffers = dict(m._buffers)  # replaced by the builder
-        new._non_persistent_buffers_set = set(m._non_persistent_buffers_set)
-        children = {}
-        for name, child in m._modules.items():
-            if child is None:
-                children[name] = None
-                continue
-            skip = name in WRAPPER_ATTRS or (name == "module" and is_ddp(m))
-            children[name] = self._clone(child, prefix if skip else join_name(prefix, name))
-        new._modules = children
-        return new
-
-    def _param(self, module: nn.Module, name: str, p) -> nn.Parameter:
-        if id(p) not in self.params:
-            self.params[id(p)] = self._placeholder(module, name, p)
-        return self.params[id(p)]
-
-    def _rebind(self, obj: nn.Module) -> Any:
-        # A module of the student seen before its clone exists (a hook bound to a later sibling)
-        # keeps pointing at the student: never the case for hooks bound to their own module.
-        return self.of.get(id(obj), obj)
-
-    def _rebind_hook(self, hook: Any) -> Any:
-        if isinstance(hook, types.MethodType) and isinstance(hook.__self__, nn.Module):
-            return types.MethodType(hook.__func__, self._rebind(hook.__self__))
-        return hook
-
-    def modules(self) -> Iterator[tuple[nn.Module, nn.Module]]:
-        """(student module, clone) pairs."""
-        for student in self.student.values():
-            yield student, self.of[id(student)]
-
+from .teacher_clone import Clone, Unit, student_units
 
 # --- the builder ---------------------------------------------------------------------------------
 
@@ -270,7 +82,7 @@ def module(ema, *, mp_policy=None, reshard_after_forward: bool | int = True, mes
 
         model = ema.model
         names = {id(m): n for m, n in _named(model)}
-        builder.check_mesh(_units(model, names) if any(
+        builder.check_mesh(student_units(model, names) if any(
             isinstance(m, FSDPModule) for m in model.modules()) else [])
     key = (mp_policy, reshard_after_forward, repr(compile))
     built = ema.state.teachers
@@ -356,7 +168,7 @@ class TeacherBuilder:
         # sharded DTensor even while FSDP2 holds the unsharded one in the module.
         managed: dict[tuple[int, str], Any] = {}
         names = {id(m): n for m, n in _named(model)}
-        units = _units(model, names) if fsdp2 else []
+        units = student_units(model, names) if fsdp2 else []
         for unit in units:
             for fp in unit.params:
                 info = fp._module_info
@@ -380,7 +192,7 @@ class TeacherBuilder:
             spec = fp._unsharded_dtensor_spec if fp is not None and fp.is_dtensor else None
             return _meta_like(sp, dtype, spec)
 
-        clone = _Clone(model, placeholder)
+        clone = Clone(model, placeholder)
         self._check_same_model(clone, student_param, slot_index, live)
         # FSDP2 registers gathered parameters on the modules between a forward and its reshard.
         links = Links(registered=clone.root.parameters) if fsdp2 else Links()
@@ -400,7 +212,7 @@ class TeacherBuilder:
         BeforeForward(teacher, clone.forward_methods, links, checks)
         return Teacher(teacher, links)
 
-    def _own_tensors(self, clone: _Clone, managed, slot_index, links: Links) -> set[nn.Parameter]:
+    def _own_tensors(self, clone: Clone, managed, slot_index, links: Links) -> set[nn.Parameter]:
         """Parameters FSDP2 does not manage (plain, DDP; DTensors outside any unit) and buffers:
         the EMA's tensors, or the student's own; returns the parameters (for ``ignored_params``)."""
         ema = self.ema
@@ -430,7 +242,7 @@ class TeacherBuilder:
                     new._buffers[name] = b.detach().clone()
         return ignored
 
-    def _compiled(self, clone: _Clone) -> nn.Module:
+    def _compiled(self, clone: Clone) -> nn.Module:
         """The teacher, its modules compiled where the student's were: ``compile=True`` with the
         student's own torch.compile settings (backend, mode, options, fullgraph, dynamic: the
         compile context itself, applied to the teacher's module), ``compile={...}`` with those
@@ -475,7 +287,7 @@ class TeacherBuilder:
                       stacklevel=4)
         return None
 
-    def _dtype_check(self, clone: _Clone, policies, managed) -> DtypeCheck | None:
+    def _dtype_check(self, clone: Clone, policies, managed) -> DtypeCheck | None:
         """A ``DtypeCheck`` where the teacher computes in one dtype and the student in another
         (and the teacher's root does not cast its inputs): a plain or DDP model's EMA in another
         dtype than the model, or an FSDP2 ``mp_policy`` without ``param_dtype``."""
@@ -515,7 +327,7 @@ class TeacherBuilder:
             data = self.ema.state.tensors[i]
         return nn.Parameter(data, requires_grad=False), local_of(data)
 
-    def check_mesh(self, units: list[_Unit]) -> None:
+    def check_mesh(self, units: list[Unit]) -> None:
         meshes = [(u.name, u.mesh) for u in units if u.mesh is not None]
         if not meshes:
             raise ValueError(f"ShardedEMA.module(mesh={self.mesh}): the model is not sharded with "
@@ -528,7 +340,7 @@ class TeacherBuilder:
                     f"another mesh would need other shards. Leave mesh out, or make the EMA of a "
                     f"model sharded on that mesh")
 
-    def _check_same_model(self, clone: _Clone, student_param, slot_index, live) -> None:
+    def _check_same_model(self, clone: Clone, student_param, slot_index, live) -> None:
         """Every parameter the EMA selects is one the EMA keeps, and every tensor the EMA keeps is
         in the model: otherwise the model changed since the EMA was made."""
         ema = self.ema
@@ -561,8 +373,8 @@ class TeacherBuilder:
                                f"the model no longer holds: the model changed since the EMA was "
                                f"made; make a new ShardedEMA of it")
 
-    def _shard(self, clone: _Clone, units: list[_Unit],
-               ignored: set[nn.Parameter]) -> list[tuple[_Unit, Any]]:
+    def _shard(self, clone: Clone, units: list[Unit],
+               ignored: set[nn.Parameter]) -> list[tuple[Unit, Any]]:
         """The student's fully_shard units, applied to the clone (children first); returns each
         unit with the teacher's policy of it."""
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -595,7 +407,7 @@ class TeacherBuilder:
             register_fsdp_forward_method(module, name)
         return policies
 
-    def _policy(self, unit: _Unit, clone: _Clone):
+    def _policy(self, unit: Unit, clone: Clone):
         """The teacher unit's MixedPrecisionPolicy: ``mp_policy``, else the student unit's; where
         that computes in the parameters' own dtype (no ``param_dtype``), one dtype, and the
         teacher's parameters (the EMA's) are of another, ``param_dtype`` is the student's and the
@@ -610,7 +422,7 @@ class TeacherBuilder:
                                        cast_forward_inputs=False)
         return policy
 
-    def _point(self, clone: _Clone, managed, slot_index, links: Links) -> None:
+    def _point(self, clone: Clone, managed, slot_index, links: Links) -> None:
         """Every sharded parameter of the teacher over the EMA's tensor (or the student's shard
         where the EMA does not keep it): FSDP2's padded buffer and the DTensor's local tensor."""
         from torch.distributed.fsdp import FSDPModule
@@ -688,7 +500,7 @@ def _check_own_units(model: nn.Module, managed) -> None:
                     f"EMA with ema.swap()")
 
 
-def _placeholder(clone: _Clone, fp) -> nn.Parameter:
+def _placeholder(clone: Clone, fp) -> nn.Parameter:
     """The teacher's placeholder of the student's FSDPParam ``fp`` (in the EMA's dtype)."""
     info = fp._module_info
     return clone.of[id(info.module)]._parameters[info.param_name]
