@@ -371,6 +371,13 @@ MUTANTS = {
         "p = x.to(torch.float64).mul_(w)",
         "p = x.to(torch.float64).mul_(0.0 if last else w)",
         [pytest("python_tests/test_posthoc.py", "-k", "cli_equals_python or 2_ranks")]),
+    # --- #41: zero-copy loads each map the file anew --------------------------------------------
+    "zero-copy-loads-share-one-mapping": (
+        "ops/load/pipeline.cpp",
+        "  LoadMappings maps;\n  std::vector<const format::StoredPiece*> exact",
+        "  static LoadMappings maps;\n  std::vector<const format::StoredPiece*> exact",
+        [ctest("CheckpointReader.ZeroCopyLoadsNeverShareMemory"),
+         ctest("OwnedLoads.ReaderMmapOptInSharesTheFilePages")]),
     # --- #41: destinations that overlap each other or themselves, meta destinations ----------
     "self-overlap-element-map-sees-none": (
         "ops/common/memory.cpp",

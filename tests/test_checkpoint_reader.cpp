@@ -276,6 +276,33 @@ TEST(CheckpointReader, ZeroCopyReaderLoadsIntoAModuleOnlyVerifiedBytes) {
   fs::remove_all(dir);
 }
 
+// Zero-copy loads (mmap=true) never hand out one memory twice: each load maps the file anew
+// (private, copy-on-write), so a write through one loaded tensor changes no other load's tensor,
+// never reaches the file, and a later load of the intact file verifies and returns the stored
+// values (#41: two loads shared one mapping; a.add_(1) changed b, and the next load was refused
+// as a checksum mismatch).
+TEST(CheckpointReader, ZeroCopyLoadsNeverShareMemory) {
+  const fs::path dir = scratch_dir("mmap_aliasing");
+  const auto tensors = reference();
+  write_sharded(dir, tensors, 1);  // one piece per tensor: every load below is a mapped view
+  const fsdp_ema::CheckpointReader reader(dir.string(), /*mmap=*/true);
+  const at::Tensor want = tensors.at("emb");
+  at::Tensor a = reader.load("emb");
+  const at::Tensor b = reader.load("emb");
+  EXPECT_NE(a.data_ptr(), b.data_ptr());
+  a.add_(1);
+  EXPECT_TRUE(at::equal(b, want)) << "a write through one load changed another load's tensor";
+  EXPECT_TRUE(at::equal(a, want + 1));
+  EXPECT_TRUE(at::equal(reader.load("emb"), want));  // the file is intact: verified, loaded
+  std::map<std::string, at::Tensor> first = reader.load_all();
+  const std::map<std::string, at::Tensor> second = reader.load_all();
+  for (auto& [name, t] : first) t.add_(1);
+  for (const auto& [name, t] : second) EXPECT_TRUE(at::equal(t, tensors.at(name))) << name;
+  EXPECT_TRUE(at::equal(reader.load_chunk("emb", 0, 1), want));
+  EXPECT_TRUE(fsdp_ema::CheckpointReader(dir.string()).load("emb").equal(want));  // owned reads
+  fs::remove_all(dir);
+}
+
 // load_into(map) refuses destinations that share memory with each other or with themselves, and
 // meta destinations (no memory: the load would do nothing), naming them; nothing is written.
 TEST(CheckpointReader, LoadIntoRefusesOverlappingAndMetaDestinations) {

@@ -50,7 +50,9 @@ class CheckpointReader {
   // rows one stored piece holds exactly is a zero-copy view of a private mapping of the file
   // instead: faster, verified at load time, but a live view of the file's pages afterwards: a
   // change made to the file in place later shows through it, and truncating the file while the
-  // tensor lives and then touching it raises SIGBUS (as with torch.load(mmap=True)). load_into
+  // tensor lives and then touching it raises SIGBUS (as with torch.load(mmap=True)). Each load
+  // maps the file anew (copy-on-write): a write through a loaded tensor changes neither the file
+  // nor a tensor of another load, and a later load verifies the file as it is. load_into
   // always reads owned memory, so a destination only ever gets bytes its load verified.
   explicit CheckpointReader(const std::string& directory, bool mmap = false);
   ~CheckpointReader();

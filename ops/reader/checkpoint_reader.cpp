@@ -66,7 +66,7 @@ bool same_bits(const at::Tensor& a, const at::Tensor& b) {
 }  // namespace
 
 struct CheckpointReader::Impl {
-  std::shared_ptr<const format::CheckpointDir> owner;  // also kept by zero-copy tensors
+  std::shared_ptr<const format::CheckpointDir> owner;
   const format::CheckpointDir& dir;
   bool mmap;
 };
