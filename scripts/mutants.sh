@@ -378,6 +378,18 @@ MUTANTS = {
         "  static LoadMappings maps;\n  std::vector<const format::StoredPiece*> exact",
         [ctest("CheckpointReader.ZeroCopyLoadsNeverShareMemory"),
          ctest("OwnedLoads.ReaderMmapOptInSharesTheFilePages")]),
+    # --- #41: the seal binds a header's block checksums to its checksums ---------------------
+    "seal-not-checked": (
+        "format/shard/shard_header.cpp",
+        "if (seal.digest() != *stored) {",
+        "if (false) {",
+        [ctest("ShardCorruption.InconsistentBlockChecksumsAreRefused"),
+         pytest("python_tests/test_one_verdict.py", "-k", "edited_together")]),
+    "unsealed-block-checksums-used": (
+        "format/shard/shard_header.cpp",
+        "    h.block_bytes = 0;\n    for (TensorInfo& t : h.tensors) t.block_checksums.clear();\n",
+        "",
+        [ctest("ShardCorruption.InconsistentBlockChecksumsAreRefused")]),
     # --- #41: destinations that overlap each other or themselves, meta destinations ----------
     "self-overlap-element-map-sees-none": (
         "ops/common/memory.cpp",

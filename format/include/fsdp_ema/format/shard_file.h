@@ -30,6 +30,9 @@ inline constexpr std::string_view kMetaChecksums = "fsdp_ema_checksums";
 // digits of every block's XXH3-64, concatenated.
 inline constexpr std::string_view kMetaBlockBytes = "fsdp_ema_checksum_block_bytes";
 inline constexpr std::string_view kMetaBlockChecksums = "fsdp_ema_block_checksums";
+// With them, the seal that binds the block checksums to the checksums (ChecksumSeal, checksum.h),
+// in the checksum text form. Block checksums without it (written before it) are not used.
+inline constexpr std::string_view kMetaChecksumSeal = "fsdp_ema_checksum_seal";
 inline constexpr std::string_view kMetaRank = "fsdp_ema_rank";
 inline constexpr std::string_view kMetaWorldSize = "fsdp_ema_world_size";
 inline constexpr std::string_view kMetaDcpShardingInfo = "DCP_SHARDING_INFO";
@@ -45,7 +48,8 @@ struct ShardHeader {
   bool fsdp_ema = false;            // has our metadata ("fsdp_ema_format_version")
   std::optional<int64_t> rank;
   std::optional<int64_t> world_size;
-  // The block size of the block-checksum extension; 0 when the file has none.
+  // The block size of the block-checksum extension; 0 when the file has none, or has them
+  // without their seal (they are then not used: its tensors are verified by their checksums).
   uint64_t block_bytes = 0;
 };
 
