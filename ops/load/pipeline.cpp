@@ -241,7 +241,7 @@ void read_to_host(const format::CheckpointDir& dir, const LoadPlan& plan,
                   std::span<const size_t> which, std::span<std::byte* const> dst, bool verify) {
   const Requests r = requests_for(dir, plan, which);
   const format::ReadPlan p = dir.plan(r.requests, r.dst_bytes, {verify, nullptr});
-  format::execute_reads(p, dst, {read_threads()});
+  format::execute_reads(p, dst, {read_threads(), nullptr});
 }
 
 // Runs a plan onto contiguous tensors of one non-CPU device (dst[i] for destination i) through
@@ -474,7 +474,7 @@ std::vector<at::Tensor> read_file(const std::shared_ptr<const format::ShardFile>
         one.read_bytes += unit.length;
       }
       dst[i] = static_cast<std::byte*>(host.data_ptr());
-      format::execute_reads(one, dst, {read_threads()});
+      format::execute_reads(one, dst, {read_threads(), nullptr});
       dst[i] = nullptr;
       out[i] = host.to(device);
     }
@@ -495,7 +495,7 @@ std::vector<at::Tensor> read_file(const std::shared_ptr<const format::ShardFile>
   }
   const format::ReadPlan plan = format::plan_file_reads(*file, verify);
   if (!any_view) {
-    format::execute_reads(plan, dst, {read_threads()});
+    format::execute_reads(plan, dst, {read_threads(), nullptr});
     return out;
   }
   // Views are verified through the mapping, owned tensors as they are read.
@@ -505,7 +505,7 @@ std::vector<at::Tensor> read_file(const std::shared_ptr<const format::ShardFile>
       format::select_destinations(plan, [&](size_t d) { return dst[d] != nullptr; });
   const std::vector<std::byte*> none(infos.size(), nullptr);
   format::execute_reads(views, none, {read_threads(), maps.lookup()});
-  format::execute_reads(owned, dst, {read_threads()});
+  format::execute_reads(owned, dst, {read_threads(), nullptr});
   return out;
 }
 
