@@ -40,15 +40,31 @@ def test_overlapping_reports_tied_tensors_exactly():
     base = torch.zeros(64)
     other = torch.zeros(8)
     tied = [base, base.view(8, 8), other, base[0::2], base[1::2]]
-    assert ops.overlapping(tied) == [0, 1, 3, 4]
-    assert ops.overlapping([base[0::2], base[1::2], other]) == []  # interleaved, disjoint
-    assert ops.overlapping([base[:32], base[31:40], base[40:]]) == [0, 1]
-    assert ops.overlapping([torch.zeros(0), base, torch.zeros(0)]) == []
-    assert ops.overlapping([]) == []
+    assert ops.overlapping(tied, []) == [0, 1, 3, 4]
+    assert ops.overlapping([base[0::2], base[1::2], other], []) == []  # interleaved, disjoint
+    assert ops.overlapping([base[:32], base[31:40], base[40:]], []) == [0, 1]
+    assert ops.overlapping([torch.zeros(0), base, torch.zeros(0)], []) == []
+    assert ops.overlapping([], []) == []
     # Linear-ish at scale: 100,000 distinct tensors and one tied pair among them.
     many = [torch.zeros(1) for _ in range(100_000)]
     many.append(many[12_345])
-    assert ops.overlapping(many) == [12_345, 100_000]
+    assert ops.overlapping(many, []) == [12_345, 100_000]
+
+
+def test_overlapping_refuses_a_destination_no_load_can_write():
+    """#41: each tensor is first checked as memory a load writes, named: a tensor whose own
+    elements share memory (expanded, or as_strided that torch calls "too hard"), a sparse one."""
+    for bad in (torch.zeros(107).as_strided((100, 8), (1, 1)), torch.zeros(1).expand(4)):
+        with pytest.raises(RuntimeError, match=r"tensors\[1\] \('w'\) has internally overlapping"):
+            ops.overlapping([torch.zeros(3), bad], ["b", "w"])
+    with pytest.raises(RuntimeError, match=r"tensors\[0\] is a Sparse tensor"):
+        ops.overlapping([torch.zeros(2, 2).to_sparse()], [])
+    with pytest.raises(RuntimeError, match="names has 1 entries but tensors has 2"):
+        ops.overlapping([torch.zeros(1), torch.zeros(1)], ["a"])
+    # Views torch cannot decide but that are disjoint: a transposed slice, columns of a grid.
+    grid = torch.zeros(6, 10)
+    assert ops.overlapping([grid.t()[::2], grid[:, 1::3], grid.as_strided((3, 2), (2, 3))],
+                           []) == [0, 1, 2]
 
 
 def test_prepare_creates_and_reports_committed(tmp_path):

@@ -255,3 +255,47 @@ def test_a_corrupted_last_read_chunk_is_refused_before_writing_any_destination(t
     ckpt.save(tmp_path, ref, overwrite=True)
     ckpt.load_into(tmp_path, dst)
     assert all(torch.equal(dst[k], v) for k, v in ref.items())
+
+
+# --- destinations whose own elements share memory (#41) -------------------------------------------
+
+def _self_overlapping(base: torch.Tensor) -> torch.Tensor:
+    """800 elements over 107 floats: torch calls its overlap "too hard" to decide, not "no"."""
+    return base.as_strided((100, 8), (1, 1))
+
+
+@pytest.mark.parametrize("how", ["load_into", "OpenCheckpoint.load_into",
+                                 "OpenCheckpoint.check_into"])
+def test_a_destination_whose_elements_share_memory_is_refused(tmp_path, how):
+    """#41: as_strided((100, 8), (1, 1)) was accepted (693 of 800 elements then differed from the
+    checkpoint, no error). It is refused naming it, with nothing written."""
+    ref = {"s": torch.randn(100, 8), "t": torch.randn(3)}
+    ckpt.save(tmp_path, ref)
+    base = torch.full((107,), 7.0)
+    other = torch.full((3,), 7.0)
+    dst = {"s": _self_overlapping(base), "t": other}
+    calls = {"load_into": lambda: ckpt.load_into(tmp_path, dst),
+             "OpenCheckpoint.load_into": lambda: ckpt.open_checkpoint(tmp_path).load_into(dst),
+             "OpenCheckpoint.check_into": lambda: ckpt.open_checkpoint(tmp_path).check_into(dst)}
+    with pytest.raises(RuntimeError, match=r"out\[0\] \('s'\) has internally overlapping memory"):
+        calls[how]()
+    assert torch.all(base == 7.0) and torch.all(other == 7.0)
+
+
+def test_a_collective_load_refuses_a_destination_whose_elements_share_memory(tmp_path):
+    """The collective load (load_model_weights here) into a parameter that overlaps itself, read
+    in place or through a cast: refused on the check, naming the parameter, nothing written."""
+    import fsdp_ema
+
+    for stored_dtype in (torch.float32, torch.float64):  # in place; a cast (a fresh read, copied)
+        d = tmp_path / str(stored_dtype)
+        ckpt.save(d, {"weight": torch.randn(100, 8, dtype=stored_dtype),
+                      "bias": torch.randn(100, dtype=stored_dtype)})
+        model = torch.nn.Linear(8, 100)
+        base = torch.full((107,), 7.0)
+        with torch.no_grad():
+            model.weight = torch.nn.Parameter(_self_overlapping(base))
+            model.bias.fill_(7.0)
+        with pytest.raises(RuntimeError, match="'weight'.* internally overlapping memory"):
+            fsdp_ema.load_model_weights(model, d)
+        assert torch.all(base == 7.0) and torch.all(model.bias == 7.0), stored_dtype

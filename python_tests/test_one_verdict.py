@@ -209,3 +209,56 @@ def test_verify_names_a_bool_byte_of_2_in_a_dcp_directory(tmp_path):
     assert out.returncode == 1
     assert 'tensor "mask": BOOL byte 2 is neither 0 nor 1' in out.stdout
     assert os.listdir(d)  # nothing removed or changed by verify
+
+
+def _block_digits(path: Path, name: str) -> str:
+    _, h = header(path)
+    return json.loads(h["__metadata__"]["fsdp_ema_block_checksums"])[name]
+
+
+def test_data_and_block_checksums_edited_together_are_refused_everywhere(tmp_path):
+    """#41: a shard file whose data and block checksums were edited together (its whole checksum
+    and the index kept) loaded everywhere, by the blocks, while verify (and any reader of the
+    whole checksum) refused it. Every load path, the export and verify now refuse it."""
+    g = torch.Generator().manual_seed(41)
+    w = torch.randn(8, 65536, generator=g)  # 2 MiB: one 256 KiB block per row
+    edited = w.clone()
+    edited[1] += 1.0
+    a, b = tmp_path / "a", tmp_path / "b"
+    ckpt.save(a, {"w": w}, fsync=False)
+    ckpt.save(b, {"w": edited}, fsync=False)
+    fa, fb = shard_files(a)[0], shard_files(b)[0]
+    n, _ = header(fa)
+    digits_a, digits_b = _block_digits(fa, "w"), _block_digits(fb, "w")
+    assert digits_a[:16] == digits_b[:16] and digits_a[16:32] != digits_b[16:32]
+    raw = bytearray(fa.read_bytes())
+    head = bytes(raw[8:8 + n])
+    assert head.count(digits_a[16:32].encode()) == 1
+    raw[8:8 + n] = head.replace(digits_a[16:32].encode(), digits_b[16:32].encode())
+    raw[8 + n:] = fb.read_bytes()[8 + n:]  # block 1's data, edited with its checksum
+    fa.write_bytes(bytes(raw))
+
+    def refused(call) -> bool:
+        try:
+            call()
+        except RuntimeError:
+            return True
+        return False
+
+    dst = {"w": torch.full((8, 65536), 7.0)}
+    result = {
+        "load": refused(lambda: ckpt.load(a)),
+        "load 1->2, rank 0": refused(lambda: ckpt.load(a, rank=0, world_size=2)),
+        "load 1->2, rank 1": refused(lambda: ckpt.load(a, rank=1, world_size=2)),
+        "load_into": refused(lambda: ckpt.load_into(a, dst)),
+        "load(mmap=True)": refused(lambda: ckpt.load(a, mmap=True)["w"].clone()),
+        "load_shard": refused(lambda: ckpt.load_shard(fa)),
+        "load_shard(mmap=True)": refused(lambda: ckpt.load_shard(fa, mmap=True)),
+        "open_checkpoint().load_boxes": refused(
+            lambda: ckpt.open_checkpoint(a).load_boxes({"w": ([1, 0], [1, 16])})),
+        "export": subprocess.run([str(CLI), "export", str(a), str(tmp_path / "out"), "--quiet"],
+                                 capture_output=True).returncode != 0,
+        "verify": subprocess.run([str(CLI), "verify", str(a)], capture_output=True).returncode == 1,
+    }
+    assert all(result.values()), {k: v for k, v in result.items() if not v}
+    assert torch.all(dst["w"] == 7.0)

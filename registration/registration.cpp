@@ -268,9 +268,10 @@ void def_query_ops(torch::Library& m) {
   // The instruction set of the CPU update kernel in use: "avx512", "avx2" or "default".
   m.def("cpu_capability() -> str");
   m.impl("cpu_capability", kNoTensor, &ops::cpu_capability);
-  // Indices of the tensors that share memory with another of them (tied weights; memory.h).
-  m.def("overlapping(Tensor[] tensors) -> int[]");
-  m.impl("overlapping", kNoTensor, &ops::overlapping);  // real tensors of any device
+  // Indices of the tensors that share memory with another of them (tied weights; memory.h), each
+  // first checked as memory a load writes (dense, inside its storage, no self-overlap).
+  m.def("overlapping(Tensor[] tensors, str[] names) -> int[]");
+  m.impl("overlapping", kNoTensor, &ops::overlapping_destinations);  // real tensors, any device
 }
 
 // Post-hoc EMA (EDM2), computed by fsdp_ema/format/posthoc.h (what `fsdp-ema posthoc` uses too).

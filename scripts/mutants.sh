@@ -508,6 +508,58 @@ MUTANTS = {
         "        if self.compile is not True:\n            return None",
         "        if True:\n            return None",
         [pytest("python_tests/test_teacher.py", "-k", "students_torch_compile")]),
+    # --- #41: zero-copy loads each map the file anew --------------------------------------------
+    "zero-copy-loads-share-one-mapping": (
+        "ops/load/pipeline.cpp",
+        "  LoadMappings maps;\n  std::vector<const format::StoredPiece*> exact",
+        "  static LoadMappings maps;\n  std::vector<const format::StoredPiece*> exact",
+        [ctest("CheckpointReader.ZeroCopyLoadsNeverShareMemory"),
+         ctest("OwnedLoads.ReaderMmapOptInSharesTheFilePages")]),
+    # --- #41: the seal binds a header's block checksums to its checksums ---------------------
+    "seal-not-checked": (
+        "format/shard/shard_header.cpp",
+        "if (seal.digest() != *stored) {",
+        "if (false) {",
+        [ctest("ShardCorruption.InconsistentBlockChecksumsAreRefused"),
+         pytest("python_tests/test_one_verdict.py", "-k", "edited_together")]),
+    "unsealed-block-checksums-used": (
+        "format/shard/shard_header.cpp",
+        "    h.block_bytes = 0;\n    for (TensorInfo& t : h.tensors) t.block_checksums.clear();\n",
+        "",
+        [ctest("ShardCorruption.InconsistentBlockChecksumsAreRefused")]),
+    # --- #41: destinations that overlap each other or themselves, meta destinations ----------
+    "self-overlap-element-map-sees-none": (
+        "ops/common/memory.cpp",
+        "shared = shared || used[k];",
+        "shared = false;",
+        [pytest("python_tests/test_load_into.py", "-k", "share_memory"),
+         ctest("CheckpointReader.LoadIntoRefusesOverlappingAndMetaDestinations")]),
+    "overlapping-op-checks-no-destination": (
+        "ops/common/memory.cpp",
+        "check_in_storage(kOp, tensors[i], label, i, /*written=*/true);",
+        "check_in_storage(kOp, tensors[i], label, i, /*written=*/false);",
+        [pytest("python_tests/test_layout_ops.py", "-k", "refuses_a_destination"),
+         pytest("python_tests/test_load_into.py", "-k", "collective_load_refuses_a_destination")]),
+    "collective-copied-destinations-unchecked": (
+        "python/fsdp_ema/store/collective.py",
+        "shared = _overlapping(in_place + [t for t in fresh if t.dest is not None])",
+        "shared = _overlapping(in_place)",
+        [pytest("python_tests/test_load_into.py", "-k", "collective_load_refuses_a_destination")]),
+    "reader-takes-meta-destinations": (
+        "ops/reader/checkpoint_reader.cpp",
+        "TORCH_CHECK(!t.is_meta(), op, label(i),",
+        "TORCH_CHECK(true, op, label(i),",
+        [ctest("CheckpointReader.LoadIntoRefusesOverlappingAndMetaDestinations")]),
+    "reader-destinations-may-share-memory": (
+        "ops/reader/checkpoint_reader.cpp",
+        "  ops::check_no_overlap(op.c_str(), tensors, label, {}, label,",
+        "  if (false) ops::check_no_overlap(op.c_str(), tensors, label, {}, label,",
+        [ctest("CheckpointReader.LoadIntoRefusesOverlappingAndMetaDestinations")]),
+    "reader-tied-values-not-compared": (
+        "ops/reader/checkpoint_reader.cpp",
+        "TORCH_CHECK(first || same_bits(it->second, value),",
+        "TORCH_CHECK(true || same_bits(it->second, value),",
+        [ctest("NnModuleLoad.TiedWeightsLoadOnceWhenTheCheckpointAgrees")]),
 }
 
 

@@ -192,7 +192,7 @@ TEST(CheckpointReader, LoadIntoChecksEveryDestinationBeforeTheFirstWrite) {
   };
   const std::vector<std::pair<std::map<std::string, at::Tensor>, std::string>> bad = {
       {with("tiny", at::zeros({1, 3}).expand({2, 3})),
-       "destination 'tiny' has elements that share"},
+       "destination 'tiny' has internally overlapping memory"},
       {with("tiny", at::Tensor()), "destination 'tiny' is an undefined tensor"},
       {with("tiny",
             [] {
@@ -273,6 +273,82 @@ TEST(CheckpointReader, ZeroCopyReaderLoadsIntoAModuleOnlyVerifiedBytes) {
     }
   }
   EXPECT_EQ(wrong, 0) << right << " right, " << refused << " refused";
+  fs::remove_all(dir);
+}
+
+// Zero-copy loads (mmap=true) never hand out one memory twice: each load maps the file anew
+// (private, copy-on-write), so a write through one loaded tensor changes no other load's tensor,
+// never reaches the file, and a later load of the intact file verifies and returns the stored
+// values (#41: two loads shared one mapping; a.add_(1) changed b, and the next load was refused
+// as a checksum mismatch).
+TEST(CheckpointReader, ZeroCopyLoadsNeverShareMemory) {
+  const fs::path dir = scratch_dir("mmap_aliasing");
+  const auto tensors = reference();
+  write_sharded(dir, tensors, 1);  // one piece per tensor: every load below is a mapped view
+  const fsdp_ema::CheckpointReader reader(dir.string(), /*mmap=*/true);
+  const at::Tensor want = tensors.at("emb");
+  at::Tensor a = reader.load("emb");
+  const at::Tensor b = reader.load("emb");
+  EXPECT_NE(a.data_ptr(), b.data_ptr());
+  a.add_(1);
+  EXPECT_TRUE(at::equal(b, want)) << "a write through one load changed another load's tensor";
+  EXPECT_TRUE(at::equal(a, want + 1));
+  EXPECT_TRUE(at::equal(reader.load("emb"), want));  // the file is intact: verified, loaded
+  std::map<std::string, at::Tensor> first = reader.load_all();
+  const std::map<std::string, at::Tensor> second = reader.load_all();
+  for (auto& [name, t] : first) t.add_(1);
+  for (const auto& [name, t] : second) EXPECT_TRUE(at::equal(t, tensors.at(name))) << name;
+  EXPECT_TRUE(at::equal(reader.load_chunk("emb", 0, 1), want));
+  EXPECT_TRUE(fsdp_ema::CheckpointReader(dir.string()).load("emb").equal(want));  // owned reads
+  fs::remove_all(dir);
+}
+
+// load_into(map) refuses destinations that share memory with each other or with themselves, and
+// meta destinations (no memory: the load would do nothing), naming them; nothing is written.
+TEST(CheckpointReader, LoadIntoRefusesOverlappingAndMetaDestinations) {
+  const fs::path dir = scratch_dir("overlap");
+  at::manual_seed(3);
+  const std::map<std::string, at::Tensor> stored = {
+      {"a", at::randn({4, 4})}, {"b", at::randn({4, 4})}, {"s", at::randn({100, 8})}};
+  write_sharded(dir, stored, 2);
+  const fsdp_ema::CheckpointReader reader(dir.string());
+  const at::Tensor buffer = at::zeros({1000});
+  const at::Tensor own = at::zeros({4, 4});
+  const std::vector<std::pair<std::map<std::string, at::Tensor>, std::string>> bad = {
+      // two half-overlapping views of one buffer
+      {{{"a", buffer.narrow(0, 0, 16).view({4, 4})},
+        {"b", buffer.narrow(0, 8, 16).view({4, 4})},
+        {"s", at::zeros({100, 8})}},
+       "destination 'b' overlaps destination 'a' in memory"},
+      // one tensor under two names
+      {{{"a", own}, {"b", own}, {"s", at::zeros({100, 8})}},
+       "destination 'b' overlaps destination 'a' in memory"},
+      // 800 elements over 107 floats: elements share memory
+      {{{"a", at::zeros({4, 4})},
+        {"b", at::zeros({4, 4})},
+        {"s", buffer.narrow(0, 500, 107).as_strided({100, 8}, {1, 1})}},
+       "destination 's' has internally overlapping memory"},
+      {{{"a", at::zeros({4, 4})}, {"b", at::empty({4, 4}, at::kMeta)}, {"s", at::zeros({100, 8})}},
+       "destination 'b' is a meta tensor"},
+  };
+  for (const auto& [targets, message] : bad) {
+    try {
+      reader.load_into(targets);
+      FAIL() << "no error for " << message;
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.what_without_backtrace(), HasSubstr(message));
+    }
+    EXPECT_EQ(buffer.count_nonzero().item<int64_t>(), 0) << message << ": written";
+    EXPECT_EQ(own.count_nonzero().item<int64_t>(), 0) << message << ": written";
+  }
+  // Disjoint views of one buffer, interleaved or side by side, are fine.
+  const at::Tensor rows = at::zeros({8, 4});
+  reader.load_into({{"a", rows.slice(0, 0, 8, 2)},
+                    {"b", rows.slice(0, 1, 8, 2)},
+                    {"s", buffer.narrow(0, 0, 800).view({100, 8})}});
+  EXPECT_TRUE(at::equal(rows.slice(0, 0, 8, 2), stored.at("a")));
+  EXPECT_TRUE(at::equal(rows.slice(0, 1, 8, 2), stored.at("b")));
+  EXPECT_TRUE(at::equal(buffer.narrow(0, 0, 800).view({100, 8}), stored.at("s")));
   fs::remove_all(dir);
 }
 

@@ -91,6 +91,41 @@ TEST(NnModuleLoad, NamesEveryProblemAndLeavesTheModuleUnchanged) {
   fs::remove_all(dir);
 }
 
+// A module with tied weights (one parameter registered under two names, as a language model
+// ties its embedding and output layer) has two names for one tensor: the load writes it once, when
+// the checkpoint holds the same values under both names, and refuses naming both otherwise.
+struct TiedImpl : torch::nn::Module {
+  TiedImpl() : embed(register_module("embed", torch::nn::Linear(4, 3))) {
+    out_weight = register_parameter("out_weight", embed->weight);
+  }
+  torch::nn::Linear embed;
+  torch::Tensor out_weight;
+};
+TORCH_MODULE(Tied);
+
+TEST(NnModuleLoad, TiedWeightsLoadOnceWhenTheCheckpointAgrees) {
+  at::manual_seed(5);
+  const at::Tensor w = at::randn({3, 4}), b = at::randn({3});
+  const fs::path dir = scratch_dir("tied");
+  write_sharded(dir, {{"embed.weight", w}, {"out_weight", w}, {"embed.bias", b}}, 2);
+  Tied tied;
+  ASSERT_TRUE(tied->out_weight.is_same(tied->embed->weight));
+  fsdp_ema::CheckpointReader(dir.string()).load_into(*tied);
+  EXPECT_TRUE(at::equal(tied->embed->weight, w));
+  EXPECT_TRUE(at::equal(tied->embed->bias, b));
+  fs::remove_all(dir);
+
+  const fs::path differ = scratch_dir("tied_differ");
+  write_sharded(differ, {{"embed.weight", w}, {"out_weight", w + 1}, {"embed.bias", b}}, 1);
+  Tied other;
+  const at::Tensor before = other->embed->weight.detach().clone();
+  EXPECT_THAT([&] { fsdp_ema::CheckpointReader(differ.string()).load_into(*other); },
+              ::testing::ThrowsMessage<c10::Error>(
+                  HasSubstr("'out_weight' is the same tensor as 'embed.weight' (tied)")));
+  EXPECT_TRUE(at::equal(other->embed->weight, before));
+  fs::remove_all(differ);
+}
+
 TEST(OpWrappers, LoadTensorsLoadShardInfoAndTensorCommit) {
   const fs::path dir = scratch_dir("wrappers");
   const at::Tensor w = at::arange(35, at::kFloat).reshape({7, 5});

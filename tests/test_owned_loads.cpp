@@ -6,7 +6,10 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 #include "checkpoint_fixture.h"
@@ -21,6 +24,22 @@ fs::path save_one(const std::string& name, const at::Tensor& t) {
   fsdp_ema::save_shard(dir.string(), 0, 1, {"w"}, {t}, offsets, t.sizes().vec());
   fsdp_ema::commit_checkpoint(dir.string(), 1);
   return dir;
+}
+
+// The file a mapping of this process that holds address p maps ("" where none does).
+std::string mapped_file_at(const void* p) {
+  std::ifstream maps("/proc/self/maps");
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  for (std::string line; std::getline(maps, line);) {
+    std::istringstream in(line);
+    std::string range, perms, offset, device, inode, path;
+    in >> range >> perms >> offset >> device >> inode >> path;
+    const auto dash = range.find('-');
+    const uintptr_t lo = std::stoull(range.substr(0, dash), nullptr, 16);
+    const uintptr_t hi = std::stoull(range.substr(dash + 1), nullptr, 16);
+    if (lo <= at && at < hi) return path;
+  }
+  return "";
 }
 
 TEST(OwnedLoads, ReaderTensorsSurviveTruncationAndRewrite) {
@@ -55,8 +74,13 @@ TEST(OwnedLoads, ReaderMmapOptInSharesTheFilePages) {
   const at::Tensor c = mapped.load("w");
   EXPECT_TRUE(at::equal(a, ref));
   EXPECT_TRUE(at::equal(b, ref));
-  // Zero-copy: two loads view the same mapping; owned loads never share memory.
-  EXPECT_EQ(b.data_ptr(), c.data_ptr());
+  // Zero-copy: views of the file's pages, each load its own mapping (#41: one shared mapping let
+  // a write through one load's tensor change the other's); owned loads are no file's pages.
+  const std::string file = (dir / "shard-00000-of-00001.safetensors").string();
+  EXPECT_EQ(mapped_file_at(b.data_ptr()), file);
+  EXPECT_EQ(mapped_file_at(c.data_ptr()), file);
+  EXPECT_NE(b.data_ptr(), c.data_ptr());
+  EXPECT_NE(mapped_file_at(a.data_ptr()), file);
   EXPECT_NE(a.data_ptr(), owned.load("w").data_ptr());
   fs::remove_all(dir);
 }

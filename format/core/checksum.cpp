@@ -140,6 +140,16 @@ void TensorHasher::update(const void* data, size_t size) {
   }
 }
 
+void ChecksumSeal::add(uint64_t checksum, std::span<const uint64_t> blocks) {
+  auto feed = [this](uint64_t v) {
+    unsigned char le[8];
+    for (int i = 0; i < 8; ++i) le[i] = static_cast<unsigned char>(v >> (8 * i));
+    hash_.update(le, sizeof(le));
+  };
+  feed(checksum);
+  for (const uint64_t b : blocks) feed(b);
+}
+
 std::vector<uint64_t>& TensorHasher::blocks() {
   if (in_block_ > 0) {  // the last, shorter block
     blocks_.push_back(block_.digest());

@@ -108,7 +108,7 @@ struct CheckpointDir::Impl {
             std::span<const uint64_t> dst_bytes, bool verify, size_t threads,
             std::shared_ptr<ReadSession> session = {}) const {
     const ReadPlan plan = plan_reads(requests, dst_bytes, path, {verify, std::move(session)});
-    execute_reads(plan, dst, {threads, false});
+    execute_reads(plan, dst, {threads, nullptr});
   }
   void read_one(const ReadRequest& request, void* dst, size_t dst_bytes, bool verify,
                 size_t threads, std::shared_ptr<ReadSession> session = {}) const {

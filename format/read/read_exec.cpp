@@ -295,7 +295,8 @@ void execute_reads(const ReadPlan& plan, std::span<std::byte* const> dst,
   auto load = [&](size_t u, const Chunk& c) -> const std::byte* {
     const ReadUnit& unit = plan.units[u];
     if (options.mapped) {
-      const std::byte* at = unit.file->data(*unit.info).data() + unit.offset + c.begin;
+      const std::byte* at =
+          options.mapped(*unit.file).data(*unit.info).data() + unit.offset + c.begin;
       unit.file->check_data(*unit.info, at, c.length);
       return at;
     }

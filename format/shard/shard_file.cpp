@@ -129,8 +129,6 @@ struct ShardFile::Impl {
   detail::FileIdentity identity;
   ShardHeader header;
   detail::NameIndex by_name;  // views of header.tensors' names
-  mutable std::once_flag map_once;
-  mutable detail::MappedFile map;  // zero-copy opt-in only
 
   ~Impl() { ReadFdCache::instance().forget(this); }
 
@@ -187,17 +185,19 @@ const TensorInfo& ShardFile::tensor(std::string_view name) const {
   return *t;
 }
 
-std::span<const std::byte> ShardFile::data(const TensorInfo& t) const {
+ShardMapping::ShardMapping(detail::MappedFile map)
+    : map_(std::make_unique<detail::MappedFile>(std::move(map))) {}
+ShardMapping::~ShardMapping() = default;
+
+std::span<const std::byte> ShardMapping::data(const TensorInfo& t) const {
   if (t.nbytes == 0) return {};
-  std::call_once(impl_->map_once, [&] {
-    const auto fd = impl_->fd();
-    impl_->map = detail::MappedFile(fd->get(), impl_->identity.size, impl_->path);
-  });
-  return {impl_->map.data() + t.data_offset, t.nbytes};
+  return {map_->data() + t.data_offset, t.nbytes};
 }
 
-std::span<const std::byte> ShardFile::data(std::string_view name) const {
-  return data(tensor(name));
+std::shared_ptr<const ShardMapping> ShardFile::map() const {
+  const auto fd = impl_->fd();  // a reopened descriptor is checked by fd() itself
+  return std::make_shared<const ShardMapping>(
+      detail::MappedFile(fd->get(), impl_->identity.size, impl_->path));
 }
 
 void ShardFile::prefetch_if_cold(uint64_t offset, uint64_t length) const {

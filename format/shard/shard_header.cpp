@@ -279,6 +279,35 @@ void read_block_checksums(const Metadata& m) {
       [block](const TensorInfo& t) { return t.nbytes > block; });
 }
 
+// The seal of the block checksums (h.block_bytes set, every pass read): the block checksums are
+// used only with a seal that binds them to the checksums (ChecksumSeal); without one (a file
+// written before the seal) they are dropped, and readers verify the tensors by their checksums.
+void check_seal(const Metadata& m) {
+  ShardHeader& h = m.h;
+  if (!m.has(kMetaChecksumSeal)) {
+    h.block_bytes = 0;
+    for (TensorInfo& t : h.tensors) t.block_checksums.clear();
+    return;
+  }
+  const std::string& text = m.text(kMetaChecksumSeal);
+  const std::optional<uint64_t> stored = parse_checksum(text);
+  if (!stored) {
+    throw FormatError(m.file + ": metadata " + std::string(kMetaChecksumSeal) + " " +
+                      json_quote(text) + " is not " + checksum_form_text());
+  }
+  ChecksumSeal seal;
+  for (const TensorInfo& t : h.tensors) {
+    if (!t.block_checksums.empty()) seal.add(*t.checksum, t.block_checksums);
+  }
+  if (seal.digest() != *stored) {
+    throw FormatError(m.file + ": the block checksums (" + std::string(kMetaBlockChecksums) +
+                      ") and the checksums (" + std::string(kMetaChecksums) +
+                      ") disagree with each other: they seal to " + format_checksum(seal.digest()) +
+                      " but " + std::string(kMetaChecksumSeal) + " is " + text +
+                      " (one kind was changed without the other)");
+  }
+}
+
 // Each tensor's global shape: ours, inside which offsets + shape must lie, or (no global shapes
 // in the file) offsets + shape.
 void set_global_shapes(ShardHeader& h, std::vector<Shape>& globals, bool has_globals,
@@ -371,6 +400,9 @@ ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& fil
   if (m.has(kMetaBlockChecksums)) {
     h.block_bytes = parse_block_bytes(m.text(kMetaBlockBytes), file);
     add_pass(kMetaBlockChecksums, [&] { read_block_checksums(m); });
+  } else if (m.has(kMetaChecksumSeal)) {
+    throw FormatError(file + ": metadata " + std::string(kMetaChecksumSeal) + " without " +
+                      std::string(kMetaBlockChecksums) + ": a seal of no block checksums");
   }
   const auto errors = detail::run_jobs(
       passes.size(), [&](size_t i) { passes[i](); },
@@ -382,6 +414,7 @@ ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& fil
   }
   set_global_shapes(h, globals, m.has(kMetaGlobalShapes), file);
   detail::rethrow_first(errors);
+  if (m.has(kMetaBlockChecksums)) check_seal(m);
   read_rank(m);
   h.raw = std::move(raw);
   return h;

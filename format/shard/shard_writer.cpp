@@ -244,9 +244,11 @@ uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> te
   };
   constexpr size_t kChecksumsEntry = 7;
   constexpr size_t kBlockChecksumsEntry = 8;
+  constexpr size_t kSealEntry = 10;
   if (block > 0) {
     md.emplace_back(std::string(kMetaBlockChecksums), std::move(block_sums.text));
     md.emplace_back(std::string(kMetaBlockBytes), std::to_string(block));
+    md.emplace_back(std::string(kMetaChecksumSeal), format_checksum(0));  // patched below
   }
   for (const auto& [k, v] : options.metadata) md.emplace_back(k, v);
   auto metadata = [&](std::span<const uint64_t>) { return std::move(md); };
@@ -258,12 +260,17 @@ uint64_t write_shard_file(const std::string& path, std::vector<TensorToWrite> te
     }
     if (block == 0) return;
     base = header.data() + value_offsets[kBlockChecksumsEntry];
+    ChecksumSeal seal;
     for (size_t e = 0; e < block_sums.entry.size(); ++e) {
-      const std::vector<uint64_t>& blocks = written.block_checksums[order[block_sums.entry[e]]];
+      const size_t idx = order[block_sums.entry[e]];
+      const std::vector<uint64_t>& blocks = written.block_checksums[idx];
       for (size_t b = 0; b < blocks.size(); ++b) {
         write_checksum_digits(base + block_sums.digits[e] + kChecksumDigits * b, blocks[b]);
       }
+      seal.add(written.checksums[idx], blocks);
     }
+    write_checksum_digits(header.data() + value_offsets[kSealEntry] + kChecksumPrefix.size(),
+                          seal.digest());
   };
 
   const RawWriteResult r = write_safetensors_file(path, raw, metadata, options, order, patch);

@@ -50,7 +50,9 @@ class CheckpointReader {
   // rows one stored piece holds exactly is a zero-copy view of a private mapping of the file
   // instead: faster, verified at load time, but a live view of the file's pages afterwards: a
   // change made to the file in place later shows through it, and truncating the file while the
-  // tensor lives and then touching it raises SIGBUS (as with torch.load(mmap=True)). load_into
+  // tensor lives and then touching it raises SIGBUS (as with torch.load(mmap=True)). Each load
+  // maps the file anew (copy-on-write): a write through a loaded tensor changes neither the file
+  // nor a tensor of another load, and a later load verifies the file as it is. load_into
   // always reads owned memory, so a destination only ever gets bytes its load verified.
   explicit CheckpointReader(const std::string& directory, bool mmap = false);
   ~CheckpointReader();
@@ -89,7 +91,12 @@ class CheckpointReader {
   void load_into(torch::jit::Module& module, const LoadOptions& options = {}) const;
   // Same for a C++ frontend module (its named_parameters() and named_buffers(), recursively).
   void load_into(torch::nn::Module& module, const LoadOptions& options = {}) const;
-  // Same for any set of named destinations, copied into in place.
+  // Same for any set of named destinations, copied into in place. Every destination is checked
+  // before anything is read: defined, dense, not meta (no memory to load into), inside its
+  // storage, no two of its elements sharing memory, and no two destinations sharing memory (one
+  // tensor under two names included); errors name the destination. The module overloads take a
+  // tensor registered under several names (tied weights) as one destination: written once, and
+  // only when the checkpoint holds the same values under every one of its names.
   void load_into(const std::map<std::string, at::Tensor>& targets,
                  const LoadOptions& options = {}) const;
   // Replaces the weights of an AOTInductor package (torch._inductor.aoti_compile_and_package)
@@ -103,10 +110,19 @@ class CheckpointReader {
                  const LoadOptions& options = {}) const;
 
  private:
+  // A second name (key) of a destination (value) that is the same tensor: tied weights.
+  using Tied = std::map<std::string, std::string>;
   // The checks and reads of load_into: each shared name's tensor on its target's device and
-  // dtype; throws before reading anything when names (strict) or shapes disagree.
+  // dtype; throws before reading anything when names (strict) or shapes disagree. A tied name
+  // counts as present; its stored values must equal (bit for bit, cast) the others of its tensor,
+  // and stand for them where the checkpoint holds only the tied name.
   std::vector<std::pair<std::string, at::Tensor>> read_for(
-      const std::map<std::string, at::Tensor>& targets, const LoadOptions& options) const;
+      const std::map<std::string, at::Tensor>& targets, const LoadOptions& options,
+      const Tied& tied = {}) const;
+  // load_into of destinations written in place: every destination checked, then read_for, then
+  // the copies.
+  void write_into(const std::map<std::string, at::Tensor>& targets, const Tied& tied,
+                  const LoadOptions& options) const;
 
   struct Impl;
   // impl_, or a c10::Error when this reader was moved from.

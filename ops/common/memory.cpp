@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
 #include <utility>
+#include <vector>
 
 namespace fsdp_ema::ops {
 namespace {
@@ -181,6 +183,47 @@ class OverlapFinder {
   std::vector<Extent> extents_;
 };
 
+// Whether two elements of the strided tensor t share memory. torch answers where it can (a zero
+// stride over more than one element: yes; non-overlapping and dense: no) and calls the rest "too
+// hard" (a transposed slice, as_strided((100, 8), (1, 1))): then no when each dimension, by
+// increasing stride, steps past everything the smaller ones reach (every slice and permutation of
+// a dense tensor); else an element map of the memory it spans (exact; nullopt: more than
+// kMaxMappedBytes elements to map). Called on tensors inside their storage.
+std::optional<bool> self_overlap(const at::Tensor& t) {
+  switch (at::has_internal_overlap(t)) {
+    case at::MemOverlap::Yes:
+      return true;
+    case at::MemOverlap::No:
+      return false;
+    case at::MemOverlap::TooHard:
+      break;
+  }
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (|stride|, size) of dims of 2+ elements
+  for (const auto d : c10::irange(t.dim())) {
+    if (t.size(d) > 1) dims.emplace_back(std::abs(t.stride(d)), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 0;  // how far (in elements) the smaller dimensions reach
+  bool separated = true;
+  for (const auto& [stride, size] : dims) {
+    separated = separated && stride > reach;
+    reach += stride * (size - 1);
+  }
+  if (separated) return false;
+  const auto [lo, hi] = element_span(t);
+  if (static_cast<uint64_t>(hi - lo) >= kMaxMappedBytes) return std::nullopt;
+  std::vector<bool> used(static_cast<size_t>(hi - lo + 1), false);
+  const auto base = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  const auto size = static_cast<intptr_t>(t.element_size());
+  bool shared = false;
+  for_each_element(t, [&](uintptr_t p) {
+    const auto k = static_cast<size_t>((static_cast<intptr_t>(p - base)) / size - lo);
+    shared = shared || used[k];
+    used[k] = true;
+  });
+  return shared;
+}
+
 }  // namespace
 
 void check_strided(const char* op, const at::Tensor& t, const Label& label, size_t index) {
@@ -200,9 +243,13 @@ void check_in_storage(const char* op, const at::Tensor& t, const Label& label, s
               " (was the storage resized under the tensor?); writing or reading it would run "
               "past the end");
   if (written) {
-    TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, label(index),
-                " has internally overlapping memory (an expanded tensor?) and cannot be "
-                "written in place");
+    const std::optional<bool> shared = self_overlap(t);
+    TORCH_CHECK(shared.has_value(), op, "cannot check that no two elements of ", label(index),
+                " share memory: its strides interleave over more than ", kMaxMappedBytes,
+                " elements; pass a contiguous tensor");
+    TORCH_CHECK(!*shared, op, label(index),
+                " has internally overlapping memory (two of its elements share memory: an "
+                "expanded or as_strided view?) and cannot be written in place");
   }
 }
 
@@ -247,6 +294,22 @@ std::vector<int64_t> overlapping(TensorList tensors) {
     if (hit[i]) out.push_back(static_cast<int64_t>(i));
   }
   return out;
+}
+
+std::vector<int64_t> overlapping_destinations(TensorList tensors,
+                                              const std::vector<std::string>& names) {
+  constexpr const char* kOp = "fsdp_ema::overlapping: ";
+  TORCH_CHECK(names.empty() || names.size() == tensors.size(), kOp, "names has ", names.size(),
+              " entries but tensors has ", tensors.size());
+  const Label label = [&](size_t i) {
+    return "tensors[" + std::to_string(i) + "]" + (names.empty() ? "" : " ('" + names[i] + "')");
+  };
+  for (const auto i : c10::irange(tensors.size())) {
+    TORCH_CHECK(tensors[i].defined(), kOp, label(i), " is an undefined tensor");
+    check_strided(kOp, tensors[i], label, i);
+    check_in_storage(kOp, tensors[i], label, i, /*written=*/true);
+  }
+  return overlapping(tensors);
 }
 
 void bump_versions(TensorList tensors) {

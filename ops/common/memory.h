@@ -22,8 +22,10 @@ void check_strided(const char* op, const at::Tensor& t, const Label& label, size
 
 // Every element of the (real, strided) tensor t lies inside its storage (a storage shrunk under
 // the tensor with untyped_storage().resize_() would have us run past its end and corrupt the
-// heap) and, when `written`, no two of its elements share memory (an expanded tensor). Throws
-// "<op><label> ..." otherwise.
+// heap) and, when `written`, no two of its elements share memory: exact, for expanded tensors and
+// for views torch calls too hard to decide (as_strided((100, 8), (1, 1))); a view whose strides
+// interleave over more than 2^31 elements is refused as undecidable. Throws "<op><label> ..."
+// otherwise.
 void check_in_storage(const char* op, const at::Tensor& t, const Label& label, size_t index,
                       bool written);
 
@@ -38,6 +40,11 @@ void check_no_overlap(const char* op, TensorList written, const Label& written_l
 // Indices of the tensors of `tensors` that share memory with another of them (tied weights), in
 // increasing order: the same exact rule, reported instead of thrown.
 std::vector<int64_t> overlapping(TensorList tensors);
+// The overlapping op: the destinations of a load, each first checked as memory the load will
+// write (check_strided, check_in_storage with `written`; errors name "tensors[i] ('names[i]')"),
+// then overlapping(tensors). `names` empty, or one per tensor.
+std::vector<int64_t> overlapping_destinations(TensorList tensors,
+                                              const std::vector<std::string>& names);
 
 // Bumps the autograd version counter of every tensor, as torch's in-place ops do, so that a
 // tensor saved for backward and then written by us makes backward raise instead of computing

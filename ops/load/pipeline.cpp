@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <array>
 #include <cstdlib>
+#include <functional>
+#include <unordered_map>
 #include <utility>
 
 #include "fsdp_ema/format/read_exec.h"
@@ -239,7 +241,7 @@ void read_to_host(const format::CheckpointDir& dir, const LoadPlan& plan,
                   std::span<const size_t> which, std::span<std::byte* const> dst, bool verify) {
   const Requests r = requests_for(dir, plan, which);
   const format::ReadPlan p = dir.plan(r.requests, r.dst_bytes, {verify, nullptr});
-  format::execute_reads(p, dst, {read_threads(), false});
+  format::execute_reads(p, dst, {read_threads(), nullptr});
 }
 
 // Runs a plan onto contiguous tensors of one non-CPU device (dst[i] for destination i) through
@@ -277,17 +279,42 @@ const format::StoredPiece* exact_piece(const format::CheckpointDir& dir, const L
   return nullptr;
 }
 
-// A zero-copy view of `piece`'s bytes in its file's mapping (undefined where the mapping does not
-// hold them aligned for the dtype); `owner` is kept alive by the view.
-template <typename Owner>
-at::Tensor mapped_view(const format::ShardFile& file, const format::TensorInfo& info,
-                       std::vector<int64_t> shape, const Owner& owner) {
+// The mappings of one zero-copy load: each file it views mapped once, by this load alone
+// (ShardFile::map), so that a write through one load's tensors reaches no other load's, nor the
+// bytes a later load verifies.
+class LoadMappings {
+ public:
+  const std::shared_ptr<const format::ShardMapping>& of(const format::ShardFile& file) {
+    std::shared_ptr<const format::ShardMapping>& m = maps_[&file];
+    if (!m) m = file.map();
+    return m;
+  }
+  // The mapping of a file mapped already (no insertion: safe on several threads).
+  const std::shared_ptr<const format::ShardMapping>& lookup_existing(
+      const format::ShardFile& file) const {
+    return maps_.at(&file);
+  }
+  // The same, for execute_reads.
+  std::function<const format::ShardMapping&(const format::ShardFile&)> lookup() const {
+    return [this](const format::ShardFile& file) -> const format::ShardMapping& {
+      return *lookup_existing(file);
+    };
+  }
+
+ private:
+  std::unordered_map<const format::ShardFile*, std::shared_ptr<const format::ShardMapping>> maps_;
+};
+
+// A zero-copy view of a tensor's bytes in `mapping` (undefined where the mapping does not hold
+// them aligned for the dtype), which the view keeps alive.
+at::Tensor mapped_view(const std::shared_ptr<const format::ShardMapping>& mapping,
+                       const format::TensorInfo& info, std::vector<int64_t> shape) {
   if (info.nbytes == 0) return {};
-  const auto bytes = file.data(info);
+  const auto bytes = mapping->data(info);
   if (reinterpret_cast<uintptr_t>(bytes.data()) % format::dtype_size(info.dtype) != 0) return {};
   const auto options = at::TensorOptions().dtype(to_scalar_type(info.dtype));
   return at::from_blob(
-      const_cast<std::byte*>(bytes.data()), shape, [owner](void*) {}, options);
+      const_cast<std::byte*>(bytes.data()), shape, [mapping](void*) {}, options);
 }
 
 }  // namespace
@@ -318,16 +345,22 @@ std::vector<at::Tensor> read_fresh(const std::shared_ptr<const format::Checkpoin
     }
     return out;
   }
-  // Zero-copy views (opt-in) where one piece holds exactly the item, verified through the
-  // mapping; owned tensors for the rest. Allocations on torch's threads: a load of 200,000 small
-  // tensors is 200,000 of them.
+  // Zero-copy views (opt-in) where one piece holds exactly the item, of this load's own mappings
+  // and verified through them; owned tensors for the rest. Allocations on torch's threads: a load
+  // of 200,000 small tensors is 200,000 of them.
+  LoadMappings maps;
+  std::vector<const format::StoredPiece*> exact(plan.size(), nullptr);
+  if (mmap) {
+    for (size_t i = 0; i < plan.size(); ++i) {
+      exact[i] = exact_piece(*dir, plan[i]);
+      if (exact[i] != nullptr && exact[i]->info->nbytes > 0) maps.of(*exact[i]->file);
+    }
+  }
   std::vector<char> mapped(plan.size(), 0);
   at::parallel_for(0, static_cast<int64_t>(plan.size()), 4096, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      if (mmap) {
-        if (const format::StoredPiece* p = exact_piece(*dir, plan[i])) {
-          out[i] = mapped_view(*p->file, *p->info, item_shape(*dir, plan[i]), dir);
-        }
+      if (const format::StoredPiece* p = exact[i]; p != nullptr && p->info->nbytes > 0) {
+        out[i] = mapped_view(maps.lookup_existing(*p->file), *p->info, item_shape(*dir, plan[i]));
       }
       mapped[i] = out[i].defined();
       if (!mapped[i]) out[i] = empty_for_read(item_shape(*dir, plan[i]), item_dtype(*dir, plan[i]));
@@ -339,7 +372,7 @@ std::vector<at::Tensor> read_fresh(const std::shared_ptr<const format::Checkpoin
     const Requests r = requests_for(*dir, plan, views);
     const std::vector<std::byte*> none(views.size(), nullptr);
     format::execute_reads(dir->plan(r.requests, r.dst_bytes, {verify, nullptr}), none,
-                          {read_threads(), /*mapped=*/true});
+                          {read_threads(), maps.lookup()});
   }
   std::vector<std::byte*> dst;
   dst.reserve(owned.size());
@@ -441,7 +474,7 @@ std::vector<at::Tensor> read_file(const std::shared_ptr<const format::ShardFile>
         one.read_bytes += unit.length;
       }
       dst[i] = static_cast<std::byte*>(host.data_ptr());
-      format::execute_reads(one, dst, {read_threads(), false});
+      format::execute_reads(one, dst, {read_threads(), nullptr});
       dst[i] = nullptr;
       out[i] = host.to(device);
     }
@@ -449,8 +482,10 @@ std::vector<at::Tensor> read_file(const std::shared_ptr<const format::ShardFile>
   }
   std::vector<std::byte*> dst(infos.size(), nullptr);
   bool any_view = false;
+  LoadMappings maps;  // this load's own mapping of the file
   for (size_t i = 0; i < infos.size(); ++i) {
-    if (mmap) out[i] = mapped_view(*file, infos[i], shape_of(infos[i]), file);
+    if (mmap && infos[i].nbytes > 0)
+      out[i] = mapped_view(maps.of(*file), infos[i], shape_of(infos[i]));
     if (out[i].defined()) {
       any_view = true;
       continue;
@@ -460,7 +495,7 @@ std::vector<at::Tensor> read_file(const std::shared_ptr<const format::ShardFile>
   }
   const format::ReadPlan plan = format::plan_file_reads(*file, verify);
   if (!any_view) {
-    format::execute_reads(plan, dst, {read_threads(), false});
+    format::execute_reads(plan, dst, {read_threads(), nullptr});
     return out;
   }
   // Views are verified through the mapping, owned tensors as they are read.
@@ -469,8 +504,8 @@ std::vector<at::Tensor> read_file(const std::shared_ptr<const format::ShardFile>
   const format::ReadPlan owned =
       format::select_destinations(plan, [&](size_t d) { return dst[d] != nullptr; });
   const std::vector<std::byte*> none(infos.size(), nullptr);
-  format::execute_reads(views, none, {read_threads(), /*mapped=*/true});
-  format::execute_reads(owned, dst, {read_threads(), false});
+  format::execute_reads(views, none, {read_threads(), maps.lookup()});
+  format::execute_reads(owned, dst, {read_threads(), nullptr});
   return out;
 }
 

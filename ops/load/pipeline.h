@@ -63,9 +63,10 @@ at::Tensor empty_for_read(c10::IntArrayRef shape, at::ScalarType dtype);
 // The plan's tensors, fresh: CPU tensors the caller owns, read and verified in one pass; on a
 // CUDA device through the two staging buffers (each block verified before it is copied); on other
 // devices one tensor at a time through the CPU. With mmap (CPU, opt-in), an item one stored piece
-// holds exactly is instead a zero-copy view of a private mapping of its file (verified through
-// the mapping at load time; a live view of the file: changes to the file afterwards show through,
-// and truncating it then touching the view raises SIGBUS), which keeps `dir` open.
+// holds exactly is instead a zero-copy view of a private mapping of its file that this call made
+// (ShardFile::map; verified through it at load time; a live view of the file: changes to the file
+// afterwards show through, and truncating it then touching the view raises SIGBUS), which the
+// view keeps alive. No two calls share a mapping: a write through one's tensors reaches no other.
 std::vector<at::Tensor> read_fresh(const std::shared_ptr<const format::CheckpointDir>& dir,
                                    const LoadPlan& plan, bool verify,
                                    std::optional<at::Device> device, bool mmap);

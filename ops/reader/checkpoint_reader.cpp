@@ -1,6 +1,6 @@
 // include/fsdp_ema/checkpoint.h on top of format::CheckpointDir.
-#include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/equal.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
@@ -8,12 +8,16 @@
 
 #include <map>
 #include <sstream>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "fsdp_ema/checkpoint.h"
 #include "fsdp_ema/format/checkpoint_dir.h"
 #include "fsdp_ema/format/error.h"
 #include "fsdp_ema/format/rows.h"
 #include "ops/common/format_bridge.h"
+#include "ops/common/memory.h"
 #include "ops/load/pipeline.h"
 
 namespace fsdp_ema {
@@ -33,10 +37,36 @@ std::string join_names(const std::vector<std::string>& names, size_t limit = 20)
   return os.str();
 }
 
+// A module's destinations by name: a tensor registered under several names (tied weights) is
+// one destination under its first name, its other names (tied) mapped to that one.
+std::pair<std::map<std::string, at::Tensor>, std::map<std::string, std::string>> untie(
+    const std::vector<std::pair<std::string, at::Tensor>>& named) {
+  std::map<std::string, at::Tensor> all(named.begin(), named.end());  // the first of a name wins
+  std::map<std::string, at::Tensor> targets;
+  std::map<std::string, std::string> tied;
+  std::unordered_map<const c10::TensorImpl*, const std::string*> first;
+  for (const auto& [name, t] : all) {
+    const auto [it, fresh] = first.emplace(t.unsafeGetTensorImpl(), &name);
+    if (!t.defined() || fresh) {
+      targets.emplace_hint(targets.end(), name, t);
+    } else {
+      tied.emplace_hint(tied.end(), name, *it->second);
+    }
+  }
+  return {std::move(targets), std::move(tied)};
+}
+
+// Bit for bit the same values (0-dim and bool included; NaN equals itself).
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  auto bytes = [](const at::Tensor& t) { return t.contiguous().reshape({-1}).view(at::kByte); };
+  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() &&
+         at::equal(bytes(a), bytes(b));
+}
+
 }  // namespace
 
 struct CheckpointReader::Impl {
-  std::shared_ptr<const format::CheckpointDir> owner;  // also kept by zero-copy tensors
+  std::shared_ptr<const format::CheckpointDir> owner;
   const format::CheckpointDir& dir;
   bool mmap;
 };
@@ -117,46 +147,69 @@ size_t CheckpointReader::verify_all() const {
 
 void CheckpointReader::load_into(torch::jit::Module& module, const LoadOptions& options) const {
   // Every destination (parameters, then buffers), by dotted name.
-  std::map<std::string, at::Tensor> targets;
-  for (const auto& p : module.named_parameters(/*recurse=*/true)) targets.emplace(p.name, p.value);
-  for (const auto& b : module.named_buffers(/*recurse=*/true)) targets.emplace(b.name, b.value);
-  load_into(targets, options);
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (const auto& p : module.named_parameters(/*recurse=*/true))
+    named.emplace_back(p.name, p.value);
+  for (const auto& b : module.named_buffers(/*recurse=*/true)) named.emplace_back(b.name, b.value);
+  auto [targets, tied] = untie(named);
+  write_into(targets, tied, options);
 }
 
 void CheckpointReader::load_into(torch::nn::Module& module, const LoadOptions& options) const {
-  std::map<std::string, at::Tensor> targets;
+  std::vector<std::pair<std::string, at::Tensor>> named;
   for (const auto& p : module.named_parameters(/*recurse=*/true))
-    targets.emplace(p.key(), p.value());
-  for (const auto& b : module.named_buffers(/*recurse=*/true)) targets.emplace(b.key(), b.value());
-  load_into(targets, options);
+    named.emplace_back(p.key(), p.value());
+  for (const auto& b : module.named_buffers(/*recurse=*/true))
+    named.emplace_back(b.key(), b.value());
+  auto [targets, tied] = untie(named);
+  write_into(targets, tied, options);
 }
 
 void CheckpointReader::load_into(const std::map<std::string, at::Tensor>& targets,
                                  const LoadOptions& options) const {
-  // Every destination checked and every tensor read (and verified) before the first write, so a
-  // bad destination or a bad file leaves the module as it was.
-  const auto values = read_for(targets, options);
+  write_into(targets, {}, options);
+}
+
+void CheckpointReader::write_into(const std::map<std::string, at::Tensor>& targets,
+                                  const Tied& tied, const LoadOptions& options) const {
+  // Every destination checked (the rules of every in-place op: ops/common/memory.h) and every
+  // tensor read (and verified) before the first write, so a bad destination or a bad file leaves
+  // the module as it was.
+  const std::string op = std::string(kWhere) + "cannot load " + directory() + ": ";
+  std::vector<at::Tensor> tensors;
+  std::vector<const std::string*> names;
+  for (const auto& [name, target] : targets) {
+    tensors.push_back(target);
+    names.push_back(&name);
+  }
+  const ops::Label label = [&](size_t i) { return "destination '" + *names[i] + "'"; };
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(t.defined(), op, label(i), " is an undefined tensor");
+    ops::check_strided(op.c_str(), t, label, i);
+    TORCH_CHECK(!t.is_meta(), op, label(i),
+                " is a meta tensor, which has no memory to load into; pass a tensor on a device");
+    ops::check_in_storage(op.c_str(), t, label, i, /*written=*/true);
+    TORCH_CHECK(!t.is_inference() || c10::InferenceMode::is_enabled(), op, label(i),
+                " is an inference tensor, which only an InferenceMode scope may write; load "
+                "inside one (c10::InferenceMode guard;) or into a tensor made outside it");
+  }
+  // Sorted extents: n log n in the destinations, exact for interleaved views.
+  ops::check_no_overlap(op.c_str(), tensors, label, {}, label,
+                        "; no two destinations may share memory (a tensor under two names: "
+                        "load it under one)");
+  const auto values = read_for(targets, options, tied);
   const at::NoGradGuard no_grad;
   for (const auto& [name, value] : values) targets.at(name).copy_(value);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> CheckpointReader::read_for(
-    const std::map<std::string, at::Tensor>& targets, const LoadOptions& options) const {
+    const std::map<std::string, at::Tensor>& targets, const LoadOptions& options,
+    const Tied& tied) const {
   std::vector<std::string> missing, unexpected, misshaped;
-  for (const auto& [name, target] : targets) {
-    // What copy_ would refuse only once earlier destinations were written.
+  auto check_name = [&](const std::string& name, const at::Tensor& target) {
     TORCH_CHECK(target.defined(), kWhere, "cannot load ", directory(), ": destination '", name,
                 "' is an undefined tensor");
-    TORCH_CHECK(target.layout() == at::kStrided, kWhere, "cannot load ", directory(),
-                ": destination '", name, "' is a ", target.layout(), " tensor; it must be dense");
-    TORCH_CHECK(at::has_internal_overlap(target) != at::MemOverlap::Yes, kWhere, "cannot load ",
-                directory(), ": destination '", name,
-                "' has elements that share memory (an "
-                "expanded tensor); load into a tensor of its own");
-    TORCH_CHECK(!target.is_inference() || c10::InferenceMode::is_enabled(), kWhere, "cannot load ",
-                directory(), ": destination '", name,
-                "' is an inference tensor, which only an InferenceMode scope may write; load "
-                "inside one (c10::InferenceMode guard;) or into a tensor made outside it");
     const format::IndexTensor* info = impl().dir.find(name);
     if (info == nullptr) {
       missing.push_back(name);
@@ -167,9 +220,11 @@ std::vector<std::pair<std::string, at::Tensor>> CheckpointReader::read_for(
          << target.sizes() << ")";
       misshaped.push_back(os.str());
     }
-  }
+  };
+  for (const auto& [name, target] : targets) check_name(name, target);
+  for (const auto& [alias, name] : tied) check_name(alias, targets.at(name));
   for (const auto& t : impl().dir.tensors()) {
-    if (targets.count(t.name) == 0) unexpected.push_back(t.name);
+    if (targets.count(t.name) == 0 && tied.count(t.name) == 0) unexpected.push_back(t.name);
   }
   std::ostringstream problems;
   if (!misshaped.empty()) problems << " shape mismatch: " << join_names(misshaped) << ";";
@@ -184,16 +239,26 @@ std::vector<std::pair<std::string, at::Tensor>> CheckpointReader::read_for(
   // copy into the destination, after its verification (another process's write in between would
   // reach the module unverified). Each value is hashed in the pass that read it.
   const Impl& r = impl();
-  std::vector<std::pair<std::string, at::Tensor>> values;
-  for (const auto& [name, target] : targets) {
-    if (r.dir.find(name) == nullptr) continue;
+  auto read = [&](const std::string& name, const at::Tensor& target) {
     at::Tensor value = translate([&] {
       return ops::read_fresh(r.owner, ops::plan_rows(r.dir, {name}, 0, 1), options.verify,
                              target.device(), /*mmap=*/false)[0];
     });
-    values.emplace_back(name, value.to(target.dtype()));
+    return value.to(target.dtype());
+  };
+  std::map<std::string, at::Tensor> values;
+  for (const auto& [name, target] : targets) {
+    if (r.dir.find(name) != nullptr) values.emplace(name, read(name, target));
   }
-  return values;
+  for (const auto& [alias, name] : tied) {
+    if (r.dir.find(alias) == nullptr) continue;
+    const at::Tensor value = read(alias, targets.at(name));
+    const auto [it, first] = values.emplace(name, value);
+    TORCH_CHECK(first || same_bits(it->second, value), kWhere, "cannot load ", directory(), ": '",
+                alias, "' is the same tensor as '", name,
+                "' (tied) but the checkpoint holds other values under the two names");
+  }
+  return {values.begin(), values.end()};
 }
 
 }  // namespace fsdp_ema

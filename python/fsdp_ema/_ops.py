@@ -168,9 +168,11 @@ def dtypes() -> str:
     return torch.ops.fsdp_ema.dtypes()
 
 
-def overlapping(tensors: list[torch.Tensor]) -> list[int]:
-    """Indices of the tensors that share memory with another of them (ops/common/memory.h)."""
-    return torch.ops.fsdp_ema.overlapping(tensors)
+def overlapping(tensors: list[torch.Tensor], names: list[str] | None = None) -> list[int]:
+    """Indices of the tensors that share memory with another of them, each first checked as
+    memory a load writes (dense, inside its storage, no two of its own elements sharing memory);
+    errors name ``names[i]`` (ops/common/memory.h)."""
+    return torch.ops.fsdp_ema.overlapping(tensors, names or [])
 
 
 # --- post-hoc EMA ---------------------------------------------------------------------------------

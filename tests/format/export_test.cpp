@@ -103,7 +103,8 @@ TEST_F(Export, OneFileHoldsEveryFullTensor) {
     EXPECT_EQ(info.dtype, t.dtype);
     EXPECT_EQ(info.shape, t.shape);
     EXPECT_EQ(info.data_offset % dtype_size(t.dtype), 0u);
-    const auto bytes = f.data(info);
+    const auto mapping = f.map();
+    const auto bytes = mapping->data(info);
     EXPECT_TRUE(std::equal(bytes.begin(), bytes.end(), t.data.begin(), t.data.end())) << t.name;
     total += t.data.size();
   }
@@ -138,7 +139,8 @@ TEST_F(Export, SplitsAboveTheSizeLimitWithAHuggingFaceIndex) {
   for (const auto& t : model_) {
     const std::string file = map.at(t.name);
     const ShardFile f = ShardFile::open(out + "/" + file);
-    const auto bytes = f.data(t.name);
+    const auto mapping = f.map();
+    const auto bytes = mapping->data(f.tensor(t.name));
     EXPECT_TRUE(std::equal(bytes.begin(), bytes.end(), t.data.begin(), t.data.end())) << t.name;
   }
   for (const std::string& file : r.files) {
@@ -162,7 +164,8 @@ TEST_F(Export, CastsFloatingTensorsAndKeepsIntegers) {
     const TensorInfo& info = f.tensor(t.name);
     const bool castable = can_cast(t.dtype, DType::kBF16);
     EXPECT_EQ(info.dtype, castable ? DType::kBF16 : t.dtype) << t.name;
-    const auto bytes = f.data(info);
+    const auto mapping = f.map();
+    const auto bytes = mapping->data(info);
     if (!castable) {
       EXPECT_TRUE(std::equal(bytes.begin(), bytes.end(), t.data.begin(), t.data.end()));
       continue;

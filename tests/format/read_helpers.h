@@ -24,7 +24,7 @@ inline void read_request(const CheckpointDir& ckpt, const ReadRequest& q, void* 
   std::byte* d = static_cast<std::byte*>(dst);
   const uint64_t bytes = dst_bytes;
   const ReadPlan plan = ckpt.plan(std::span(&q, 1), std::span(&bytes, 1), {verify, {}});
-  execute_reads(plan, std::span(&d, 1), {threads, false});
+  execute_reads(plan, std::span(&d, 1), {threads, nullptr});
 }
 
 // Rows [row_begin, row_end) of dim 0.

@@ -89,7 +89,7 @@ std::vector<std::vector<std::byte>> read_rank(const CheckpointDir& ckpt,
   if (read_bytes != nullptr) *read_bytes = plan.read_bytes;
   std::vector<std::byte*> dst;
   for (auto& g : got) dst.push_back(g.data());
-  execute_reads(plan, dst, {threads, false});
+  execute_reads(plan, dst, {threads, nullptr});
   return got;
 }
 

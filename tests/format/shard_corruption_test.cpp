@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 
 #include <map>
+#include <optional>
 
 #include "fsdp_ema/format/checksum.h"
 #include "fsdp_ema/format/safetensors_header.h"
@@ -237,8 +238,10 @@ TEST_F(ShardCorruption, InconsistentFsdpEmaMetadataIsRefused) {
 }
 
 // The block-checksum extension (#33): both keys or neither, a power-of-two block size in range,
-// exactly the tensors of more than one block listed, 16 lowercase hex digits per block; a
-// consistent set opens, and a wrong block is a mismatch naming the block.
+// exactly the tensors of more than one block listed, 16 lowercase hex digits per block, and (#41)
+// their seal, which binds them to the checksums: a consistent set opens, a wrong block is a
+// mismatch naming the block, a seal of other checksums is refused before any data is read, and
+// block checksums without a seal (written before it) are not used.
 TEST_F(ShardCorruption, InconsistentBlockChecksumsAreRefused) {
   const std::string tensors = R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
                               R"("b":{"dtype":"F32","shape":[32],"data_offsets":[8,136]})";
@@ -247,6 +250,15 @@ TEST_F(ShardCorruption, InconsistentBlockChecksumsAreRefused) {
   const std::string sum_a = format_checksum(checksum_of(ab.data(), 8));
   const std::string sum_b = format_checksum(checksum_of(ab.data(), 128));
   const std::string block = hex(checksum_of(ab.data(), 64));  // both blocks of b are alike
+  auto blocks = [&](const std::string& second, std::optional<uint64_t> sealed_second = {}) {
+    const uint64_t first = checksum_of(ab.data(), 64);
+    ChecksumSeal seal;
+    const uint64_t b[2] = {first, sealed_second.value_or(*parse_checksum_digits(second))};
+    seal.add(checksum_of(ab.data(), 128), b);
+    return R"(,"fsdp_ema_checksum_block_bytes":"64","fsdp_ema_block_checksums":"{\"b\":\")" +
+           block + second + R"(\"}","fsdp_ema_checksum_seal":")" + format_checksum(seal.digest()) +
+           "\"";
+  };
   auto file = [&](const std::string& extra) {
     return "{\"__metadata__\":{"
            R"("fsdp_ema_format_version":"1","fsdp_ema_rank":"0","fsdp_ema_world_size":"1",)"
@@ -279,9 +291,14 @@ TEST_F(ShardCorruption, InconsistentBlockChecksumsAreRefused) {
       {R"(,"fsdp_ema_checksum_block_bytes":"64","fsdp_ema_block_checksums":"{\"b\":\")" + block +
            "ABCDEF0123456789" + R"(\"}")",
        "lowercase hex digits"},
+      {blocks("0000000000000000"), "checksum mismatch in block 1"},
+      {R"(,"fsdp_ema_checksum_seal":"xxh3-64:0000000000000000")",
+       "fsdp_ema_checksum_seal without fsdp_ema_block_checksums"},
       {R"(,"fsdp_ema_checksum_block_bytes":"64","fsdp_ema_block_checksums":"{\"b\":\")" + block +
-           "0000000000000000" + R"(\"}")",
-       "checksum mismatch in block 1"},
+           block + R"(\"}","fsdp_ema_checksum_seal":"xxh3-64:00")",
+       "metadata fsdp_ema_checksum_seal \"xxh3-64:00\" is not"},
+      // The blocks agree with the data but not with the seal: one kind changed without the other.
+      {blocks(block, uint64_t{1}), "disagree with each other"},
   };
   for (const Case& c : cases) {
     const std::string json = file(c.extra);
@@ -289,15 +306,21 @@ TEST_F(ShardCorruption, InconsistentBlockChecksumsAreRefused) {
                 AllOf(HasSubstr(bad_path()), HasSubstr(c.message)))
         << json;
   }
+  testing::write_bytes(bad_path(), raw_safetensors(file(blocks(block)), 136));
+  const ShardFile f = ShardFile::open(bad_path());
+  EXPECT_EQ(f.header().block_bytes, 64u);
+  EXPECT_EQ(f.tensor("b").block_checksums.size(), 2u);
+  // Unsealed: not used (a wrong block included); the checksums verify the tensors.
   testing::write_bytes(
       bad_path(),
       raw_safetensors(
           file(R"(,"fsdp_ema_checksum_block_bytes":"64","fsdp_ema_block_checksums":"{\"b\":\")" +
-               block + block + R"(\"}")"),
+               block + "0000000000000000" + R"(\"}")"),
           136));
-  const ShardFile f = ShardFile::open(bad_path());
-  EXPECT_EQ(f.header().block_bytes, 64u);
-  EXPECT_EQ(f.tensor("b").block_checksums.size(), 2u);
+  const ShardFile unsealed = ShardFile::open(bad_path());
+  EXPECT_EQ(unsealed.header().block_bytes, 0u);
+  EXPECT_TRUE(unsealed.tensor("b").block_checksums.empty());
+  EXPECT_TRUE(unsealed.verify("b"));
 }
 
 TEST_F(ShardCorruption, SpecialFilesAreRefusedWithoutBlocking) {

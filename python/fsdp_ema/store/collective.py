@@ -152,10 +152,12 @@ def _overlapping(targets: Sequence[LoadTarget]) -> set[str]:
     """Names of the destinations that share memory with another (tied weights in a state dict:
     two names, one tensor), which ``load_into_`` refuses as destinations of one call: they are
     filled by a copy instead. The rule is ops/common/memory.h's (the ``overlapping`` op): exact for
-    interleaved views, sorted extents."""
+    interleaved views, sorted extents. The op first checks that each destination is memory a load
+    can write (dense, inside its storage, no two of its own elements sharing memory), raising
+    with its name: this is where the ones filled by a copy are checked before any rank writes."""
     if not targets:
         return set()
-    tied = _ops.overlapping([t.dest for t in targets])
+    tied = _ops.overlapping([t.dest for t in targets], [t.name for t in targets])
     return {targets[i].name for i in tied}
 
 
@@ -200,7 +202,7 @@ def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
             check_dtype_kind(t.name, stored, t.dtype)
             if t.read is not None:
                 (in_place if _in_place(t, stored) else fresh).append(t)
-        shared = _overlapping(in_place)
+        shared = _overlapping(in_place + [t for t in fresh if t.dest is not None])
         if shared:
             fresh += [t for t in in_place if t.name in shared]
             in_place = [t for t in in_place if t.name not in shared]

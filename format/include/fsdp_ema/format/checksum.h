@@ -92,4 +92,18 @@ class TensorHasher {
   std::vector<uint64_t> blocks_;
 };
 
+// The seal of a shard file's block checksums (FORMAT.md §1.2), which binds them to the tensors'
+// checksums: XXH3-64 of, for every tensor of more than one block in file order, its checksum then
+// its block checksums, each as 8 bytes little-endian. The one place the rule is computed: the
+// writer seals, the header parse checks.
+class ChecksumSeal {
+ public:
+  // The next tensor of more than one block, in file order.
+  void add(uint64_t checksum, std::span<const uint64_t> blocks);
+  uint64_t digest() const { return hash_.digest(); }
+
+ private:
+  Checksummer hash_;
+};
+
 }  // namespace fsdp_ema::format

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -24,9 +25,10 @@ inline constexpr uint64_t kReadChunkBytes = uint64_t{8} << 20;
 struct ExecOptions {
   // Threads to read on (the caller's among them); 0: the machine's cores. One below two chunks.
   size_t threads = 0;
-  // Zero-copy opt-in: the units' bytes are verified where the files' mappings hold them
-  // (ShardFile::data) instead of read; destinations must all be null (nothing is placed).
-  bool mapped = false;
+  // Zero-copy opt-in: the mapping of each file the plan reads (ShardFile::map; the caller's, so
+  // that the bytes verified are the ones its views hold), where the units' bytes are verified
+  // instead of read; destinations must all be null (nothing is placed).
+  std::function<const ShardMapping&(const ShardFile&)> mapped;
 };
 
 // Runs the plan into host memory: dst[i] is destination i's first byte, or null to read and

@@ -17,6 +17,10 @@
 
 namespace fsdp_ema::format {
 
+namespace detail {
+class MappedFile;
+}  // namespace detail
+
 // Keys of our "__metadata__" (besides DCP's "format", "DCP_VERSION", "DCP_SHARDING_INFO").
 inline constexpr std::string_view kMetaFormatVersion = "fsdp_ema_format_version";
 inline constexpr std::string_view kMetaGlobalShapes = "fsdp_ema_global_shapes";
@@ -26,6 +30,9 @@ inline constexpr std::string_view kMetaChecksums = "fsdp_ema_checksums";
 // digits of every block's XXH3-64, concatenated.
 inline constexpr std::string_view kMetaBlockBytes = "fsdp_ema_checksum_block_bytes";
 inline constexpr std::string_view kMetaBlockChecksums = "fsdp_ema_block_checksums";
+// With them, the seal that binds the block checksums to the checksums (ChecksumSeal, checksum.h),
+// in the checksum text form. Block checksums without it (written before it) are not used.
+inline constexpr std::string_view kMetaChecksumSeal = "fsdp_ema_checksum_seal";
 inline constexpr std::string_view kMetaRank = "fsdp_ema_rank";
 inline constexpr std::string_view kMetaWorldSize = "fsdp_ema_world_size";
 inline constexpr std::string_view kMetaDcpShardingInfo = "DCP_SHARDING_INFO";
@@ -41,8 +48,26 @@ struct ShardHeader {
   bool fsdp_ema = false;            // has our metadata ("fsdp_ema_format_version")
   std::optional<int64_t> rank;
   std::optional<int64_t> world_size;
-  // The block size of the block-checksum extension; 0 when the file has none.
+  // The block size of the block-checksum extension; 0 when the file has none, or has them
+  // without their seal (they are then not used: its tensors are verified by their checksums).
   uint64_t block_bytes = 0;
+};
+
+// A private copy-on-write mapping of a whole shard file (ShardFile::map), valid while it lives:
+// zero-copy tensors are views of it and keep it alive. Every map() is a mapping of its own, so a
+// write through one mapping's bytes stays in it: it reaches neither the file, nor another
+// mapping (another load's tensors), nor what a later load reads and verifies.
+class ShardMapping {
+ public:
+  explicit ShardMapping(detail::MappedFile map);
+  ~ShardMapping();
+  ShardMapping(const ShardMapping&) = delete;
+  ShardMapping& operator=(const ShardMapping&) = delete;
+  // The tensor's bytes in this mapping (the tensor: one of the mapped file's).
+  std::span<const std::byte> data(const TensorInfo& tensor) const;
+
+ private:
+  std::unique_ptr<detail::MappedFile> map_;
 };
 
 // Interprets the metadata of a parsed header. Our keys are optional (any safetensors file reads),
@@ -57,9 +82,9 @@ ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& fil
 // or crash what was read, and a truncation during a read is a FormatError, never SIGBUS.
 // Descriptors come from a small process-wide cache (a reader of thousands of shard files needs no
 // descriptor headroom); a file reopened after eviction must still be the same inode, size and
-// mtime as at open, or the read is refused. Zero-copy access (data()) maps the file on first use:
-// an explicit opt-in with the usual mapping risk (truncating the file then touching the bytes
-// raises SIGBUS, as with torch.load(mmap=True) or safetensors' mapping). Move-only.
+// mtime as at open, or the read is refused. Zero-copy access (map()) maps the file: an explicit
+// opt-in with the usual mapping risk (truncating the file then touching the bytes raises SIGBUS,
+// as with torch.load(mmap=True) or safetensors' mapping). Move-only.
 class ShardFile {
  public:
   // Opens and validates the file; with verify_checksums, also checks every stored checksum.
@@ -82,10 +107,9 @@ class ShardFile {
   const std::map<std::string, std::string>& metadata() const;
   bool is_fsdp_ema() const;
 
-  // Zero-copy: the tensor's bytes inside a private copy-on-write mapping of the file, made on
-  // first call and valid while this object lives. Opt-in only (see the class comment).
-  std::span<const std::byte> data(const TensorInfo& tensor) const;
-  std::span<const std::byte> data(std::string_view name) const;
+  // Zero-copy: a new private copy-on-write mapping of the whole file (ShardMapping), valid
+  // while the returned object lives, this ShardFile or not. Opt-in only (see the class comment).
+  std::shared_ptr<const ShardMapping> map() const;
 
   // Reads `length` bytes from byte `offset` of the tensor's data into dst (pread); with `hash`,
   // also feeds them to it, block by block while they are in cache.
