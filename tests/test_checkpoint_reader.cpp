@@ -40,6 +40,18 @@ std::pair<int64_t, int64_t> chunk_rows(int64_t rows, int64_t rank, int64_t world
   return {begin, std::min(begin + cs, rows)};
 }
 
+// load_into(targets) raises an error that says `message`.
+void expect_load_into_refused(const fsdp_ema::CheckpointReader& reader,
+                              const std::map<std::string, at::Tensor>& targets,
+                              const std::string& message) {
+  try {
+    reader.load_into(targets);
+    FAIL() << "no error for " << message;
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr(message));
+  }
+}
+
 std::map<std::string, at::Tensor> reference() {
   at::manual_seed(7);
   return {{"emb", at::randn({13, 6})},
@@ -202,12 +214,7 @@ TEST(CheckpointReader, LoadIntoChecksEveryDestinationBeforeTheFirstWrite) {
        "destination 'tiny' is an inference tensor"},
   };
   for (const auto& [targets, message] : bad) {
-    try {
-      reader.load_into(targets);
-      FAIL() << "no error for " << message;
-    } catch (const c10::Error& e) {
-      EXPECT_THAT(e.what_without_backtrace(), HasSubstr(message));
-    }
+    expect_load_into_refused(reader, targets, message);
     for (const auto& [name, t] : fine) {
       EXPECT_EQ(t.count_nonzero().item<int64_t>(), 0) << name << " was written";
     }
@@ -332,12 +339,7 @@ TEST(CheckpointReader, LoadIntoRefusesOverlappingAndMetaDestinations) {
        "destination 'b' is a meta tensor"},
   };
   for (const auto& [targets, message] : bad) {
-    try {
-      reader.load_into(targets);
-      FAIL() << "no error for " << message;
-    } catch (const c10::Error& e) {
-      EXPECT_THAT(e.what_without_backtrace(), HasSubstr(message));
-    }
+    expect_load_into_refused(reader, targets, message);
     EXPECT_EQ(buffer.count_nonzero().item<int64_t>(), 0) << message << ": written";
     EXPECT_EQ(own.count_nonzero().item<int64_t>(), 0) << message << ": written";
   }
