@@ -1370,7 +1370,9 @@ def test_a_training_state_records_what_gives_the_decay_and_refuses_another_sched
     assert repr(sched) in e and repr(other_schedule) in e and "allow_changes=['schedule']" in e, e
     assert int(other.step) == 0 and all(torch.equal(a, b)
                                         for a, b in zip(before, other.state.tensors))
-    fsdp_ema.load_training_state(tmp_path / "scheduled", ema=other, allow_changes=["schedule"])
+    with pytest.raises(ValueError, match="not schedule settings"):
+        fsdp_ema.load_training_state(tmp_path / "scheduled", ema=other, allow_changes=["dtype"])
+    fsdp_ema.load_training_state(tmp_path / "scheduled", ema=other, allow_changes="schedule")
     assert int(other.step) == 3 and torch.equal(other.state.tensors[0], ema.state.tensors[0])
     again = ShardedEMA(model, schedule=sched)
     fsdp_ema.load_training_state(tmp_path / "scheduled", ema=again)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..distributed.groups import default_group, rank_world
+from ..ema.state import allowed_changes
 from ..model.layouts import layout_of
 from . import checkpoint as _ckpt
 from .collective import LoadTarget, agreed, load_collective
@@ -24,7 +25,7 @@ from .training_state_dicts import States, model_state, optim_state, state_option
 
 def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=None, ema=None,
                         rng: bool = True, strict: bool = True, verify: bool = True,
-                        allow_changes: Sequence[str] = ()) -> dict:
+                        allow_changes: str | Sequence[str] = ()) -> dict:
     """Restores what ``save_training_state`` wrote, at the same or another world size, into
     ``model``, ``optimizer`` and ``ema`` (each optional), and returns ``extra``. Collective.
 
@@ -45,6 +46,7 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     what = f"load_training_state({directory!r})"
     if optimizer is not None and model is None:
         raise ValueError(f"{what}: loading an optimizer needs its model (for the FQNs)")
+    allow_changes = allowed_changes(allow_changes, what)  # as ShardedEMA.load checks them
     group = default_group()
     rank, _ = rank_world(group)
     given = {"model": model, "optimizer": optimizer, "ema": ema}
