@@ -77,8 +77,11 @@ def _png(width: int, height: int, rgb: bytearray) -> bytes:
 
 
 class LinePlot:
-    def __init__(self, width: int, height: int, *, x_label: str, y_label: str, title: str = ""):
+    def __init__(self, width: int, height: int, *, x_label: str, y_label: str, title: str = "",
+                 legend_y: float | None = None):
+        """``legend_y``: the y value where the legend's top sits (None: the top of the plot)."""
         self.w, self.h = width, height
+        self.legend_y = legend_y
         self.x_label, self.y_label, self.title = x_label, y_label, title
         self.items: list[tuple] = []
 
@@ -172,7 +175,7 @@ class LinePlot:
         self._text(8, top + ph // 2 + len(self.y_label) * 6, self.y_label, vertical=True)
         if self.title:
             self._text(left, 10, self.title)
-        legend_y = top + 8
+        legend_y = top + 8 if self.legend_y is None else int(Y(self.legend_y))
         for it in self.items:
             if it[0] == "hline":
                 _, y, color, label = it
