@@ -7,13 +7,15 @@ that ship with scikit-learn (``sklearn.datasets.load_digits``), split once (fixe
 training and 450 test images; training uses the training images and no label.
 
 DINO's recipe, small: each image is seen in 2 global views (small rotations, zooms and shifts,
-noise, pixel dropout) and 4 local ones (zoomed-in crops). The student sees all 6, the teacher
-the 2 global ones; the loss is the cross-entropy between the teacher's softmax on one view and
-the student's log-softmax on each other view, over K = 65 prototypes. Against collapse, the
-teacher's outputs are **centered** (a running mean of its outputs, all-reduced over the ranks, is
-subtracted: no prototype can win for every image) and **sharpened** (temperature 0.04 against
-the student's 0.1: the targets cannot be uniform). The teacher is the EMA of the student, with
-DINO's cosine momentum schedule:
+noise, pixel dropout; ``--local-views N`` adds N zoomed-in crops, DINO's multi-crop). The
+student sees every view, the teacher the 2 global ones; the loss is the cross-entropy between the
+teacher's softmax on one view and the student's log-softmax on each other view, over K = 65
+prototypes. Against collapse, the teacher's outputs are **centered** (a running mean of its
+outputs, all-reduced over the ranks, is subtracted: no prototype can win for every image) and
+**sharpened** (temperature 0.04 against the student's 0.1: the targets are not uniform), and the
+head normalizes its hidden units over the batch (BatchNorm, DINO's ``use_bn`` head option: without
+it this small network's outputs are the same for every image and the run collapses, as
+``--no-head-bn`` shows). The teacher is the EMA of the student, with DINO's cosine momentum:
 
     ema = fsdp_ema.ShardedEMA(student, schedule=fsdp_ema.CosineMomentum(0.99, 1.0, total_steps=N))
     teacher = ema.module()        # the EMA's shards, run as the student: no second copy
@@ -87,7 +89,7 @@ def augment(images: torch.Tensor, g: torch.Generator, *, zoom: tuple[float, floa
     return view * (torch.rand(view.shape, generator=g) >= dropout)
 
 
-def multi_view(images: torch.Tensor, g: torch.Generator, local_views: int = 4):
+def multi_view(images: torch.Tensor, g: torch.Generator, local_views: int):
     """DINO's multi-crop on 8x8 digits: 2 global views (most of the digit), then ``local_views``
     crops of 40-65% of its width, anywhere on it."""
     views = [augment(images, g, zoom=(0.85, 1.1), shift=0.15) for _ in range(2)]
@@ -117,7 +119,7 @@ class DINOHead(nn.Module):
     each logit is a cosine, in [-1, 1]. The MLP's BatchNorms (DINO's ``use_bn`` option) normalize
     each hidden unit over the batch: the head's outputs cannot be the same for every image. They
     keep no running statistics (``track_running_stats=False``): no buffers, the teacher's batch
-    is normalized by its own statistics, and nothing differs between the ranks."""
+    is normalized by its own statistics, and no state is left to keep equal across ranks."""
 
     def __init__(self, dim: int = 128, hidden: int = 256, bottleneck: int = 64,
                  prototypes: int = PROTOTYPES, use_bn: bool = True):
@@ -262,7 +264,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch", type=int, default=64, help="images per rank and step")
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--momentum", type=float, default=0.99, help="the EMA's first momentum")
     parser.add_argument("--local-views", type=int, default=0, help="DINO's local crops")
     parser.add_argument("--head-bn", action=argparse.BooleanOptionalAction, default=True,
