@@ -224,7 +224,8 @@ def plot(history: dict, baselines: dict[str, float], out: str) -> None:
     steps, grey = history["eval_step"], (140, 140, 140)
     lo, hi = min(baselines["random init"], *history["teacher"]), max(*history["student"],
                                                                       *history["teacher"])
-    knn = LinePlot(720, 400, x_label="step", y_label="k-nn accuracy", legend_y=lo + 0.55 * (hi - lo),
+    knn = LinePlot(720, 400, x_label="step", y_label="k-nn accuracy",
+                   legend_y=lo + 0.55 * (hi - lo),
                    title="dino on digits, 2 ranks: k-nn test accuracy (k=20)")
     knn.series(steps, history["teacher"], color=(214, 39, 40), label="teacher (the ema)")
     knn.series(steps, history["student"], color=(31, 119, 180), label="student")
@@ -242,7 +243,7 @@ def plot(history: dict, baselines: dict[str, float], out: str) -> None:
     curves.save(os.path.join(out, "self_distillation_entropy.png"))
 
 
-# --- training --------------------------------------------------------------------------------------
+# --- training -------------------------------------------------------------------------------------
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     """Linear warmup, then cosine decay to 0 (DINO's learning-rate schedule), from the step alone:
@@ -260,7 +261,7 @@ def save(out: str, step: int, student, optimizer, ema, loss_fn, history) -> None
                                         "history": history})
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch", type=int, default=64, help="images per rank and step")
@@ -274,8 +275,57 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--png", default="", help="a folder to draw the curves into")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def build(args, device: torch.device):
+    """The student sharded with FSDP2, a copy of its initial weights (the random baseline), the
+    optimizer, the loss, the EMA and the teacher."""
+    torch.manual_seed(0)  # the same initial weights on every rank
+    student = Student(use_bn=args.head_bn).to(device)
+    random_net = copy.deepcopy(student)  # the baseline: these weights, never trained
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in (student.backbone, student.head):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(student, mesh=mesh)
+    register_fsdp_forward_method(student, "features")  # the teacher gets it too
+    optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=0.04)
+
+    # The teacher: the EMA of the student, run as a model. No second copy, no update loop.
+    ema = fsdp_ema.ShardedEMA(student, schedule=fsdp_ema.CosineMomentum(
+        args.momentum, 1.0, total_steps=args.steps))
+    teacher = ema.module()
+    return student, random_net, optimizer, DINOLoss().to(device), ema, teacher
+
+
+def train_step(views, student, teacher, optimizer, loss_fn, ema):
+    """One DINO step: the teacher's targets on the global views, the student on every view, the
+    optimizer, the center, then the teacher (``ema.update()``). Returns the loss and targets."""
+    with torch.no_grad():
+        teacher_out = teacher(torch.cat(views[:2])).chunk(2)  # the global views only
+        targets = loss_fn.targets(teacher_out)
+    loss = loss_fn(student(torch.cat(views)).chunk(len(views)), targets)  # one forward
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    loss_fn.update_center(teacher_out)
+    ema.update()                                             # the whole teacher update
+    return loss, targets
+
+
+def teacher_is_the_ema(student, teacher, ema, probe: torch.Tensor) -> bool:
+    """The teacher's parameters are the EMA's shards, and its forward is the EMA's."""
+    same = all(p.to_local().data_ptr() == ema.state_dict()[n].to_local().data_ptr()
+               for n, p in teacher.named_parameters())
+    with torch.no_grad():
+        got = teacher(probe)
+        with ema.swap():
+            want = student(probe)
+    return same and len(ema.shapes) == len(list(teacher.parameters())) and torch.equal(got, want)
+
+
+def main() -> None:
+    args = parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -286,22 +336,7 @@ def main() -> None:
     data = load_digits()
     train_images = data[0]
     data = tuple(t.to(device) for t in data)
-
-    torch.manual_seed(0)  # the same initial weights on every rank
-    student = Student(use_bn=args.head_bn).to(device)
-    random_net = copy.deepcopy(student)  # the baseline: these weights, never trained
-    mesh = init_device_mesh(device.type, (world,))
-    for layer in (student.backbone, student.head):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(student, mesh=mesh)
-    register_fsdp_forward_method(student, "features")  # the teacher gets it too
-    optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=0.04)
-    loss_fn = DINOLoss().to(device)
-
-    # The teacher: the EMA of the student, run as a model. No second copy, no update loop.
-    ema = fsdp_ema.ShardedEMA(student, schedule=fsdp_ema.CosineMomentum(
-        args.momentum, 1.0, total_steps=args.steps))
-    teacher = ema.module()
+    student, random_net, optimizer, loss_fn, ema, teacher = build(args, device)
 
     start, history = 0, {k: [] for k in ("step", "loss", "entropy", "mean_entropy",
                                           "eval_step", "student", "teacher")}
@@ -334,15 +369,7 @@ def main() -> None:
         views = [v.to(device) for v in multi_view(batch, g, args.local_views)]
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, warmup=args.steps // 10)
-        with torch.no_grad():
-            teacher_out = teacher(torch.cat(views[:2])).chunk(2)  # the global views only
-            targets = loss_fn.targets(teacher_out)
-        loss = loss_fn(student(torch.cat(views)).chunk(len(views)), targets)  # one forward
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        loss_fn.update_center(teacher_out)
-        ema.update()                                         # the whole teacher update
+        loss, targets = train_step(views, student, teacher, optimizer, loss_fn, ema)
 
         entropy, mean_entropy = collapse_diagnostics(targets)
         for key, value in (("step", step), ("loss", loss.item()), ("entropy", entropy),
@@ -358,15 +385,7 @@ def main() -> None:
             save(args.out, step + 1, student, optimizer, ema, loss_fn, history)
     seconds = time.perf_counter() - began
 
-    # The teacher's parameters are the EMA's shards, and its forward is the EMA's.
-    same = all(p.to_local().data_ptr() == ema.state_dict()[n].to_local().data_ptr()
-               for n, p in teacher.named_parameters())
-    probe = data[2][:4]
-    with torch.no_grad():
-        got = teacher(probe)
-        with ema.swap():
-            want = student(probe)
-    ok = same and len(ema.shapes) == len(list(teacher.parameters())) and torch.equal(got, want)
+    ok = teacher_is_the_ema(student, teacher, ema, data[2][:4])
     save(args.out, args.steps, student, optimizer, ema, loss_fn, history)
     if rank == 0:
         print(f"trained {args.steps - start} steps in {seconds:.1f} s on {world} ranks")
