@@ -191,13 +191,12 @@ def collapse_diagnostics(targets: list[torch.Tensor]) -> tuple[float, float]:
     over every rank's batch. Uniform collapse: the first near ln K. One-prototype collapse: the
     second near 0. Learning: the first well below ln K, the second well above 0."""
     p = torch.cat(targets)
-    both = torch.stack([-(p * p.clamp_min(1e-12).log()).sum(-1).mean(), p.new_zeros(())])
-    mean = p.mean(0)
-    dist.all_reduce(mean)
-    mean /= dist.get_world_size()
-    dist.all_reduce(both)
-    both[1] = -(mean * mean.clamp_min(1e-12).log()).sum()
-    return both[0].item() / dist.get_world_size(), both[1].item()
+    per_image = -(p * p.clamp_min(1e-12).log()).sum(-1).mean()
+    stats = torch.cat([per_image.reshape(1), p.mean(0)])  # one all-reduce for both
+    dist.all_reduce(stats)
+    stats /= dist.get_world_size()
+    mean = stats[1:]
+    return stats[0].item(), -(mean * mean.clamp_min(1e-12).log()).sum().item()
 
 
 # --- evaluation: k-NN on the backbone's features --------------------------------------------------
