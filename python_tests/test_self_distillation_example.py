@@ -49,10 +49,10 @@ def test_example_learns_without_collapse_and_resumes(tmp_path):
     test digits beats the randomly initialized network's by 1 point (4.5 test digits) or more
     (measured: 2.0 and 2.2 points; seeds fixed, the same figures in repeated runs); the
     teacher's targets are neither uniform (their entropy per image at least 1 nat below ln K) nor
-    one prototype for every image (the entropy of their mean at least 2 nats; 65 prototypes). The example before
-    issue 41 collapsed: entropy ln K, no k-NN. Then, as if killed after the checkpoint at step
-    60, again with ``--resume``: it continues at step 60, prints the same losses and figures, and
-    its last checkpoint is the straight run's."""
+    one prototype for every image (the entropy of their mean at least 2 nats; 65 prototypes).
+    The example before issue 41 collapsed: entropy ln K, no k-NN. Then, as if killed after the
+    checkpoint at step 60, again with ``--resume``: it continues at step 60, prints the same
+    losses and figures, and its last checkpoint is the straight run's."""
     run = tmp_path / "run"
     straight = run_example(tmp_path, "--out", str(run))
     got = figures(straight)
