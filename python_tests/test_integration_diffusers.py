@@ -252,12 +252,32 @@ def test_sharded_matches_diffusers_and_float64(pools, kind, made_before):
     assert abs(sum(r[2] for r in results) - results[0][3]) < 0.1 * results[0][3]
 
 
+def accelerate_state(rank: int = 0, world: int = 1):
+    """accelerate's process state (its logging needs one) over the process group there is."""
+    from accelerate import PartialState
+
+    if world > 1:  # the pool's ranks (gloo initialized): accelerate reuses the process group
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT="29500")
+    return PartialState(cpu=True)
+
+
 def _rank_round_trips(rank, world, kind, folder):
     from accelerate.checkpointing import save_custom_state
 
+    accelerate_state(rank, world)
     model = unet()
     ema = EMAModel(model, model_cls=UNet2DModel, model_config=model.config, **SETTINGS)
     model = shard(model, kind)
+    if kind == "fsdp1":  # a new root around the model the EMAModel was made from: refused
+        try:
+            ema.step(model.parameters())
+        except RuntimeError as e:
+            assert "make the EMAModel from the model accelerator.prepare returns" in str(e)
+        else:
+            raise AssertionError("an EMAModel of the model FSDP1 wrapped was not refused")
+        ema = EMAModel(model, model_cls=UNet2DModel, model_config=unet().config, **SETTINGS)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for x in batches(4):
         train_step(model, opt, x)
@@ -286,6 +306,7 @@ def test_sharded_round_trips_and_two_ranks_to_one(pools, tmp_path, kind):
 
     results = pools.get(2).run(_rank_round_trips, kind, str(tmp_path))
     assert all(r[0] for r in results)
+    accelerate_state()
     values = results[0][1]
     assert results[0][3].__name__ in ("DTensor", "ShardedTensor")
     # The 2-rank save, loaded in this one process into a plain model's EMA.

@@ -219,6 +219,7 @@ class EMAModel:
         self.config = EMAConfig.of(what, None, dict(schedule=self.schedule, dtype=dtype,
                                                     params=params, include_buffers=False))
         self.model = parameters.module if is_ddp(parameters) else parameters
+        self._shapes = _shapes(self.model)  # what FSDP2 and DDP keep and FSDP1 changes
         self.foreach = foreach
         self.model_cls, self.model_config = model_cls, model_config
         self.temp_stored_params: list[torch.Tensor] | None = None
@@ -283,12 +284,12 @@ class EMAModel:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         model = self.model
-        inner = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
-        if inner and not isinstance(model, FullyShardedDataParallel):
+        if not isinstance(model, FullyShardedDataParallel) and _shapes(model) != self._shapes:
             raise RuntimeError(
-                f"EMAModel: {type(model).__name__} was wrapped by FSDP1 (FullyShardedDataParallel) "
-                f"after the EMAModel was made, which puts it inside a new root; make the "
-                f"EMAModel from the model accelerator.prepare returns")
+                f"EMAModel: the parameters of {type(model).__name__} changed since the EMAModel "
+                f"was made (FSDP1, FullyShardedDataParallel, flattens them and puts the model "
+                f"inside a new root); make the EMAModel from the model accelerator.prepare "
+                f"returns")
         return ShardedEMA(model, self.config)
 
     @property
@@ -522,6 +523,11 @@ class EMAModel:
         ema = cls(model, model_cls=model_cls, model_config=model.config, foreach=foreach)
         ema.load_state_dict({k: v for k, v in config.items() if k in SCALARS})
         return ema
+
+
+def _shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """The model's parameters by name, with their global shapes (a DTensor's are)."""
+    return {name: p.shape for name, p in model.named_parameters()}
 
 
 def _is_sharded(model: nn.Module) -> bool:
