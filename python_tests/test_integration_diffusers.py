@@ -7,6 +7,7 @@ the refusals."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -316,3 +317,98 @@ def test_sharded_round_trips_and_two_ranks_to_one(pools, tmp_path, kind):
     assert all(torch.equal(a, b) for a, b in zip(ema.shadow_params, values))
     loaded = UNet2DModel.from_pretrained(tmp_path / "pretrained")
     assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), values))
+
+
+# --- LoRA ---------------------------------------------------------------------------------------
+
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+def cond_unet(seed: int = 0):
+    torch.manual_seed(seed)
+    return diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=1, out_channels=1, block_out_channels=(8, 16),
+        layers_per_block=1, norm_num_groups=4, cross_attention_dim=8, attention_head_dim=2,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+
+
+def lora_unet(kind: str = "plain"):
+    """diffusers' LoRA scripts' model: the base frozen, ``add_adapter(LoraConfig(...))``."""
+    from peft import LoraConfig
+
+    model = cond_unet()
+    model.requires_grad_(False)
+    torch.manual_seed(1)
+    model.add_adapter(LoraConfig(r=2, lora_alpha=4, init_lora_weights="gaussian",
+                                 target_modules=LORA_TARGETS))
+    return shard(model, kind)
+
+
+def train_lora(kind: str, steps: int = 5):
+    """Trains the adapters with our EMAModel(params="trainable") beside diffusers' EMAModel of
+    the adapter parameters (on gathered copies); returns the largest difference, the EMA's
+    adapters by name and what its names are."""
+    model = lora_unet(kind)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    ema = EMAModel(model, params="trainable", model_cls=diffusers.UNet2DConditionModel,
+                   model_config=cond_unet().config, **SETTINGS)
+    copies = [full(p).requires_grad_(True) for _, p in trainable]
+    ref = DiffusersEMA(copies, **SETTINGS)
+    opt = torch.optim.SGD([p for _, p in trainable], lr=0.5)
+    g = torch.Generator().manual_seed(2)
+    worst = 0.0
+    for _ in range(steps):
+        x, e = torch.randn(2, 1, 8, 8, generator=g), torch.randn(2, 3, 8, generator=g)
+        model(x, 3, encoder_hidden_states=e).sample.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ema.step(model.parameters())
+        with torch.no_grad():
+            for c, (_, p) in zip(copies, trainable):
+                c.copy_(full(p))
+        ref.step(copies)
+        ours = ema.ema.full_state_dict(rank0_only=False)
+        worst = max(worst, *((ours[n] - s).abs().max().item()
+                             for (n, _), s in zip(trainable, ref.shadow_params)))
+    return worst, ours, sorted(ema.ema.shapes), [n for n, _ in trainable], ema
+
+
+def check_lora_exports(folder, values: dict[str, torch.Tensor]):
+    """What save_lora_adapter and save_pretrained wrote, read back by diffusers and peft."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    # diffusers: load_lora_adapter into the base model; peft: PeftModel.from_pretrained.
+    by_diffusers = cond_unet()
+    by_diffusers.load_lora_adapter(str(folder / "adapter"), prefix=None, use_safetensors=True)
+    by_peft = PeftModel.from_pretrained(cond_unet(), str(folder / "adapter"))
+    for model in (by_diffusers, by_peft.base_model.model):
+        loaded = {re.sub(r"\.(lora_[AB])\.[^.]+\.", r".\1.default.", n): p
+                  for n, p in model.named_parameters() if ".lora_" in n}  # any adapter name
+        assert sorted(loaded) == sorted(values)
+        assert all(torch.equal(loaded[n], v) for n, v in values.items())
+    # Merged: W + scale * B @ A with the EMA's A and B, every other tensor the base model's.
+    merged = diffusers.UNet2DConditionModel.from_pretrained(folder / "merged")
+    base, got = dict(cond_unet().named_parameters()), dict(merged.named_parameters())
+    layers = {n: m for n, m in lora_unet().named_modules() if isinstance(m, LoraLayer)}
+    assert len(layers) == len(values) // 2 == 32  # q, k, v, out of 2 attentions x 4 blocks
+    for name, weight in base.items():
+        owner = name.rpartition(".")[0]
+        if owner in layers and name.endswith("weight"):
+            a, b = values[f"{owner}.lora_A.default.weight"], values[f"{owner}.lora_B.default.weight"]
+            expect = weight + layers[owner].scaling["default"] * (b @ a)
+            assert torch.allclose(got[name], expect, rtol=0, atol=1e-6), name
+        else:
+            assert torch.equal(got[name], weight), name
+
+
+def test_lora_ema_of_the_adapters_exports(tmp_path):
+    worst, values, names, trainable, ema = train_lora("plain")
+    assert worst < TO_DIFFUSERS
+    assert names == sorted(trainable) and all(".lora_" in n for n in names)
+    held = sum(v.numel() * v.element_size() for v in values.values())
+    assert ema.ema.nbytes == held  # the adapters only
+    ema.save_lora_adapter(tmp_path / "adapter")
+    ema.save_pretrained(tmp_path / "merged")
+    check_lora_exports(tmp_path, values)
