@@ -25,6 +25,15 @@ TO_DIFFUSERS = 1e-6   # diffusers' float32 sub_(mul) rounding against the op's l
 TO_FLOAT64 = 1e-7     # each step's, relative to the weight's magnitude where it exceeds 1
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny models run fastest on one thread (the machine's cores are the ranks')."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def unet(seed: int = 0) -> UNet2DModel:
     torch.manual_seed(seed)
     return UNet2DModel(sample_size=8, in_channels=1, out_channels=1, block_out_channels=(8, 16),
@@ -79,6 +88,8 @@ def run_against_references(kind: str, made_before_sharding: bool = True):
     and what each rank's EMA holds."""
     model, replica = unet(), unet()
     ema = EMAModel(model, **SETTINGS) if made_before_sharding else None
+    if ema is not None and kind == "fsdp2":
+        ema.state_dict()  # made whole now; remade sharded (its values kept) once sharded
     model = shard(model, kind)
     if ema is None:
         ema = EMAModel(model, **SETTINGS)
@@ -227,6 +238,29 @@ def test_refusals():
         ema.to("meta")
     with pytest.raises(ValueError, match="other shapes"):
         ema.copy_to(list(model.parameters())[1:])
+    with pytest.raises(ValueError, match="holds 113 tensors, the EMA 114"):
+        ema.load_state_dict({"shadow_params": ema.shadow_params[1:]})
+    with pytest.raises(ValueError, match="list of tensors"):
+        ema.load_state_dict({"shadow_params": [1.0] * 114})
+    with pytest.raises(ValueError, match="dtype must be floating"):
+        ema.to(dtype=torch.int32)
+    ema.store(model.parameters())
+    with pytest.raises(ValueError, match="not the 114 that store"):
+        ema.restore(list(model.parameters())[1:])
+
+
+def test_to_dtype_keeps_the_values():
+    model = unet()
+    ema = EMAModel(model, **SETTINGS)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for x in batches(3):
+        train_step(model, opt, x)
+        ema.step(model.parameters())
+    before = [t.clone() for t in ema.shadow_params]
+    ema.to(device="cpu", dtype=torch.float64)
+    assert ema.optimization_step == 3
+    assert all(t.dtype == torch.float64 and torch.equal(t, b.double())
+               for t, b in zip(ema.shadow_params, before))
 
 
 # --- 2 ranks ------------------------------------------------------------------------------------
@@ -294,6 +328,15 @@ def _rank_round_trips(rank, world, kind, folder):
     restored = replica_weights(model, kind, names)
     ok = (all(torch.equal(a, b) for a, b in zip(copied, values))
           and all(torch.equal(a, b) for a, b in zip(restored, before)))
+    refused = []
+    for attempt in (lambda: ema.shadow_params,
+                    lambda: ema.load_state_dict({"fsdp_ema.sharded": {"folder": "x"}})):
+        try:
+            attempt()
+        except (RuntimeError, ValueError) as e:
+            refused.append(str(e))
+    ok = ok and len(refused) == 2 and "this rank's shards only" in refused[0] and (
+        "load it with accelerator.load_state" in refused[1])
     # accelerate's save of a registered object: each rank writes its shards.
     save_custom_state(ema, os.path.join(folder, "accelerate"), 0)
     ema.save_pretrained(os.path.join(folder, "pretrained"))
@@ -411,4 +454,20 @@ def test_lora_ema_of_the_adapters_exports(tmp_path):
     assert ema.ema.nbytes == held  # the adapters only
     ema.save_lora_adapter(tmp_path / "adapter")
     ema.save_pretrained(tmp_path / "merged")
+    check_lora_exports(tmp_path, values)
+
+
+def _rank_lora(rank, world, folder):
+    worst, values, names, trainable, ema = train_lora("fsdp2")
+    ema.save_lora_adapter(os.path.join(folder, "adapter"))
+    ema.save_pretrained(os.path.join(folder, "merged"))
+    return worst, values, names == sorted(trainable), ema.ema.nbytes
+
+
+def test_lora_fsdp2_exports(pools, tmp_path):
+    results = pools.get(2).run(_rank_lora, str(tmp_path))
+    worst, values, names_ok, held = results[0]
+    assert all(r[0] < TO_DIFFUSERS and r[2] for r in results)
+    assert sum(r[3] for r in results) == sum(v.numel() * v.element_size()
+                                             for v in values.values())
     check_lora_exports(tmp_path, values)
