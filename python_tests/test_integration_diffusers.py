@@ -330,15 +330,20 @@ def _rank_round_trips(rank, world, kind, folder):
           and all(torch.equal(a, b) for a, b in zip(restored, before)))
     refused = []
     for attempt in (lambda: ema.shadow_params,
-                    lambda: ema.load_state_dict({"fsdp_ema.sharded": {"folder": "x"}})):
+                    lambda: ema.load_state_dict({"fsdp_ema.sharded": {"folder": "x"}}),
+                    lambda: ema.load_state_dict({"fsdp_ema.sharded": {"folder": "../x"}})):
         try:
             attempt()
         except (RuntimeError, ValueError) as e:
             refused.append(str(e))
-    ok = ok and len(refused) == 2 and "this rank's shards only" in refused[0] and (
-        "load it with accelerator.load_state" in refused[1])
+    ok = ok and len(refused) == 3 and "this rank's shards only" in refused[0] and (
+        "load it with accelerator.load_state" in refused[1]) and "must name a folder" in refused[2]
     # accelerate's save of a registered object: each rank writes its shards.
     save_custom_state(ema, os.path.join(folder, "accelerate"), 0)
+    # Outside accelerate: DTensors / ShardedTensors, which DCP saves and reshards.
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(ema.state_dict(), checkpoint_id=os.path.join(folder, "dcp"))
     ema.save_pretrained(os.path.join(folder, "pretrained"))
     sd = ema.state_dict()
     return ok, values, sorted(k for k in sd if k != "shadow_params"), type(sd["shadow_params"][0])
@@ -360,6 +365,14 @@ def test_sharded_round_trips_and_two_ranks_to_one(pools, tmp_path, kind):
     assert all(torch.equal(a, b) for a, b in zip(ema.shadow_params, values))
     loaded = UNet2DModel.from_pretrained(tmp_path / "pretrained")
     assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), values))
+    import torch.distributed.checkpoint as dcp
+
+    by_dcp = EMAModel(unet(9), decay=0.5)
+    state = by_dcp.state_dict()   # its shadow_params are the EMA's own tensors: loaded in place
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+    by_dcp.load_state_dict(state)
+    assert by_dcp.optimization_step == 4 and by_dcp.decay == 0.9
+    assert all(torch.equal(a, b) for a, b in zip(by_dcp.shadow_params, values))
 
 
 # --- LoRA ---------------------------------------------------------------------------------------
@@ -439,7 +452,7 @@ def check_lora_exports(folder, values: dict[str, torch.Tensor]):
     for name, weight in base.items():
         owner = name.rpartition(".")[0]
         if owner in layers and name.endswith("weight"):
-            a, b = values[f"{owner}.lora_A.default.weight"], values[f"{owner}.lora_B.default.weight"]
+            a, b = (values[f"{owner}.lora_{x}.default.weight"] for x in "AB")
             expect = weight + layers[owner].scaling["default"] * (b @ a)
             assert torch.allclose(got[name], expect, rtol=0, atol=1e-6), name
         else:

@@ -66,6 +66,8 @@ __all__ = ["EMAModel", "DiffusersDecay"]
 #: folder a sharded EMA was saved into by ``accelerator.save_state``.
 NAMES_KEY = "shadow_names"
 SHARDED_KEY = "fsdp_ema.sharded"
+
+
 def _params(parameters: Any, what: str) -> list[torch.Tensor]:
     if isinstance(parameters, nn.Module):
         return list(parameters.parameters())
@@ -141,7 +143,8 @@ class EMAModel:
         self.config = EMAConfig.of(what, None, dict(schedule=self.schedule, dtype=dtype,
                                                     params=params, include_buffers=False))
         self.model = parameters.module if is_ddp(parameters) else parameters
-        self._shapes = _shapes(self.model)  # what FSDP2 and DDP keep and FSDP1 changes
+        # What FSDP2 and DDP keep and FSDP1 changes (it flattens the parameters).
+        self._initial_shapes = _parameter_shapes(self.model)
         self.foreach = foreach
         self.model_cls, self.model_config = model_cls, model_config
         self.temp_stored_params: list[torch.Tensor] | None = None
@@ -206,7 +209,8 @@ class EMAModel:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         model = self.model
-        if not isinstance(model, FullyShardedDataParallel) and _shapes(model) != self._shapes:
+        changed = _parameter_shapes(model) != self._initial_shapes
+        if changed and not isinstance(model, FullyShardedDataParallel):
             raise RuntimeError(
                 f"EMAModel: the parameters of {type(model).__name__} changed since the EMAModel "
                 f"was made (FSDP1, FullyShardedDataParallel, flattens them and puts the model "
@@ -345,8 +349,8 @@ class EMAModel:
         """diffusers' keys (``decay`` ... ``power``, ``optimization_step``, ``shadow_params``)
         and ``shadow_names``; see the module's docstring for a sharded EMA."""
         ema = self.ema
-        out = {k: v for k, v in self._scalars().items()}
-        out = {k: out[k] for k in SCALARS}
+        scalars = self._scalars()
+        out: dict[str, Any] = {k: scalars[k] for k in SCALARS}
         saving = _accelerate_call("save_custom_state") if self.sharded else None
         if saving is not None:
             folder = f"custom_checkpoint_{saving['index']}_ema"
@@ -373,14 +377,19 @@ class EMAModel:
         shadow = state_dict.get("shadow_params")
         values = None
         if sharded is not None:
+            folder = sharded.get("folder") if isinstance(sharded, Mapping) else None
+            if not (isinstance(folder, str) and folder and os.path.basename(folder) == folder
+                    and folder not in (".", "..")):
+                raise ValueError(f"{what}: {SHARDED_KEY} must name a folder beside the state "
+                                 f"dict's file ({{'folder': name}}), got {sharded!r}")
             loading = _accelerate_call("load_custom_state")
             if loading is None:
                 raise ValueError(
                     f"{what}: this state dict refers to the EMA shards saved in the "
-                    f"{sharded['folder']!r} folder of an accelerator.save_state checkpoint; load "
+                    f"{folder!r} folder of an accelerator.save_state checkpoint; load "
                     f"it with accelerator.load_state (the EMAModel registered with "
                     f"register_for_checkpointing)")
-            folder = os.path.join(os.fspath(loading["path"]), sharded["folder"])
+            folder = os.path.join(os.fspath(loading["path"]), folder)
         elif shadow is not None:
             if not (isinstance(shadow, list) and all(isinstance(p, torch.Tensor)
                                                      for p in shadow)):
@@ -447,7 +456,7 @@ class EMAModel:
         return ema
 
 
-def _shapes(model: nn.Module) -> dict[str, torch.Size]:
+def _parameter_shapes(model: nn.Module) -> dict[str, torch.Size]:
     """The model's parameters by name, with their global shapes (a DTensor's are)."""
     return {name: p.shape for name, p in model.named_parameters()}
 
