@@ -158,13 +158,19 @@ def test_plain_matches_diffusers_and_float64():
     assert held == ref_bytes and steps == STEPS
 
 
-def test_copy_to_store_restore_round_trip():
+def trained(steps: int, **options):
+    """A plain UNet trained ``steps`` steps and our EMAModel of it."""
     model = unet()
-    ema = EMAModel(model, **SETTINGS)
+    ema = EMAModel(model, **SETTINGS, **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for x in batches(4):
+    for x in batches(steps):
         train_step(model, opt, x)
         ema.step(model.parameters())
+    return model, ema
+
+
+def test_copy_to_store_restore_round_trip():
+    model, ema = trained(4)
     before = [p.detach().clone() for p in model.parameters()]
     ema.store(model.parameters())
     ema.copy_to(model.parameters())
@@ -201,12 +207,7 @@ def test_state_dict_is_diffusers_both_ways():
 
 
 def test_save_pretrained_loads_with_from_pretrained(tmp_path):
-    model = unet()
-    ema = EMAModel(model, model_cls=UNet2DModel, model_config=model.config, **SETTINGS)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for x in batches(3):
-        train_step(model, opt, x)
-        ema.step(model.parameters())
+    _, ema = trained(3, model_cls=UNet2DModel, model_config=unet().config)
     ema.save_pretrained(tmp_path / "ema")
     loaded = UNet2DModel.from_pretrained(tmp_path / "ema")
     assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), ema.shadow_params))
@@ -250,12 +251,7 @@ def test_refusals():
 
 
 def test_to_dtype_keeps_the_values():
-    model = unet()
-    ema = EMAModel(model, **SETTINGS)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for x in batches(3):
-        train_step(model, opt, x)
-        ema.step(model.parameters())
+    _, ema = trained(3)
     before = [t.clone() for t in ema.shadow_params]
     ema.to(device="cpu", dtype=torch.float64)
     assert ema.optimization_step == 3
@@ -345,6 +341,12 @@ def _rank_round_trips(rank, world, kind, folder):
 
     dcp.save(ema.state_dict(), checkpoint_id=os.path.join(folder, "dcp"))
     ema.save_pretrained(os.path.join(folder, "pretrained"))
+    # diffusers' scripts' resume: from_pretrained (whole, every rank), then into the sharded EMA.
+    again = EMAModel(model, decay=0.5)
+    again.load_state_dict(EMAModel.from_pretrained(os.path.join(folder, "pretrained"),
+                                                   UNet2DModel).state_dict())
+    ok = ok and again.optimization_step == 4 and again.decay == 0.9 and all(
+        torch.equal(a, b) for a, b in zip(full_ema(again, kind, names), values))
     sd = ema.state_dict()
     return ok, values, sorted(k for k in sd if k != "shadow_params"), type(sd["shadow_params"][0])
 

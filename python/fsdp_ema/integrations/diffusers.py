@@ -34,7 +34,18 @@ always copies the weights (diffusers' ``get_decay(1)`` is 0), so making the EMA 
 - ``to(device, dtype)``: the EMA beside the weights or, ``"cpu"`` for weights on an accelerator,
   in host memory (updated there from a staged copy); ``pin_memory()`` puts it in pinned host
   memory for good (the ``to`` calls of diffusers' offload loop then move nothing);
-- ``params="trainable"`` (beyond diffusers): the EMA of a LoRA model's adapters only.
+- ``params="trainable"`` (beyond diffusers): the EMA of a LoRA model's adapters only (a model
+  with ``add_adapter(LoraConfig(...))``, as diffusers' LoRA scripts make it, or a peft
+  ``PeftModel``); ``save_lora_adapter(path)`` writes it as diffusers
+  (``unet.load_lora_adapter(path, prefix=None)``) and peft (``PeftModel.from_pretrained``) read
+  it, and ``save_pretrained`` writes the model with the EMA adapters merged;
+- ``ema``: the ``fsdp_ema.ShardedEMA`` doing the work (``swap()``, ``module()``, ``save()``...).
+
+What cannot keep its meaning is refused with one error: an iterable of parameters in place of
+the model, ``step``/``copy_to`` with parameters of another layout, ``shadow_params`` of a sharded
+EMA (this rank holds shards; ``state_dict()`` gives them), ``to`` a device that is neither the
+weights' nor the host. Buffers are not averaged (diffusers' EMA has parameters only); a frozen
+parameter is averaged, which keeps it as it is while it stays frozen (diffusers copies it).
 """
 
 from __future__ import annotations
