@@ -486,3 +486,14 @@ def test_lora_fsdp2_exports(pools, tmp_path):
     assert sum(r[3] for r in results) == sum(v.numel() * v.element_size()
                                              for v in values.values())
     check_lora_exports(tmp_path, values)
+
+
+def test_import_without_diffusers_names_the_extra(monkeypatch):
+    import sys
+
+    for name in [m for m in sys.modules if m == "diffusers" or m.startswith("diffusers.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "diffusers", None)
+    monkeypatch.delitem(sys.modules, "fsdp_ema.integrations.diffusers")
+    with pytest.raises(ImportError, match=r'pip install "fsdp-ema\[diffusers\]"'):
+        import fsdp_ema.integrations.diffusers  # noqa: F401
