@@ -1,4 +1,4 @@
-"""Diffusers' ``--use_ema`` training flow with a sharded EMA: Accelerate, FSDP2, save, resume, export.
+"""diffusers' ``--use_ema`` training flow, sharded: Accelerate, FSDP2, save, resume, export.
 
     python examples/diffusers_ema.py --steps 40 --out /tmp/diffusers_ema      # spawns 2 ranks
     python examples/diffusers_ema.py --steps 60 --out /tmp/diffusers_ema \\
