@@ -70,9 +70,11 @@ def shard(model) -> None:
 
 def perturb(model) -> None:
     """New weights, as an optimizer step would leave them (so every update moves the EMA)."""
+    g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
-            p.mul_(1.0001)
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.add_(torch.randn(local.shape, generator=g), alpha=1e-3)
 
 
 def shadow_bytes(tensors) -> int:
