@@ -7,6 +7,7 @@ the refusals."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -22,6 +23,15 @@ STEPS = 8
 SETTINGS = dict(decay=0.9, use_ema_warmup=True, inv_gamma=1.0, power=0.75, update_after_step=2)
 TO_DIFFUSERS = 1e-6   # diffusers' float32 sub_(mul) rounding against the op's lerp
 TO_FLOAT64 = 1e-7     # each step's, relative to the weight's magnitude where it exceeds 1
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny models run fastest on one thread (the machine's cores are the ranks')."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def unet(seed: int = 0) -> UNet2DModel:
@@ -78,6 +88,8 @@ def run_against_references(kind: str, made_before_sharding: bool = True):
     and what each rank's EMA holds."""
     model, replica = unet(), unet()
     ema = EMAModel(model, **SETTINGS) if made_before_sharding else None
+    if ema is not None and kind == "fsdp2":
+        ema.state_dict()  # made whole now; remade sharded (its values kept) once sharded
     model = shard(model, kind)
     if ema is None:
         ema = EMAModel(model, **SETTINGS)
@@ -146,13 +158,19 @@ def test_plain_matches_diffusers_and_float64():
     assert held == ref_bytes and steps == STEPS
 
 
-def test_copy_to_store_restore_round_trip():
+def trained(steps: int, **options):
+    """A plain UNet trained ``steps`` steps and our EMAModel of it."""
     model = unet()
-    ema = EMAModel(model, **SETTINGS)
+    ema = EMAModel(model, **SETTINGS, **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for x in batches(4):
+    for x in batches(steps):
         train_step(model, opt, x)
         ema.step(model.parameters())
+    return model, ema
+
+
+def test_copy_to_store_restore_round_trip():
+    model, ema = trained(4)
     before = [p.detach().clone() for p in model.parameters()]
     ema.store(model.parameters())
     ema.copy_to(model.parameters())
@@ -189,12 +207,7 @@ def test_state_dict_is_diffusers_both_ways():
 
 
 def test_save_pretrained_loads_with_from_pretrained(tmp_path):
-    model = unet()
-    ema = EMAModel(model, model_cls=UNet2DModel, model_config=model.config, **SETTINGS)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for x in batches(3):
-        train_step(model, opt, x)
-        ema.step(model.parameters())
+    _, ema = trained(3, model_cls=UNet2DModel, model_config=unet().config)
     ema.save_pretrained(tmp_path / "ema")
     loaded = UNet2DModel.from_pretrained(tmp_path / "ema")
     assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), ema.shadow_params))
@@ -226,6 +239,24 @@ def test_refusals():
         ema.to("meta")
     with pytest.raises(ValueError, match="other shapes"):
         ema.copy_to(list(model.parameters())[1:])
+    with pytest.raises(ValueError, match="holds 113 tensors, the EMA 114"):
+        ema.load_state_dict({"shadow_params": ema.shadow_params[1:]})
+    with pytest.raises(ValueError, match="list of tensors"):
+        ema.load_state_dict({"shadow_params": [1.0] * 114})
+    with pytest.raises(ValueError, match="dtype must be floating"):
+        ema.to(dtype=torch.int32)
+    ema.store(model.parameters())
+    with pytest.raises(ValueError, match="not the 114 that store"):
+        ema.restore(list(model.parameters())[1:])
+
+
+def test_to_dtype_keeps_the_values():
+    _, ema = trained(3)
+    before = [t.clone() for t in ema.shadow_params]
+    ema.to(device="cpu", dtype=torch.float64)
+    assert ema.optimization_step == 3
+    assert all(t.dtype == torch.float64 and torch.equal(t, b.double())
+               for t, b in zip(ema.shadow_params, before))
 
 
 # --- 2 ranks ------------------------------------------------------------------------------------
@@ -252,12 +283,32 @@ def test_sharded_matches_diffusers_and_float64(pools, kind, made_before):
     assert abs(sum(r[2] for r in results) - results[0][3]) < 0.1 * results[0][3]
 
 
+def accelerate_state(rank: int = 0, world: int = 1):
+    """accelerate's process state (its logging needs one) over the process group there is."""
+    from accelerate import PartialState
+
+    if world > 1:  # the pool's ranks (gloo initialized): accelerate reuses the process group
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT="29500")
+    return PartialState(cpu=True)
+
+
 def _rank_round_trips(rank, world, kind, folder):
     from accelerate.checkpointing import save_custom_state
 
+    accelerate_state(rank, world)
     model = unet()
     ema = EMAModel(model, model_cls=UNet2DModel, model_config=model.config, **SETTINGS)
     model = shard(model, kind)
+    if kind == "fsdp1":  # a new root around the model the EMAModel was made from: refused
+        try:
+            ema.step(model.parameters())
+        except RuntimeError as e:
+            assert "make the EMAModel from the model accelerator.prepare returns" in str(e)
+        else:
+            raise AssertionError("an EMAModel of the model FSDP1 wrapped was not refused")
+        ema = EMAModel(model, model_cls=UNet2DModel, model_config=unet().config, **SETTINGS)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for x in batches(4):
         train_step(model, opt, x)
@@ -273,9 +324,29 @@ def _rank_round_trips(rank, world, kind, folder):
     restored = replica_weights(model, kind, names)
     ok = (all(torch.equal(a, b) for a, b in zip(copied, values))
           and all(torch.equal(a, b) for a, b in zip(restored, before)))
+    refused = []
+    for attempt in (lambda: ema.shadow_params,
+                    lambda: ema.load_state_dict({"fsdp_ema.sharded": {"folder": "x"}}),
+                    lambda: ema.load_state_dict({"fsdp_ema.sharded": {"folder": "../x"}})):
+        try:
+            attempt()
+        except (RuntimeError, ValueError) as e:
+            refused.append(str(e))
+    ok = ok and len(refused) == 3 and "this rank's shards only" in refused[0] and (
+        "load it with accelerator.load_state" in refused[1]) and "must name a folder" in refused[2]
     # accelerate's save of a registered object: each rank writes its shards.
     save_custom_state(ema, os.path.join(folder, "accelerate"), 0)
+    # Outside accelerate: DTensors / ShardedTensors, which DCP saves and reshards.
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(ema.state_dict(), checkpoint_id=os.path.join(folder, "dcp"))
     ema.save_pretrained(os.path.join(folder, "pretrained"))
+    # diffusers' scripts' resume: from_pretrained (whole, every rank), then into the sharded EMA.
+    again = EMAModel(model, decay=0.5)
+    again.load_state_dict(EMAModel.from_pretrained(os.path.join(folder, "pretrained"),
+                                                   UNet2DModel).state_dict())
+    ok = ok and again.optimization_step == 4 and again.decay == 0.9 and all(
+        torch.equal(a, b) for a, b in zip(full_ema(again, kind, names), values))
     sd = ema.state_dict()
     return ok, values, sorted(k for k in sd if k != "shadow_params"), type(sd["shadow_params"][0])
 
@@ -286,6 +357,7 @@ def test_sharded_round_trips_and_two_ranks_to_one(pools, tmp_path, kind):
 
     results = pools.get(2).run(_rank_round_trips, kind, str(tmp_path))
     assert all(r[0] for r in results)
+    accelerate_state()
     values = results[0][1]
     assert results[0][3].__name__ in ("DTensor", "ShardedTensor")
     # The 2-rank save, loaded in this one process into a plain model's EMA.
@@ -295,3 +367,133 @@ def test_sharded_round_trips_and_two_ranks_to_one(pools, tmp_path, kind):
     assert all(torch.equal(a, b) for a, b in zip(ema.shadow_params, values))
     loaded = UNet2DModel.from_pretrained(tmp_path / "pretrained")
     assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), values))
+    import torch.distributed.checkpoint as dcp
+
+    by_dcp = EMAModel(unet(9), decay=0.5)
+    state = by_dcp.state_dict()   # its shadow_params are the EMA's own tensors: loaded in place
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+    by_dcp.load_state_dict(state)
+    assert by_dcp.optimization_step == 4 and by_dcp.decay == 0.9
+    assert all(torch.equal(a, b) for a, b in zip(by_dcp.shadow_params, values))
+
+
+# --- LoRA ---------------------------------------------------------------------------------------
+
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+def cond_unet(seed: int = 0):
+    torch.manual_seed(seed)
+    return diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=1, out_channels=1, block_out_channels=(8, 16),
+        layers_per_block=1, norm_num_groups=4, cross_attention_dim=8, attention_head_dim=2,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+
+
+def lora_unet(kind: str = "plain"):
+    """diffusers' LoRA scripts' model: the base frozen, ``add_adapter(LoraConfig(...))``."""
+    from peft import LoraConfig
+
+    model = cond_unet()
+    model.requires_grad_(False)
+    torch.manual_seed(1)
+    model.add_adapter(LoraConfig(r=2, lora_alpha=4, init_lora_weights="gaussian",
+                                 target_modules=LORA_TARGETS))
+    return shard(model, kind)
+
+
+def train_lora(kind: str, steps: int = 5):
+    """Trains the adapters with our EMAModel(params="trainable") beside diffusers' EMAModel of
+    the adapter parameters (on gathered copies); returns the largest difference, the EMA's
+    adapters by name and what its names are."""
+    model = lora_unet(kind)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    ema = EMAModel(model, params="trainable", model_cls=diffusers.UNet2DConditionModel,
+                   model_config=cond_unet().config, **SETTINGS)
+    copies = [full(p).requires_grad_(True) for _, p in trainable]
+    ref = DiffusersEMA(copies, **SETTINGS)
+    opt = torch.optim.SGD([p for _, p in trainable], lr=0.5)
+    g = torch.Generator().manual_seed(2)
+    worst = 0.0
+    for _ in range(steps):
+        x, e = torch.randn(2, 1, 8, 8, generator=g), torch.randn(2, 3, 8, generator=g)
+        model(x, 3, encoder_hidden_states=e).sample.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ema.step(model.parameters())
+        with torch.no_grad():
+            for c, (_, p) in zip(copies, trainable):
+                c.copy_(full(p))
+        ref.step(copies)
+        ours = ema.ema.full_state_dict(rank0_only=False)
+        worst = max(worst, *((ours[n] - s).abs().max().item()
+                             for (n, _), s in zip(trainable, ref.shadow_params)))
+    return worst, ours, sorted(ema.ema.shapes), [n for n, _ in trainable], ema
+
+
+def check_lora_exports(folder, values: dict[str, torch.Tensor]):
+    """What save_lora_adapter and save_pretrained wrote, read back by diffusers and peft."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    # diffusers: load_lora_adapter into the base model; peft: PeftModel.from_pretrained.
+    by_diffusers = cond_unet()
+    by_diffusers.load_lora_adapter(str(folder / "adapter"), prefix=None, use_safetensors=True)
+    by_peft = PeftModel.from_pretrained(cond_unet(), str(folder / "adapter"))
+    for model in (by_diffusers, by_peft.base_model.model):
+        loaded = {re.sub(r"\.(lora_[AB])\.[^.]+\.", r".\1.default.", n): p
+                  for n, p in model.named_parameters() if ".lora_" in n}  # any adapter name
+        assert sorted(loaded) == sorted(values)
+        assert all(torch.equal(loaded[n], v) for n, v in values.items())
+    # Merged: W + scale * B @ A with the EMA's A and B, every other tensor the base model's.
+    merged = diffusers.UNet2DConditionModel.from_pretrained(folder / "merged")
+    base, got = dict(cond_unet().named_parameters()), dict(merged.named_parameters())
+    layers = {n: m for n, m in lora_unet().named_modules() if isinstance(m, LoraLayer)}
+    assert len(layers) == len(values) // 2 == 32  # q, k, v, out of 2 attentions x 4 blocks
+    for name, weight in base.items():
+        owner = name.rpartition(".")[0]
+        if owner in layers and name.endswith("weight"):
+            a, b = (values[f"{owner}.lora_{x}.default.weight"] for x in "AB")
+            expect = weight + layers[owner].scaling["default"] * (b @ a)
+            assert torch.allclose(got[name], expect, rtol=0, atol=1e-6), name
+        else:
+            assert torch.equal(got[name], weight), name
+
+
+def test_lora_ema_of_the_adapters_exports(tmp_path):
+    worst, values, names, trainable, ema = train_lora("plain")
+    assert worst < TO_DIFFUSERS
+    assert names == sorted(trainable) and all(".lora_" in n for n in names)
+    held = sum(v.numel() * v.element_size() for v in values.values())
+    assert ema.ema.nbytes == held  # the adapters only
+    ema.save_lora_adapter(tmp_path / "adapter")
+    ema.save_pretrained(tmp_path / "merged")
+    check_lora_exports(tmp_path, values)
+
+
+def _rank_lora(rank, world, folder):
+    worst, values, names, trainable, ema = train_lora("fsdp2")
+    ema.save_lora_adapter(os.path.join(folder, "adapter"))
+    ema.save_pretrained(os.path.join(folder, "merged"))
+    return worst, values, names == sorted(trainable), ema.ema.nbytes
+
+
+def test_lora_fsdp2_exports(pools, tmp_path):
+    results = pools.get(2).run(_rank_lora, str(tmp_path))
+    worst, values, names_ok, held = results[0]
+    assert all(r[0] < TO_DIFFUSERS and r[2] for r in results)
+    assert sum(r[3] for r in results) == sum(v.numel() * v.element_size()
+                                             for v in values.values())
+    check_lora_exports(tmp_path, values)
+
+
+def test_import_without_diffusers_names_the_extra(monkeypatch):
+    import sys
+
+    for name in [m for m in sys.modules if m == "diffusers" or m.startswith("diffusers.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "diffusers", None)
+    monkeypatch.delitem(sys.modules, "fsdp_ema.integrations.diffusers")
+    with pytest.raises(ImportError, match=r'pip install "fsdp-ema\[diffusers\]"'):
+        import fsdp_ema.integrations.diffusers  # noqa: F401

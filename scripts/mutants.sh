@@ -371,6 +371,55 @@ MUTANTS = {
         "p = x.to(torch.float64).mul_(w)",
         "p = x.to(torch.float64).mul_(0.0 if last else w)",
         [pytest("python_tests/test_posthoc.py", "-k", "cli_equals_python or 2_ranks")]),
+    # --- diffusers EMAModel (#42) ---------------------------------------------------------------
+    # diffusers' schedule off by one update (the first averaging step used s = 0's decay).
+    "diffusers-decay-off-by-one": (
+        "python/fsdp_ema/integrations/diffusers_schedule.py",
+        "s = (t - (self.update_after_step + 1)).clamp_min(0)",
+        "s = (t - self.update_after_step).clamp_min(0)",
+        [pytest("python_tests/test_integration_diffusers.py", "-k", "plain_matches")]),
+    "diffusers-parameters-iterable-taken": (
+        "python/fsdp_ema/integrations/diffusers.py",
+        "        if not isinstance(parameters, nn.Module):\n            raise TypeError(",
+        "        if False:\n            raise TypeError(",
+        [pytest("python_tests/test_integration_diffusers.py", "-k", "refusals")]),
+    "diffusers-step-takes-other-parameters": (
+        "python/fsdp_ema/integrations/diffusers.py",
+        "        if not self._own(_params(parameters, \"EMAModel.step\")):",
+        "        if not self._own(list(self.model.parameters())):",
+        [pytest("python_tests/test_integration_diffusers.py", "-k", "refusals")]),
+    "diffusers-settings-unchecked": (
+        "python/fsdp_ema/integrations/diffusers_schedule.py",
+        "        if name in (\"inv_gamma\", \"power\") and not value > 0:",
+        "        if False:",
+        [pytest("python_tests/test_integration_diffusers.py", "-k", "refusals")]),
+    # An EMAModel of the module FSDP1 then wrapped averaged nothing it could name.
+    "diffusers-fsdp1-wrapped-taken": (
+        "python/fsdp_ema/integrations/diffusers.py",
+        "        if changed and not isinstance(model, FullyShardedDataParallel):",
+        "        if False:",
+        [pytest("python_tests/test_integration_diffusers.py", "-k", "round_trips and fsdp1")]),
+    # A sharded EMA listed its local shards as diffusers' full shadow_params.
+    "diffusers-sharded-shadow-params-listed": (
+        "python/fsdp_ema/integrations/diffusers.py",
+        "        if self.sharded:\n            raise RuntimeError(",
+        "        if False:\n            raise RuntimeError(",
+        [pytest("python_tests/test_integration_diffusers.py", "-k", "round_trips and fsdp2")]),
+    "diffusers-shadow-shapes-unchecked": (
+        "python/fsdp_ema/integrations/diffusers.py",
+        "                if name not in shapes or global_shape(value) != shapes[name]:",
+        "                if name not in shapes:",
+        [pytest("python_tests/test_integration_diffusers.py", "-k", "refusals")]),
+    "diffusers-restore-shapes-unchecked": (
+        "python/fsdp_ema/integrations/diffusers.py",
+        "        if len(targets) != len(stored) or any(",
+        "        if False and any(",
+        [pytest("python_tests/test_integration_diffusers.py", "-k", "refusals")]),
+    "diffusers-accelerate-folder-unchecked": (
+        "python/fsdp_ema/integrations/diffusers.py",
+        "            if not (isinstance(folder, str) and folder and os.path.basename(folder) == folder",
+        "            if not (isinstance(folder, str) and folder",
+        [pytest("python_tests/test_integration_diffusers.py", "-k", "round_trips and fsdp2")]),
     # --- trainer integrations (#41) --------------------------------------------------------------
     # async_save: the deferred rotation counted the step about to be saved as a kept checkpoint
     # (3 on disk with save_total_limit=1).

@@ -4,6 +4,9 @@
   (``pip install "fsdp-ema[lightning]"``);
 - ``fsdp_ema.integrations.transformers.ShardedEMACallback``: a Hugging Face ``TrainerCallback``,
   which also serves Accelerate loops (``pip install "fsdp-ema[transformers]"``).
+- ``fsdp_ema.integrations.diffusers.EMAModel``: a drop-in for diffusers' ``EMAModel`` in its
+  training scripts (``pip install "fsdp-ema[diffusers]"``); its schedule is
+  ``diffusers_schedule``'s, the folders it writes ``diffusers_files``'.
 
 Each module imports its framework when it is imported (and raises one ``ImportError`` naming the
 extra when the framework is missing); this package imports neither. The adapters only translate

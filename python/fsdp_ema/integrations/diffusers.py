@@ -34,15 +34,25 @@ always copies the weights (diffusers' ``get_decay(1)`` is 0), so making the EMA 
 - ``to(device, dtype)``: the EMA beside the weights or, ``"cpu"`` for weights on an accelerator,
   in host memory (updated there from a staged copy); ``pin_memory()`` puts it in pinned host
   memory for good (the ``to`` calls of diffusers' offload loop then move nothing);
-- ``params="trainable"`` (beyond diffusers): the EMA of a LoRA model's adapters only.
+- ``params="trainable"`` (beyond diffusers): the EMA of a LoRA model's adapters only (a model
+  with ``add_adapter(LoraConfig(...))``, as diffusers' LoRA scripts make it, or a peft
+  ``PeftModel``); ``save_lora_adapter(path)`` writes it as diffusers
+  (``unet.load_lora_adapter(path, prefix=None)``) and peft (``PeftModel.from_pretrained``) read
+  it, and ``save_pretrained`` writes the model with the EMA adapters merged;
+- ``ema``: the ``fsdp_ema.ShardedEMA`` doing the work (``swap()``, ``module()``, ``save()``...).
+
+What cannot keep its meaning is refused with one error: an iterable of parameters in place of
+the model, ``step``/``copy_to`` with parameters of another layout, ``shadow_params`` of a sharded
+EMA (this rank holds shards; ``state_dict()`` gives them), ``to`` a device that is neither the
+weights' nor the host. Buffers are not averaged (diffusers' EMA has parameters only); a frozen
+parameter is averaged, which keeps it as it is while it stays frozen (diffusers copies it).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -55,93 +65,18 @@ try:
 except ImportError as _e:
     raise missing_framework(__name__, "diffusers", "diffusers") from _e
 
-from ..distributed.groups import default_group, rank_world
 from ..ema.config import EMAConfig
 from ..ema.sharded import ShardedEMA
 from ..model.slots import FlatSlot, ShardedSlot, clean_modules, global_shape, is_ddp
+from .diffusers_files import save_lora_adapter, save_pretrained
+from .diffusers_schedule import SCALARS, DiffusersDecay, check_settings
 
 __all__ = ["EMAModel", "DiffusersDecay"]
 
-WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"  # diffusers' (SAFETENSORS_WEIGHTS_NAME)
-EXPORT_NAME = "model.safetensors"  # what ShardedEMA.export writes
-INDEX_SUFFIX = ".index.json"
 #: Keys of ``state_dict()`` beside diffusers' own: the names of ``shadow_params``, and the
 #: folder a sharded EMA was saved into by ``accelerator.save_state``.
 NAMES_KEY = "shadow_names"
 SHARDED_KEY = "fsdp_ema.sharded"
-SCALARS = ("decay", "min_decay", "optimization_step", "update_after_step", "use_ema_warmup",
-           "inv_gamma", "power")
-
-
-class DiffusersDecay:
-    """diffusers' ``EMAModel.get_decay`` as an ``EMAConfig(schedule=...)``: for the
-    ``optimization_step``-th update (from 1), ``s = optimization_step - update_after_step - 1``;
-    0 (a copy of the weights) while ``s <= 0``, else ``1 - (1 + s / inv_gamma) ** -power`` with
-    ``use_ema_warmup``, ``(1 + s) / (10 + s)`` without, then ``min(., decay)`` and
-    ``max(., min_decay)``. The ``t`` of a schedule is the optimization step."""
-
-    def __init__(self, decay: float = 0.9999, min_decay: float = 0.0,
-                 update_after_step: int = 0, use_ema_warmup: bool = False,
-                 inv_gamma: float = 1.0, power: float = 2 / 3):
-        check_settings("DiffusersDecay", dict(
-            decay=decay, min_decay=min_decay, update_after_step=update_after_step,
-            use_ema_warmup=use_ema_warmup, inv_gamma=inv_gamma, power=power))
-        self.decay, self.min_decay = decay, min_decay
-        self.update_after_step, self.use_ema_warmup = update_after_step, use_ema_warmup
-        self.inv_gamma, self.power = inv_gamma, power
-
-    def settings(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in SCALARS if k != "optimization_step"}
-
-    def get_decay(self, optimization_step: int) -> float:
-        """The decay of update ``optimization_step`` (diffusers' ``get_decay``), any integer."""
-        step = max(0, optimization_step - self.update_after_step - 1)
-        if step <= 0:
-            return 0.0
-        if self.use_ema_warmup:
-            value = 1 - (1 + step / self.inv_gamma) ** -self.power
-        else:
-            value = (1 + step) / (10 + step)
-        return max(min(value, self.decay), self.min_decay)
-
-    def decay_at(self, t: int) -> float:
-        if t < 1:
-            raise ValueError(f"DiffusersDecay.decay_at: t counts updates from 1, got {t}")
-        return self.get_decay(t)
-
-    def device_decay(self, t: torch.Tensor) -> torch.Tensor:
-        """``get_decay`` of a 0-dim int64 tensor, as float64 tensor ops (no host sync)."""
-        s = (t - (self.update_after_step + 1)).clamp_min(0).to(torch.float64)
-        if self.use_ema_warmup:
-            value = 1.0 - (1.0 + s / float(self.inv_gamma)) ** -float(self.power)
-        else:
-            value = (1.0 + s) / (10.0 + s)
-        value = value.clamp_max(float(self.decay)).clamp_min(float(self.min_decay))
-        return torch.where(s <= 0, torch.zeros_like(value), value)
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.settings().items())
-        return f"DiffusersDecay({args})"
-
-
-def check_settings(what: str, values: Mapping[str, Any]) -> None:
-    """diffusers' checks of ``load_state_dict`` (types) and the ranges the formula needs; each
-    error names the setting."""
-    kinds = {"decay": (float, int), "min_decay": (float, int), "optimization_step": (int,),
-             "update_after_step": (int,), "use_ema_warmup": (bool,), "inv_gamma": (float, int),
-             "power": (float, int)}
-    for name, value in values.items():
-        ok = isinstance(value, kinds[name]) and (name == "use_ema_warmup"
-                                                 or not isinstance(value, bool))
-        if not ok:
-            raise ValueError(f"{what}: {name} must be {' or '.join(k.__name__ for k in kinds[name])}"
-                             f", got {value!r}")
-        if name in ("decay", "min_decay") and not 0.0 <= value <= 1.0:
-            raise ValueError(f"{what}: {name} must be in [0, 1], got {value}")
-        if name in ("optimization_step", "update_after_step") and value < 0:
-            raise ValueError(f"{what}: {name} must be >= 0, got {value}")
-        if name in ("inv_gamma", "power") and not value > 0:
-            raise ValueError(f"{what}: {name} must be > 0, got {value}")
 
 
 def _params(parameters: Any, what: str) -> list[torch.Tensor]:
@@ -219,6 +154,8 @@ class EMAModel:
         self.config = EMAConfig.of(what, None, dict(schedule=self.schedule, dtype=dtype,
                                                     params=params, include_buffers=False))
         self.model = parameters.module if is_ddp(parameters) else parameters
+        # What FSDP2 and DDP keep and FSDP1 changes (it flattens the parameters).
+        self._initial_shapes = _parameter_shapes(self.model)
         self.foreach = foreach
         self.model_cls, self.model_config = model_cls, model_config
         self.temp_stored_params: list[torch.Tensor] | None = None
@@ -228,7 +165,7 @@ class EMAModel:
         if kwargs.get("device") is not None:
             self.to(device=kwargs["device"])
 
-    # --- diffusers' attributes ---------------------------------------------------------------------
+    # --- diffusers' attributes --------------------------------------------------------------------
 
     def __getattr__(self, name: str) -> Any:
         if name in SCALARS and name != "optimization_step":
@@ -265,7 +202,7 @@ class EMAModel:
         values = ema.state_dict()
         return [values[n] for n in self.names()]
 
-    # --- the EMA, made at its first use -------------------------------------------------------------
+    # --- the EMA, made at its first use -----------------------------------------------------------
 
     @property
     def ema(self) -> ShardedEMA:
@@ -283,12 +220,13 @@ class EMAModel:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         model = self.model
-        inner = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
-        if inner and not isinstance(model, FullyShardedDataParallel):
+        changed = _parameter_shapes(model) != self._initial_shapes
+        if changed and not isinstance(model, FullyShardedDataParallel):
             raise RuntimeError(
-                f"EMAModel: {type(model).__name__} was wrapped by FSDP1 (FullyShardedDataParallel) "
-                f"after the EMAModel was made, which puts it inside a new root; make the "
-                f"EMAModel from the model accelerator.prepare returns")
+                f"EMAModel: the parameters of {type(model).__name__} changed since the EMAModel "
+                f"was made (FSDP1, FullyShardedDataParallel, flattens them and puts the model "
+                f"inside a new root); make the EMAModel from the model accelerator.prepare "
+                f"returns")
         return ShardedEMA(model, self.config)
 
     @property
@@ -309,7 +247,7 @@ class EMAModel:
         mine = [id(p) for p in self.model.parameters()]
         return len(given) == len(mine) and {id(p) for p in given} == set(mine)
 
-    # --- diffusers' methods -------------------------------------------------------------------------
+    # --- diffusers' methods -----------------------------------------------------------------------
 
     def get_decay(self, optimization_step: int) -> float:
         """diffusers' decay of update ``optimization_step`` (``DiffusersDecay.get_decay``)."""
@@ -413,7 +351,7 @@ class EMAModel:
             self._ema = self._build()
             self._ema.load_state_dict(old.state_dict())
 
-    # --- state dicts --------------------------------------------------------------------------------
+    # --- state dicts ------------------------------------------------------------------------------
 
     def _scalars(self) -> dict[str, Any]:
         return {**self.schedule.settings(), "optimization_step": self.optimization_step}
@@ -422,8 +360,8 @@ class EMAModel:
         """diffusers' keys (``decay`` ... ``power``, ``optimization_step``, ``shadow_params``)
         and ``shadow_names``; see the module's docstring for a sharded EMA."""
         ema = self.ema
-        out = {k: v for k, v in self._scalars().items()}
-        out = {k: out[k] for k in SCALARS}
+        scalars = self._scalars()
+        out: dict[str, Any] = {k: scalars[k] for k in SCALARS}
         saving = _accelerate_call("save_custom_state") if self.sharded else None
         if saving is not None:
             folder = f"custom_checkpoint_{saving['index']}_ema"
@@ -450,14 +388,19 @@ class EMAModel:
         shadow = state_dict.get("shadow_params")
         values = None
         if sharded is not None:
+            folder = sharded.get("folder") if isinstance(sharded, Mapping) else None
+            if not (isinstance(folder, str) and folder and os.path.basename(folder) == folder
+                    and folder not in (".", "..")):
+                raise ValueError(f"{what}: {SHARDED_KEY} must name a folder beside the state "
+                                 f"dict's file ({{'folder': name}}), got {sharded!r}")
             loading = _accelerate_call("load_custom_state")
             if loading is None:
                 raise ValueError(
                     f"{what}: this state dict refers to the EMA shards saved in the "
-                    f"{sharded['folder']!r} folder of an accelerator.save_state checkpoint; load "
+                    f"{folder!r} folder of an accelerator.save_state checkpoint; load "
                     f"it with accelerator.load_state (the EMAModel registered with "
                     f"register_for_checkpointing)")
-            folder = os.path.join(os.fspath(loading["path"]), sharded["folder"])
+            folder = os.path.join(os.fspath(loading["path"]), folder)
         elif shadow is not None:
             if not (isinstance(shadow, list) and all(isinstance(p, torch.Tensor)
                                                      for p in shadow)):
@@ -484,33 +427,33 @@ class EMAModel:
             else:
                 setattr(self.schedule, name, value)
 
-    # --- folders ------------------------------------------------------------------------------------
+    # --- folders ----------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Writes ``model_cls(**model_config)`` with the EMA weights (and the schedule in its
-        config) as a folder ``model_cls.from_pretrained(path)`` loads. Collective when the EMA
-        is sharded: every rank gathers, rank 0 writes one tensor at a time."""
+        config) as a folder ``model_cls.from_pretrained(path)`` loads; for a LoRA EMA
+        (``params="trainable"``), the model's weights with the EMA adapters merged
+        (``W + scale * B @ A``). Collective when the EMA is sharded: every rank gathers, rank 0
+        writes one tensor at a time."""
         if self.model_cls is None:
             raise ValueError("`save_pretrained` can only be used if `model_cls` was defined at "
                              "__init__.")
         if self.model_config is None:
             raise ValueError("`save_pretrained` can only be used if `model_config` was defined "
                              "at __init__.")
-        ema = self.ema
-        if self.config.params != "all":
-            raise ValueError(f"EMAModel.save_pretrained: the EMA keeps params="
-                             f"{self.config.params!r}, not the whole model; export the adapters "
-                             f"(save_lora_adapter) or the merged weights (save_merged)")
-        path = os.fspath(path)
-        ema.export(path, overwrite=True)
-        if rank_world(default_group())[0] == 0:
-            _rename_export(path)
-            scalars = self._scalars()
-            with torch.device("meta"):
-                model = self.model_cls.from_config(self.model_config)
-            model.register_to_config(**scalars)
-            model.save_config(path)
+        with torch.no_grad():
+            save_pretrained(self.ema, os.fspath(path), model_cls=self.model_cls,
+                            model_config=self.model_config, extra_config=self._scalars(),
+                            lora=self.config.params != "all")
+
+    def save_lora_adapter(self, save_directory: str | os.PathLike,
+                          adapter_name: str = "default", weight_name: str | None = None) -> None:
+        """The EMA of a LoRA adapter (``params="trainable"``), as diffusers'
+        ``save_lora_adapter`` writes it (``unet.load_lora_adapter(path, prefix=None)``) and as
+        peft does (``PeftModel.from_pretrained(base, path)``). Collective."""
+        with torch.no_grad():
+            save_lora_adapter(self.ema, os.fspath(save_directory), adapter_name=adapter_name,
+                              weight_name=weight_name)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, model_cls: Any,
@@ -524,28 +467,17 @@ class EMAModel:
         return ema
 
 
+def _parameter_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """The model's parameters by name, with their global shapes (a DTensor's are)."""
+    return {name: p.shape for name, p in model.named_parameters()}
+
+
 def _is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
 
 
-def _rename_export(path: str) -> None:
-    """diffusers' file names for what ``ShardedEMA.export`` wrote (on rank 0)."""
-    single = os.path.join(path, EXPORT_NAME)
-    if os.path.exists(single):
-        os.replace(single, os.path.join(path, WEIGHTS_NAME))
-    index = single + INDEX_SUFFIX
-    if os.path.exists(index):
-        os.replace(index, os.path.join(path, WEIGHTS_NAME + INDEX_SUFFIX))
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 # Classes carry their public path (repr, pickles, the settings a checkpoint records).
-for _cls in (EMAModel, DiffusersDecay):
+for _cls in (EMAModel,):
     _cls.__module__ = "fsdp_ema.integrations.diffusers"

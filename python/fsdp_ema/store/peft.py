@@ -31,16 +31,29 @@ class _Lora(NamedTuple):
     fan_in_fan_out: bool
 
 
-def _peft_root(model: nn.Module, what: str) -> tuple[str, Any]:
-    """(clean name, PeftModel) of the PeftModel in ``model`` (which may wrap it)."""
+class _Adapted(NamedTuple):
+    prefix: str         # clean name of the module holding the adapters' configs
+    holder: Any         # a PeftModel, or a model peft injected adapters into (its peft_config)
+    base: str           # clean name of the unadapted model (PeftModel: its base_model.model)
+
+
+def _peft_root(model: nn.Module, what: str) -> _Adapted:
+    """The PeftModel in ``model`` (which may wrap it) or, where there is none, the module peft
+    injected adapters into (``inject_adapter_in_model``; diffusers' and transformers'
+    ``add_adapter``), which holds their configs as ``peft_config``."""
     try:
         from peft import PeftModel
     except ImportError as e:
         raise ImportError(f"{what} needs peft (pip install peft)") from e
-    for prefix, module in clean_modules(model):
+    modules = clean_modules(model)
+    for prefix, module in modules:
         if isinstance(module, PeftModel):
-            return prefix, module
-    raise ValueError(f"{what}: {type(model).__name__} holds no peft PeftModel")
+            return _Adapted(prefix, module, join_name(prefix, "base_model.model"))
+    for prefix, module in modules:
+        if isinstance(getattr(module, "peft_config", None), dict) and module.peft_config:
+            return _Adapted(prefix, module, prefix)
+    raise ValueError(f"{what}: {type(model).__name__} holds no peft PeftModel and no adapter "
+                     f"peft injected (add_adapter)")
 
 
 def _lora_layers(model: nn.Module, adapter: str, what: str) -> dict[str, _Lora]:
@@ -91,15 +104,16 @@ def export_peft_adapter(ema, path: str | os.PathLike, *, adapter_name: str = "de
     path)`` loads. Collective; rank 0 of the EMA's group writes. ``dtype`` casts the weights."""
     path = os.fspath(path)
     what = f"fsdp_ema.export_peft_adapter({path!r})"
-    error, layers, config = None, {}, None
+    error, layers, config, base = None, {}, None, ""
     try:
-        _, peft_model = _peft_root(ema.model, what)
-        if adapter_name not in peft_model.peft_config:
+        adapted = _peft_root(ema.model, what)
+        if adapter_name not in adapted.holder.peft_config:
             raise ValueError(f"{what}: the model has no adapter {adapter_name!r} (it has "
-                             f"{sorted(peft_model.peft_config)})")
-        config = peft_model.peft_config[adapter_name]
+                             f"{sorted(adapted.holder.peft_config)})")
+        config = adapted.holder.peft_config[adapter_name]
         layers = _lora_layers(ema.model, adapter_name, what)
         _ema_adapters(ema, layers, adapter_name, what)
+        base = adapted.base
     except Exception as e:  # noqa: BLE001 (raised on every rank by the agreement)
         error = e
     _agree(ema, error, what)
@@ -113,7 +127,7 @@ def export_peft_adapter(ema, path: str | os.PathLike, *, adapter_name: str = "de
             for layer in layers.values():
                 for name in _lora_names(layer, adapter_name):
                     t = full[name]
-                    tensors[name.replace(f".{adapter_name}.", ".")] = (
+                    tensors[_peft_key(name, base, adapter_name)] = (
                         t if dtype is None else t.to(dtype)).contiguous()
             # PEFT's own writers: save_pretrained creates the directory and adapter_config.json,
             # safetensors the weights file (format/'s export writer names model*.safetensors).
@@ -138,15 +152,15 @@ def export_merged(ema, path: str | os.PathLike, *, adapter_name: str = "default"
     path = os.fspath(path)
     what = f"fsdp_ema.export_merged({path!r})"
     model = ema.model
-    error, layers, root, parts, names = None, {}, "", [], {}
+    error, layers, parts, names = None, {}, [], {}
     try:
-        root, _ = _peft_root(model, what)
+        base = _peft_root(model, what).base
         layers = _lora_layers(model, adapter_name, what)
         _ema_adapters(ema, layers, adapter_name, what)
         reshard_fsdp2(model)
         slots = discover(model, True, "copy")
         lora_names = {n for layer in layers.values() for n in _lora_names(layer, adapter_name)}
-        base_prefix = join_name(root, "base_model.model") + "."
+        base_prefix = base + "." if base else ""
         for slot in slots:
             for part in slot.full_parts(slot.get()):
                 if part.fqn in lora_names:
@@ -182,6 +196,13 @@ def export_merged(ema, path: str | os.PathLike, *, adapter_name: str = "default"
     return _export(parts, path, dtype=None, max_file_bytes=int(max_file_bytes),
                    bucket_bytes=bucket_bytes, overwrite=overwrite, group=ema.process_group,
                    device=torch.device("cpu"), what=what, names=names, transform=merged)
+
+
+def _peft_key(name: str, base: str, adapter: str) -> str:
+    """PEFT's key of an adapter tensor (``PeftModel.save_pretrained``'s): its name under the
+    unadapted model, behind ``base_model.model.``, without the adapter's name."""
+    under = name[len(base) + 1:] if base else name
+    return "base_model.model." + under.replace(f".{adapter}.", ".")
 
 
 def _layer_prefixes(fqn: str, layers: dict[str, _Lora]) -> list[str]:
