@@ -3,7 +3,8 @@
     python examples/diffusers_ema.py --steps 40 --out /tmp/diffusers_ema      # spawns 2 ranks
     python examples/diffusers_ema.py --steps 60 --out /tmp/diffusers_ema \\
         --resume-from /tmp/diffusers_ema/checkpoint-40                          # goes on
-    torchrun --nproc-per-node 2 examples/diffusers_ema.py ...                  # or launched
+    torchrun --nproc-per-node 2 examples/diffusers_ema.py ...                  # or launched:
+    accelerate launch --cpu --num_processes 2 examples/diffusers_ema.py ...   # either way
 
 The EMA part of diffusers' examples/text_to_image/train_text_to_image.py, on a tiny
 ``UNet2DModel`` and synthetic images (DDPM noise, MSE on the noise, as its scripts train): the
