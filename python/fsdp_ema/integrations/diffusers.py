@@ -128,6 +128,10 @@ class EMAModel:
         params: ``"all"`` (diffusers': every parameter) or ``"trainable"`` (those with
             ``requires_grad``: a LoRA model's adapters).
         dtype: the EMA's dtype; None (diffusers'): each parameter's own.
+
+    The schedule is the one the arguments give: diffusers' ``EMAModel`` turns
+    ``use_ema_warmup`` on when handed a module (its deprecated form), which this class does not
+    copy, so ``EMAModel(unet, ...)`` averages as diffusers' ``EMAModel(unet.parameters(), ...)``.
     """
 
     def __init__(self, parameters: nn.Module, decay: float = 0.9999, min_decay: float = 0.0,
