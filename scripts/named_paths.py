@@ -21,6 +21,8 @@ ELSEWHERE = {
     "extension_cpp/csrc/muladd.cpp", "csrc/cuda/muladd.cu", "test/test_extension.py",
     "csrc/torch_bindings.cpp", "csrc/ops.h", "torchao/csrc/README.md", "hopper/flash_api.cpp",
     "csrc/multi_tensor_apply.cuh", "MultiTensorApply.cuh", "components/ema.py", "type_shim.h",
+    # diffusers' training script (docs/INTEGRATIONS.md, examples/diffusers_ema.py)
+    "examples/text_to_image/train_text_to_image.py", "train_text_to_image.py",
     "muladd.cpp", "muladd.cu", "flash_api.cpp", "torch_bindings.cpp", "ops.py",
     # torch's and the C++ examples' headers
     "ProcessGroupGloo.hpp", "hf_storage.py",
