@@ -1,7 +1,9 @@
 """The load of a training-state checkpoint, in three steps: read and check the document, ``extra``
 and this rank's RNG states (agreed across ranks); check every tensor against the state dicts and
-read them in place (``load_collective``: every rank checks everything before any rank writes);
-put the state dicts and the RNG states back into their objects. A failure on any rank raises on
+read this rank's share of them once, verified in that read, into staging memory
+(``load_collective(..., staged=True)``), agree, copy into the state dicts' tensors; put the state
+dicts and the RNG states back into their objects. Nothing is read from the files once anything is
+written, so a failure on any rank, or a file changed by another process at any time, raises on
 every rank and leaves every object (and the RNGs) as it was.
 """
 
@@ -30,12 +32,15 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     ``model``, ``optimizer`` and ``ema`` (each optional), and returns ``extra``. Collective.
 
     Each rank reads only the rows it holds (its rank and world size) where the layout is
-    torch.chunk dim-0 rows (FSDP2, FSDP1), whole tensors otherwise, straight into the state
-    dicts' tensors where the dtype is the stored one (for FSDP2 and plain models the parameters',
-    the optimizer's and the EMA's own). RNG states: rank ``r`` restores the state rank ``r``
-    saved; ranks past the saved world size keep theirs. Everything is checked (checksums
-    included) on every rank before anything is written: a failure on any rank raises on every
-    rank and leaves every object (and the RNGs) as it was.
+    torch.chunk dim-0 rows (FSDP2, FSDP1), whole tensors otherwise, once, into staging memory
+    (host memory of the size of what it reads: its share of the state), every byte verified
+    against the stored checksums in the read that returns it; once every rank has read and
+    checked everything, the staged values are copied into the state dicts' tensors (for FSDP2
+    and plain models the parameters', the optimizer's and the EMA's own, which keep their
+    storage). RNG states: rank ``r`` restores the state rank ``r`` saved; ranks past the saved
+    world size keep theirs. A failure on any rank (a corrupted file, or one that another process
+    changes in place while the load reads it) raises on every rank and leaves every object (and
+    the RNGs) as it was. ``verify=False`` skips the checksums (nothing else).
 
     The EMA resumes the step it was saved at; one saved under another schedule (where either
     schedule's decay depends on the step) is refused, naming both, as ``ShardedEMA.load`` refuses
@@ -61,12 +66,14 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     optim_sd = optim_state(model, optimizer) if optimizer is not None else None
     states = States(model=model_state(model) if model is not None else None,
                     optimizer=optim_sd, ema=ema.state_dict() if ema is not None else None)
-    # Every rank checks every tensor (names, shapes, dtypes, every destination and checksum)
-    # before any rank writes; then each reads into the state dicts' tensors in place, which for
-    # FSDP2 and plain models are the parameters', the optimizer's and the EMA's own.
+    # Every rank checks every tensor (names, shapes, dtypes) and reads its share once into
+    # staging memory, verified as read; all agree; only then are the staged values copied into
+    # the state dicts' tensors (for FSDP2 and plain models the parameters', the optimizer's and
+    # the EMA's own) and the non-tensor values set.
     plan = _LoadPlan(doc, states, ema, strict)
     load_collective(ckpt, plan.targets, info=info, group=group, device=torch.device("cpu"),
-                    what=what, verify=verify)
+                    what=what, verify=verify, staged=True)
+    plan.set_values()
     _restore(plan.states, model, optimizer, ema, rng_state, strict)
     return extra
 
@@ -106,12 +113,18 @@ def _read_checked(directory: str, given: Mapping[str, Any], rank: int, rng: bool
 
 class _LoadPlan:
     """Step 2 of a load (in the collective load's check): the names checked against the
-    document and the tensors to read (``targets``); the state dicts' non-tensor values (the
-    optimizer's, the EMA's step) are set from the document, and the model's keeps only the saved
-    names (``states``)."""
+    document and the tensors to read (``targets``), the model's state dict cut to the saved
+    names and the EMA's step set (``states``: new dicts). The optimizer's non-tensor values,
+    whose dicts are the optimizer's own, are decoded there and set only by ``set_values``, after
+    the agreement."""
 
     def __init__(self, doc: Mapping[str, Any], states: States, ema, strict: bool):
         self.doc, self.states, self.ema, self.strict = doc, states, ema, strict
+        self.values: list[tuple[dict, str, Any]] = []  # (entries, key, value) to set
+
+    def set_values(self) -> None:
+        for entries, key, value in self.values:
+            entries[key] = value
 
     def targets(self, _info) -> list[LoadTarget]:
         targets: list[LoadTarget] = []
@@ -153,7 +166,7 @@ class _LoadPlan:
                 if isinstance(v, torch.Tensor) or type(value) is not type(v):
                     raise TypeError(f"{where} is a {type(value).__name__} in the checkpoint "
                                     f"but a {type(v).__name__} here")
-                entries[key] = value
+                self.values.append((entries, key, value))
         return targets
 
     def _param_groups(self) -> None:
