@@ -15,8 +15,8 @@ agree; only then does every rank read into its tensors in place (``load_into``, 
 files, the pieces already hashed); all agree. So a bad checkpoint on one rank (a corrupted file
 only it reads, a dtype it cannot take) raises on every rank with every rank's tensors untouched.
 ``staged=True`` (``load_training_state``) reads every piece once, verified in that read, into
-fresh memory in the check step; after the agreement the values are only copied: no read can fail
-once a destination is written, whatever another process does to the files meanwhile.
+fresh memory in the check step and returns the values after the agreement, for the caller to copy:
+no read can fail once a destination is written, whatever another process does to the files.
 
 An asynchronous save (``async_saver``) runs the same sequence: the pieces are staged on the
 caller's thread, the check, write and commit steps on the background thread of ``store.async_save``.
@@ -171,7 +171,7 @@ def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
                     before_write: Callable[[], None] | None = None,
                     staged: bool = False) -> dict[str, torch.Tensor]:
     """Collective: check, agree, write, agree. Returns the checked values of the targets without
-    ``dest`` (the caller writes them), by name.
+    ``dest`` (the caller writes them), by name; ``staged``: of every target (see below).
 
     Check (every rank, nothing written): open the checkpoint once (or take ``checkpoint`` open),
     ``plan(info)`` gives the targets (it may raise: names, the caller's own rules), every name,
@@ -187,12 +187,13 @@ def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
     cannot see (a write through a shared mapping) or one during the write raises on every rank
     too (its destinations may then be partly written); no rank ever loads changed bytes.
 
-    ``staged=True``: one read. The check reads every target into fresh memory (this rank's share
-    of the targets, in host memory), each byte verified in the read that returns it, and checks
-    the values' shapes; agree; ``before_write()`` (agreed); then the values are copied into their
-    destinations. Nothing is read after the agreement, so a file changed at any time (before,
+    ``staged=True``: one read, and nothing written. The check reads every target into fresh
+    memory (this rank's share of the targets, in host memory), each byte verified in the read that
+    returns it, and checks the values' shapes against the destinations; agree; ``before_write()``
+    (agreed); return every target's value: the caller copies them into their destinations (or
+    hands them over). Nothing is read after the agreement, so a file changed at any time (before,
     during or after the read) either is read as stored or makes the check raise on every rank,
-    and no destination is ever written by a load that raises."""
+    before the caller writes anything."""
     run = functools.partial(agreed, group=group, device=device, what=what)
 
     def check():
@@ -254,11 +255,12 @@ def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
         for (rank, world), tensors in by_request.items():
             ckpt.load_into(tensors, rank=rank, world_size=world, verify=verify, checked=True)
 
-    if not staged:
-        run(ckpt.check_unchanged)  # a file rewritten in place since the check: refused everywhere
-        run(write)
-    elif before_write is not None:
-        run(before_write)
+    if staged:
+        if before_write is not None:
+            run(before_write)
+        return values
+    run(ckpt.check_unchanged)  # a file rewritten in place since the check: refused everywhere
+    run(write)
     with torch.no_grad():
         for t in fresh:
             if t.dest is not None:

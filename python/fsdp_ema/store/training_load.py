@@ -17,9 +17,9 @@ import torch
 
 from ..distributed.groups import default_group, rank_world
 from ..ema.state import allowed_changes
-from ..model.layouts import layout_of
+from ..model.layouts import LoadTarget, is_dtensor, layout_of, on_mesh
 from . import checkpoint as _ckpt
-from .collective import LoadTarget, agreed, load_collective
+from .collective import agreed, load_collective
 from .training_doc import EMA_PREFIX, MODEL_PREFIX, RNG_PREFIX, decode, read_doc, tensor_json
 from .training_rng import checked_rng_state, set_rng_state
 from .training_state_dicts import States, model_state, optim_state, state_options
@@ -67,13 +67,12 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     states = States(model=model_state(model) if model is not None else None,
                     optimizer=optim_sd, ema=ema.state_dict() if ema is not None else None)
     # Every rank checks every tensor (names, shapes, dtypes) and reads its share once into
-    # staging memory, verified as read; all agree; only then are the staged values copied into
-    # the state dicts' tensors (for FSDP2 and plain models the parameters', the optimizer's and
-    # the EMA's own) and the non-tensor values set.
+    # staging memory, verified as read; all agree; only then does anything reach the state dicts
+    # (for FSDP2 and plain models the parameters', the optimizer's and the EMA's own tensors).
     plan = _LoadPlan(doc, states, ema, strict)
-    load_collective(ckpt, plan.targets, info=info, group=group, device=torch.device("cpu"),
-                    what=what, verify=verify, staged=True)
-    plan.set_values()
+    staged = load_collective(ckpt, plan.targets, info=info, group=group,
+                             device=torch.device("cpu"), what=what, verify=verify, staged=True)
+    plan.write(staged)
     _restore(plan.states, model, optimizer, ema, rng_state, strict)
     return extra
 
@@ -114,15 +113,31 @@ def _read_checked(directory: str, given: Mapping[str, Any], rank: int, rng: bool
 class _LoadPlan:
     """Step 2 of a load (in the collective load's check): the names checked against the
     document and the tensors to read (``targets``), the model's state dict cut to the saved
-    names and the EMA's step set (``states``: new dicts). The optimizer's non-tensor values,
-    whose dicts are the optimizer's own, are decoded there and set only by ``set_values``, after
-    the agreement."""
+    names and the EMA's step set (``states``: new dicts). The optimizer's entries, whose dicts are
+    the optimizer's own, are written only by ``write``, after the agreement."""
 
     def __init__(self, doc: Mapping[str, Any], states: States, ema, strict: bool):
         self.doc, self.states, self.ema, self.strict = doc, states, ema, strict
-        self.values: list[tuple[dict, str, Any]] = []  # (entries, key, value) to set
+        self.made: list[LoadTarget] = []
+        self.values: list[tuple[dict, str, Any]] = []  # non-tensor (entries, key, value) to set
+        self.entries: dict[str, tuple[dict, str]] = {}  # optimizer tensors: (entries, key)
 
-    def set_values(self) -> None:
+    def write(self, staged: dict[str, torch.Tensor]) -> None:
+        """Step 3 (after the agreement): each staged value into its state dict. An optimizer's
+        tensor on the host, of the stored dtype, becomes the staged one itself (as
+        ``Optimizer.load_state_dict`` installs what it is given: no copy); every other value is
+        copied into its destination (the parameters' and the EMA's keep their storage)."""
+        with torch.no_grad():
+            for t in self.made:
+                value = staged.pop(t.name, None)
+                if value is None:
+                    continue  # nothing of it on this rank
+                entries, key = self.entries.get(t.name, (None, None))
+                taken = None if entries is None else _handed_over(t, entries[key], value)
+                if taken is not None:
+                    entries[key] = taken
+                else:
+                    t.dest.copy_(value)
         for entries, key, value in self.values:
             entries[key] = value
 
@@ -135,6 +150,7 @@ class _LoadPlan:
             self._param_groups()
         if self.states.ema is not None:
             targets += self._ema_targets()
+        self.made = targets
         return targets
 
     def _model_targets(self) -> list[LoadTarget]:
@@ -161,6 +177,7 @@ class _LoadPlan:
                         raise TypeError(f"{where} is a tensor in the checkpoint but a "
                                         f"{type(v).__name__} here")
                     targets.append(layout_of(entry["tensor"], v).target())
+                    self.entries[entry["tensor"]] = (entries, key)
                     continue
                 value = decode(entry["value"], where)
                 if isinstance(v, torch.Tensor) or type(value) is not type(v):
@@ -190,6 +207,21 @@ class _LoadPlan:
         if self.doc["ema"]["step"] is not None:
             ema_sd[step_key] = torch.tensor(self.doc["ema"]["step"], dtype=torch.int64)
         return [layout_of(EMA_PREFIX + k, ema_sd[k]).target() for k in mine if k in saved]
+
+
+def _handed_over(target: LoadTarget, v, value: torch.Tensor):
+    """What the optimizer can hold in place of its tensor ``v``: the staged ``value`` itself
+    where ``v`` is a host tensor of its dtype (a DTensor on a CPU mesh: wrapped alike) and the
+    read is its own rows or the whole tensor; else None (copied). Device tensors are copied into
+    (no second copy of the optimizer's state in device memory)."""
+    if target.read.box is not None or value.dtype != v.dtype:
+        return None
+    if is_dtensor(v):
+        if v.device_mesh.device_type != "cpu" or v.to_local().device.type != "cpu":
+            return None
+        return on_mesh(target.name, value, v.device_mesh, v.placements, v.shape,
+                       v.stride()).dtensor()
+    return value if type(v) is torch.Tensor and v.device.type == "cpu" else None
 
 
 def _restore(states: States, model, optimizer, ema, rng_state, strict: bool) -> None:
