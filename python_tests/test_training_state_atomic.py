@@ -13,9 +13,9 @@ are exactly the saved ones, or it raises on both ranks and all of them are exact
   pass with earlier tensors overwritten and rank 0 wholly loaded; one read succeeds.
 - A file corrupted before the load (rank 1's last tensor): rank 1's one read fails after reading
   the earlier pieces; both ranks raise, nothing written on either.
-- Another process rewrites bytes of both shard files in place while loads run, by pwrite and
-  through a shared mapping, with pauses: every load has one of the two outcomes, and once the
-  writers stop the next load succeeds.
+- Another process toggles bytes of both shard files in place while loads run, by pwrite and
+  through a shared mapping (test_concurrent_rewrites' writer): every load has one of the two
+  outcomes, and once the writers stop the next load succeeds.
 
 In one process: an optimizer's non-tensor state (its state dicts are the optimizer's own) is set
 only after the agreement, so a refused load leaves it too.
@@ -29,14 +29,12 @@ import os
 import pickle
 import random
 import struct
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
 import torch
 from dist_utils import PoolManager
+from test_concurrent_rewrites import rewriting
 from torch import nn
 
 import fsdp_ema
@@ -44,33 +42,6 @@ from fsdp_ema import ShardedEMA
 from fsdp_ema import checkpoint as ckpt
 
 LOADS = 12  # per writer mode, while another process rewrites the files
-
-# Toggles a random byte of [lo, hi) of a file (pwrite, or through a MAP_SHARED mapping), holds it
-# for a moment, restores it, pauses up to 8 ms; until SIGTERM, which it obeys between toggles
-# (the file is left as it was).
-_WRITER = textwrap.dedent("""
-    import mmap, os, random, signal, sys, time
-    path, lo, hi, mode, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    fd = os.open(path, os.O_RDWR)
-    m = mmap.mmap(fd, 0, mmap.MAP_SHARED) if mode == "mapped" else None
-    rng = random.Random(seed)
-    print("ready", flush=True)
-    while not stop:
-        at = rng.randrange(lo, hi)
-        if m is not None:
-            m[at] ^= 0x40
-            time.sleep(0.0005)
-            m[at] ^= 0x40
-        else:
-            b = os.pread(fd, 1, at)
-            os.pwrite(fd, bytes([b[0] ^ 0x40]), at)
-            time.sleep(0.0005)
-            os.pwrite(fd, b, at)
-        time.sleep(rng.uniform(0, 0.008))
-""")
-
 
 @pytest.fixture(scope="module")
 def pools():
@@ -174,7 +145,7 @@ def last_state_piece(path):
                 and v["data_offsets"][1] > v["data_offsets"][0]),
                key=lambda k: header[k]["data_offsets"][1])
     begin, end = header[name]["data_offsets"]
-    return name, 8 + n + (begin + end) // 2, 8 + n
+    return name, 8 + n + (begin + end) // 2
 
 
 class SharedPage:
@@ -218,13 +189,6 @@ def flip_after_reading(name, page):
     return lambda: [setattr(ckpt.OpenCheckpoint, m, f) for m, f in real.items()]
 
 
-def rewritten(path, lo, hi, mode, seed):
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), str(lo), str(hi), mode,
-                             str(seed)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    return proc
-
-
 def run_loads(rank, world, root):
     directory = os.path.join(root, "ts")
     src = build(0, steps=2)
@@ -235,7 +199,7 @@ def run_loads(rank, world, root):
     pre, pre_ema = snapshot(*objs), {k: v.clone() for k, v in objs[2].state_dict().items()}
     assert differing(pre, expected), "the objects must differ from the saved state"
     mine = os.path.join(directory, ckpt.shard_file_name(rank, world))
-    name, at, data_begin = last_state_piece(mine)
+    name, at = last_state_piece(mine)
     out = {}
 
     # The file changes right after the read that returned the tensor (rank 1's file only).
@@ -260,18 +224,21 @@ def run_loads(rank, world, root):
         page.close()
     put_back(*objs, pre, pre_ema)
 
-    # Another process rewrites bytes of this rank's file, the later half of its data, meanwhile.
+    # Another process toggles bytes of this rank's file in place meanwhile (test_concurrent_
+    # rewrites' writer: pwrite, or a shared mapping whose writes fstat cannot see).
     out["rewritten"] = []
+    with open(mine, "rb") as f:
+        original = f.read()
     for mode in ("pwrite", "mapped"):
-        proc = rewritten(mine, (data_begin + at) // 2, at + 1, mode, seed=rank)
         try:
-            for _ in range(LOADS):
-                out["rewritten"].append(outcome(directory, objs, expected))
-                put_back(*objs, pre, pre_ema)
+            with rewriting(mine, mode):
+                for _ in range(LOADS):
+                    out["rewritten"].append(outcome(directory, objs, expected))
+                    put_back(*objs, pre, pre_ema)
         finally:
-            proc.terminate()
-            proc.wait()
-    torch.distributed.barrier()  # both writers stopped
+            with open(mine, "r+b") as f:  # the writer may be killed with a byte toggled
+                f.write(original)
+    torch.distributed.barrier()  # both writers stopped, both files as saved
     out["after"] = outcome(directory, objs, expected)
     return out
 
@@ -338,7 +305,7 @@ def test_an_optimizers_non_tensor_state_is_set_only_after_every_read(tmp_path):
     fsdp_ema.save_training_state(tmp_path / "c", model=model, optimizer=opt, rng=False)
     model2, opt2 = counting(1, steps=1)
     path = tmp_path / "c" / ckpt.shard_file_name(0, 1)
-    _, at, _ = last_state_piece(path)
+    _, at = last_state_piece(path)
     page = SharedPage(path, at)
     page.flip()
     try:

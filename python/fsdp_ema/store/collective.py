@@ -214,10 +214,10 @@ def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
             check_dtype_kind(t.name, stored, t.dtype)
             if t.read is not None:
                 (in_place if not staged and _in_place(t, stored) else fresh).append(t)
-        # Destinations a copy fills (all of them when staged) take any memory copy_ can write.
-        shared = () if staged else _overlapping(
-            in_place + [t for t in fresh if t.dest is not None])
-        if shared:
+        # Staged, every destination is filled by a copy after the agreement; the op still checks
+        # each is memory that copy can write, and names sharing memory are simply copied twice.
+        shared = _overlapping(in_place + [t for t in fresh if t.dest is not None])
+        if shared and not staged:
             fresh += [t for t in in_place if t.name in shared]
             in_place = [t for t in in_place if t.name not in shared]
         by_request: dict[tuple[int, int], dict[str, torch.Tensor]] = defaultdict(dict)

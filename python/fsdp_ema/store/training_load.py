@@ -1,10 +1,10 @@
 """The load of a training-state checkpoint, in three steps: read and check the document, ``extra``
 and this rank's RNG states (agreed across ranks); check every tensor against the state dicts and
 read this rank's share of them once, verified in that read, into staging memory
-(``load_collective(..., staged=True)``), agree, copy into the state dicts' tensors; put the state
-dicts and the RNG states back into their objects. Nothing is read from the files once anything is
-written, so a failure on any rank, or a file changed by another process at any time, raises on
-every rank and leaves every object (and the RNGs) as it was.
+(``load_collective(..., staged=True)``), agree, copy into (or hand over to) the state dicts; put
+the state dicts and the RNG states back into their objects. Nothing is read from the files once
+anything is written, so a failure on any rank, or a file changed by another process at any time,
+raises on every rank and leaves every object (and the RNGs) as it was.
 """
 
 from __future__ import annotations
@@ -36,11 +36,13 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     (host memory of the size of what it reads: its share of the state), every byte verified
     against the stored checksums in the read that returns it; once every rank has read and
     checked everything, the staged values are copied into the state dicts' tensors (for FSDP2
-    and plain models the parameters', the optimizer's and the EMA's own, which keep their
-    storage). RNG states: rank ``r`` restores the state rank ``r`` saved; ranks past the saved
-    world size keep theirs. A failure on any rank (a corrupted file, or one that another process
-    changes in place while the load reads it) raises on every rank and leaves every object (and
-    the RNGs) as it was. ``verify=False`` skips the checksums (nothing else).
+    and plain models the parameters' and the EMA's own, which keep their storage; the
+    optimizer's too where they are on a device), and an optimizer's host tensors of the stored
+    dtype are replaced by the staged ones (no copy). RNG states: rank ``r`` restores the state
+    rank ``r`` saved; ranks past the saved world size keep theirs. A failure on any rank (a
+    corrupted file, or one that another process changes in place while the load reads it) raises
+    on every rank and leaves every object (and the RNGs) as it was. ``verify=False`` skips the
+    checksums (nothing else).
 
     The EMA resumes the step it was saved at; one saved under another schedule (where either
     schedule's decay depends on the step) is refused, naming both, as ``ShardedEMA.load`` refuses
