@@ -93,17 +93,37 @@ def interleaved(fns: dict, rounds: int) -> dict[str, list[float]]:
     return times
 
 
+def state_dicts(model, opt, ema) -> dict:
+    """What DCP saves and loads: the model's, the optimizer's and the EMA's state dicts."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
+            "ema": ema.state_dict()}
+
+
+def dcp_load(directory: Path, model, opt, ema) -> None:
+    """dcp.load into the state dicts, then each put back into its object."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    sd = state_dicts(model, opt, ema)
+    dcp.load(sd, checkpoint_id=str(directory))
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+    ema.load_state_dict(sd["ema"])
+
+
 def worker(rank, init_file, args, out_queue):
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
 
     import fsdp_ema
 
@@ -115,10 +135,6 @@ def worker(rank, init_file, args, out_queue):
     total = torch.tensor(local)
     dist.all_reduce(total)
     results = {"bytes": int(total), "places": {}}
-
-    def state_dicts():
-        return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
-                "ema": ema.state_dict()}
 
     for place in args.places.split(","):
         base = Path("/dev/shm") if place == "tmpfs" else args.disk_dir
@@ -138,7 +154,7 @@ def worker(rank, init_file, args, out_queue):
                                          extra={"step": 1})
 
         def dcp_save():
-            dcp.save(state_dicts(), checkpoint_id=str(dcp_dir))
+            dcp.save(state_dicts(model, opt, ema), checkpoint_id=str(dcp_dir))
 
         # The raw rate: this rank's share of the bytes (its shard file's size) in one file.
         row = {"save": {}, "load": {}}
@@ -162,15 +178,11 @@ def worker(rank, init_file, args, out_queue):
         def ours_load_unverified():  # diagnostic: the cost of the hash pass is the difference
             fsdp_ema.load_training_state(ours, model=model, optimizer=opt, ema=ema, verify=False)
 
-        def dcp_load():
-            sd = state_dicts()
-            dcp.load(sd, checkpoint_id=str(dcp_dir))
-            set_model_state_dict(model, sd["model"])
-            set_optimizer_state_dict(model, opt, sd["optim"])
-            ema.load_state_dict(sd["ema"])
+        def dcp_loads():
+            dcp_load(dcp_dir, model, opt, ema)
 
         loads = {"fsdp_ema load_training_state": ours_load,
-                 "dcp.load (+ set_state_dict)": dcp_load,
+                 "dcp.load (+ set_state_dict)": dcp_loads,
                  "diag: ours, verify=False": ours_load_unverified, "raw read": raw_read}
         for fn in loads.values():  # warm the page cache alike
             fn()

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_training_state import WORLD, build  # noqa: E402
+from bench_training_state import WORLD, build, dcp_load, state_dicts  # noqa: E402
 from ranks import init_group, shared_tmpdir, spawn  # noqa: E402
 
 
@@ -41,12 +41,6 @@ def worker(rank, init_file, args, out_queue):
 
     warnings.filterwarnings("ignore")
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
 
     import fsdp_ema
     from fsdp_ema import checkpoint as ckpt
@@ -57,12 +51,8 @@ def worker(rank, init_file, args, out_queue):
     work = shared_tmpdir(Path("/dev/shm"), "fsdp_ema_profile_load_")
     ours, dcp_dir = work / "ours", work / "dcp"
 
-    def state_dicts():
-        return {"model": get_model_state_dict(model),
-                "optim": get_optimizer_state_dict(model, opt), "ema": ema.state_dict()}
-
     fsdp_ema.save_training_state(ours, model=model, optimizer=opt, ema=ema)
-    dcp.save(state_dicts(), checkpoint_id=str(dcp_dir))
+    dcp.save(state_dicts(model, opt, ema), checkpoint_id=str(dcp_dir))
     read_s = []
     real_load = ckpt.OpenCheckpoint.load
 
@@ -78,18 +68,14 @@ def worker(rank, init_file, args, out_queue):
     def ours_load():
         fsdp_ema.load_training_state(ours, model=model, optimizer=opt, ema=ema)
 
-    def dcp_load():
-        sd = state_dicts()
-        dcp.load(sd, checkpoint_id=str(dcp_dir))
-        set_model_state_dict(model, sd["model"])
-        set_optimizer_state_dict(model, opt, sd["optim"])
-        ema.load_state_dict(sd["ema"])
+    def dcp_loads():
+        dcp_load(dcp_dir, model, opt, ema)
 
     rows = {"ours": [], "dcp": []}
-    for fn in (ours_load, dcp_load):
+    for fn in (ours_load, dcp_loads):
         fn()
     for _ in range(args.rounds):
-        for name, fn in (("ours", ours_load), ("dcp", dcp_load)):
+        for name, fn in (("ours", ours_load), ("dcp", dcp_loads)):
             read_s.clear()
             dist.barrier()
             wall, cpu, faults = measured(fn)
