@@ -217,7 +217,7 @@ def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
         # Staged, every destination is filled by a copy after the agreement; the op still checks
         # each is memory that copy can write, and names sharing memory are simply copied twice.
         shared = _overlapping(in_place + [t for t in fresh if t.dest is not None])
-        if shared and not staged:
+        if shared:
             fresh += [t for t in in_place if t.name in shared]
             in_place = [t for t in in_place if t.name not in shared]
         by_request: dict[tuple[int, int], dict[str, torch.Tensor]] = defaultdict(dict)
