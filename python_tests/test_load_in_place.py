@@ -1,12 +1,16 @@
-"""Loads into the tensors the caller has (#11 follow-up): ``ShardedEMA.load``,
-``load_model_weights`` and ``load_training_state`` read with ``load_into_`` straight into the
-EMA's, the model's and the optimizer's own tensors, through one collective sequence
-(``_collective.load_collective``: check and hash on every rank, agree, write, agree).
+"""Loads into the tensors the caller has (#11 follow-up): ``ShardedEMA.load`` and
+``load_model_weights`` read with ``load_into_`` straight into the EMA's and the model's own
+tensors, through one collective sequence (``_collective.load_collective``: check and hash on every
+rank, agree, write, agree); ``load_training_state`` reads each tensor once into staging memory,
+verified, agrees, then copies into the model's, the optimizer's and the EMA's own tensors
+(#41 item 4: ``test_training_state_atomic.py``).
 
 At 2 gloo ranks with FSDP2: the loaded values equal the saved ones (full tensors gathered by
 torch.distributed.checkpoint's state-dict API and by ``full_state_dict``, independent of the
-checkpoint code), every destination keeps its storage (``data_ptr``), nothing but the small JSON
-and RNG tensors is read into fresh memory, and a corrupted shard file that only rank 1 reads
+checkpoint code), every destination keeps its storage (``data_ptr``; the training state's host
+optimizer takes the staged tensors instead), the EMA and weight loads read nothing into fresh
+memory and the training state each tensor once (nothing in place), and a
+corrupted shard file that only rank 1 reads
 raises on both ranks with every rank's EMA, model and optimizer bit for bit as before. In one
 process: tied weights (two names, one tensor), a dtype cast (the fallback), an EMA in host
 memory with an update in flight, and ``fsdp_ema.checkpoint.OpenCheckpoint`` itself.
@@ -108,20 +112,24 @@ def differing(got, expected):
 
 
 @contextmanager
-def fresh_reads():
-    """The names read into fresh memory (``OpenCheckpoint.load``) meanwhile."""
+def reads(method="load"):
+    """The names ``OpenCheckpoint.<method>`` read meanwhile (``load``: into fresh memory)."""
     names: list[str] = []
-    real = ckpt.OpenCheckpoint.load
+    real = getattr(ckpt.OpenCheckpoint, method)
 
     def spy(self, wanted, **kwargs):
         names.extend(wanted)
         return real(self, wanted, **kwargs)
 
-    ckpt.OpenCheckpoint.load = spy
+    setattr(ckpt.OpenCheckpoint, method, spy)
     try:
         yield names
     finally:
-        ckpt.OpenCheckpoint.load = real
+        setattr(ckpt.OpenCheckpoint, method, real)
+
+
+def fresh_reads():
+    return reads("load")
 
 
 def flip_data_byte(path, name):
@@ -151,14 +159,15 @@ def run_in_place(rank, world, root):
     out = {}
     model, opt, ema = build(1)
     before = {k: t.data_ptr() for k, t in live_tensors(model, opt, ema).items()}
-    with fresh_reads() as names:
+    with fresh_reads() as names, reads("check_into") as checked, reads("load_into") as into:
         extra = fsdp_ema.load_training_state(os.path.join(root, "ts"), model=model,
                                              optimizer=opt, ema=ema)
     out["training_state"] = {
         "extra": extra, "differ": differing(full(model, opt, ema), expected),
         "moved": sorted(k for k, t in live_tensors(model, opt, ema).items()
                         if t.data_ptr() != before.get(k)),
-        "fresh": sorted(names)}
+        "fresh": sorted(names), "in_place": checked + into,
+        "optimizer": sorted(k for k in before if k.startswith("optim."))}
 
     model, opt, ema = build(2)
     ema_before = [t.data_ptr() for t in ema.state.tensors]
@@ -190,9 +199,15 @@ def test_loads_write_in_place_and_equal_the_saved_values(pools, tmp_path):
         ts = res["training_state"]
         assert ts["extra"] == {"step": 1}
         assert ts["differ"] == [], f"rank {rank}: load_training_state: {ts['differ']} differ"
-        assert ts["moved"] == [], f"rank {rank}: {ts['moved']} lost their storage"
-        # Only the JSON document and this rank's RNG states are read into fresh memory.
-        assert ts["fresh"] == sorted(["meta.training_state", f"rng.{rank}"]), ts["fresh"]
+        # The parameters and the EMA keep their storage; the (host) optimizer holds the staged
+        # tensors themselves, handed over instead of copied (those it holds elements of).
+        assert ts["moved"] and set(ts["moved"]) <= set(ts["optimizer"]), (rank, ts["moved"])
+        # One read of each tensor, into staging memory (then copied): none read twice, none
+        # checked or read in place.
+        some = {"meta.training_state", f"rng.{rank}", "model.inp.weight",
+                "optim.state.inp.weight.exp_avg_sq", "ema.hidden.bias"}
+        assert some <= set(ts["fresh"]), ts["fresh"]
+        assert len(set(ts["fresh"])) == len(ts["fresh"]) and ts["in_place"] == [], ts
         for what in ("ema", "weights"):
             assert res[what]["differ"] == [], f"rank {rank}: {what}: {res[what]['differ']}"
             assert res[what]["moved"] == [], f"rank {rank}: {what}: {res[what]['moved']} moved"

@@ -25,8 +25,6 @@ ALLOWED = {
         116, "one measured process (as bench_host_ema.worker)"),
     "bench/bench_teacher.py:rank_main": (
         93, "one measured rank (as bench_host_ema.worker)"),
-    "bench/bench_training_state.py:worker": (
-        91, "one measured process (as bench_host_ema.worker)"),
     "bench/bench_checkpoint.py:run_place": (
         90, "one measured process (as bench_host_ema.worker)"),
     "python_tests/test_teacher.py:run_gradients_reshard_compile_lora": (

@@ -604,6 +604,22 @@ MUTANTS = {
         "  ops::check_no_overlap(op.c_str(), tensors, label, {}, label,",
         "  if (false) ops::check_no_overlap(op.c_str(), tensors, label, {}, label,",
         [ctest("CheckpointReader.LoadIntoRefusesOverlappingAndMetaDestinations")]),
+    # --- #41 item 4: load_training_state is all or nothing ---------------------------------------
+    "training-state-load-reads-twice": (
+        "python/fsdp_ema/store/training_load.py",
+        "what=what, verify=verify, staged=True)",
+        "what=what, verify=verify, staged=False)",
+        [pytest("python_tests/test_training_state_atomic.py", "-k", "after_the_one_read")]),
+    "load-written-without-the-agreement": (
+        "python/fsdp_ema/store/collective.py",
+        "    ckpt, by_request, fresh, values = run(check)\n",
+        "    ckpt, by_request, fresh, values = check()\n",
+        [pytest("python_tests/test_training_state_atomic.py", "-k", "corrupted_file_on_one_rank")]),
+    "optimizer-values-set-before-the-agreement": (
+        "python/fsdp_ema/store/training_load.py",
+        "                self.values.append((entries, key, value))",
+        "                entries[key] = value",
+        [pytest("python_tests/test_training_state_atomic.py", "-k", "non_tensor_state")]),
     "reader-tied-values-not-compared": (
         "ops/reader/checkpoint_reader.cpp",
         "TORCH_CHECK(first || same_bits(it->second, value),",

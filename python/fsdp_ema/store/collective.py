@@ -14,6 +14,9 @@ and hashes every stored piece it will read (``OpenCheckpoint.check_into``, nothi
 agree; only then does every rank read into its tensors in place (``load_into``, from the same open
 files, the pieces already hashed); all agree. So a bad checkpoint on one rank (a corrupted file
 only it reads, a dtype it cannot take) raises on every rank with every rank's tensors untouched.
+``staged=True`` (``load_training_state``) reads every piece once, verified in that read, into
+fresh memory in the check step and returns the values after the agreement, for the caller to copy:
+no read can fail once a destination is written, whatever another process does to the files.
 
 An asynchronous save (``async_saver``) runs the same sequence: the pieces are staged on the
 caller's thread, the check, write and commit steps on the background thread of ``store.async_save``.
@@ -165,9 +168,10 @@ def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
                     plan: Callable[[Mapping[str, Any]], Sequence[LoadTarget]], *, group,
                     device: torch.device, what: str, verify: bool = True,
                     info: Mapping[str, Any] | None = None,
-                    before_write: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
+                    before_write: Callable[[], None] | None = None,
+                    staged: bool = False) -> dict[str, torch.Tensor]:
     """Collective: check, agree, write, agree. Returns the checked values of the targets without
-    ``dest`` (the caller writes them), by name.
+    ``dest`` (the caller writes them), by name; ``staged``: of every target (see below).
 
     Check (every rank, nothing written): open the checkpoint once (or take ``checkpoint`` open),
     ``plan(info)`` gives the targets (it may raise: names, the caller's own rules), every name,
@@ -181,7 +185,15 @@ def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
     ctime) and all agree: an early refusal, with nothing written, of a file rewritten in place
     since the check. The write pass hashes every byte again as it reads it, so a change ``fstat``
     cannot see (a write through a shared mapping) or one during the write raises on every rank
-    too (its destinations may then be partly written); no rank ever loads changed bytes."""
+    too (its destinations may then be partly written); no rank ever loads changed bytes.
+
+    ``staged=True``: one read, and nothing written. The check reads every target into fresh
+    memory (this rank's share of the targets, in host memory), each byte verified in the read that
+    returns it, and checks the values' shapes against the destinations; agree; ``before_write()``
+    (agreed); return every target's value: the caller copies them into their destinations (or
+    hands them over). Nothing is read after the agreement, so a file changed at any time (before,
+    during or after the read) either is read as stored or makes the check raise on every rank,
+    before the caller writes anything."""
     run = functools.partial(agreed, group=group, device=device, what=what)
 
     def check():
@@ -201,7 +213,9 @@ def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
             stored = _dtypes.from_name(entry["torch_dtype"], f"{t.name!r}")
             check_dtype_kind(t.name, stored, t.dtype)
             if t.read is not None:
-                (in_place if _in_place(t, stored) else fresh).append(t)
+                (in_place if not staged and _in_place(t, stored) else fresh).append(t)
+        # Staged, every destination is filled by a copy after the agreement; the op still checks
+        # each is memory that copy can write, and names sharing memory are simply copied twice.
         shared = _overlapping(in_place + [t for t in fresh if t.dest is not None])
         if shared:
             fresh += [t for t in in_place if t.name in shared]
@@ -234,7 +248,6 @@ def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
         return ckpt, by_request, fresh, values
 
     ckpt, by_request, fresh, values = run(check)
-    run(ckpt.check_unchanged)  # a file rewritten in place since the check: refused everywhere
 
     def write() -> None:
         if before_write is not None:
@@ -242,6 +255,11 @@ def load_collective(checkpoint: str | os.PathLike | _ckpt.OpenCheckpoint,
         for (rank, world), tensors in by_request.items():
             ckpt.load_into(tensors, rank=rank, world_size=world, verify=verify, checked=True)
 
+    if staged:
+        if before_write is not None:
+            run(before_write)
+        return values
+    run(ckpt.check_unchanged)  # a file rewritten in place since the check: refused everywhere
     run(write)
     with torch.no_grad():
         for t in fresh:

@@ -1,8 +1,10 @@
 """The load of a training-state checkpoint, in three steps: read and check the document, ``extra``
 and this rank's RNG states (agreed across ranks); check every tensor against the state dicts and
-read them in place (``load_collective``: every rank checks everything before any rank writes);
-put the state dicts and the RNG states back into their objects. A failure on any rank raises on
-every rank and leaves every object (and the RNGs) as it was.
+read this rank's share of them once, verified in that read, into staging memory
+(``load_collective(..., staged=True)``), agree, copy into (or hand over to) the state dicts; put
+the state dicts and the RNG states back into their objects. Nothing is read from the files once
+anything is written, so a failure on any rank, or a file changed by another process at any time,
+raises on every rank and leaves every object (and the RNGs) as it was.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import torch
 
 from ..distributed.groups import default_group, rank_world
 from ..ema.state import allowed_changes
-from ..model.layouts import layout_of
+from ..model.layouts import LoadTarget, is_dtensor, layout_of, on_mesh
 from . import checkpoint as _ckpt
-from .collective import LoadTarget, agreed, load_collective
+from .collective import agreed, load_collective
 from .training_doc import EMA_PREFIX, MODEL_PREFIX, RNG_PREFIX, decode, read_doc, tensor_json
 from .training_rng import checked_rng_state, set_rng_state
 from .training_state_dicts import States, model_state, optim_state, state_options
@@ -30,12 +32,17 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     ``model``, ``optimizer`` and ``ema`` (each optional), and returns ``extra``. Collective.
 
     Each rank reads only the rows it holds (its rank and world size) where the layout is
-    torch.chunk dim-0 rows (FSDP2, FSDP1), whole tensors otherwise, straight into the state
-    dicts' tensors where the dtype is the stored one (for FSDP2 and plain models the parameters',
-    the optimizer's and the EMA's own). RNG states: rank ``r`` restores the state rank ``r``
-    saved; ranks past the saved world size keep theirs. Everything is checked (checksums
-    included) on every rank before anything is written: a failure on any rank raises on every
-    rank and leaves every object (and the RNGs) as it was.
+    torch.chunk dim-0 rows (FSDP2, FSDP1), whole tensors otherwise, once, into staging memory
+    (host memory of the size of what it reads: its share of the state), every byte verified
+    against the stored checksums in the read that returns it; once every rank has read and
+    checked everything, the staged values are copied into the state dicts' tensors (for FSDP2
+    and plain models the parameters' and the EMA's own, which keep their storage; the
+    optimizer's too where they are on a device), and an optimizer's host tensors of the stored
+    dtype are replaced by the staged ones (no copy). RNG states: rank ``r`` restores the state
+    rank ``r`` saved; ranks past the saved world size keep theirs. A failure on any rank (a
+    corrupted file, or one that another process changes in place while the load reads it) raises
+    on every rank and leaves every object (and the RNGs) as it was. ``verify=False`` skips the
+    checksums (nothing else).
 
     The EMA resumes the step it was saved at; one saved under another schedule (where either
     schedule's decay depends on the step) is refused, naming both, as ``ShardedEMA.load`` refuses
@@ -61,12 +68,13 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     optim_sd = optim_state(model, optimizer) if optimizer is not None else None
     states = States(model=model_state(model) if model is not None else None,
                     optimizer=optim_sd, ema=ema.state_dict() if ema is not None else None)
-    # Every rank checks every tensor (names, shapes, dtypes, every destination and checksum)
-    # before any rank writes; then each reads into the state dicts' tensors in place, which for
-    # FSDP2 and plain models are the parameters', the optimizer's and the EMA's own.
+    # Every rank checks every tensor (names, shapes, dtypes) and reads its share once into
+    # staging memory, verified as read; all agree; only then does anything reach the state dicts
+    # (for FSDP2 and plain models the parameters', the optimizer's and the EMA's own tensors).
     plan = _LoadPlan(doc, states, ema, strict)
-    load_collective(ckpt, plan.targets, info=info, group=group, device=torch.device("cpu"),
-                    what=what, verify=verify)
+    staged = load_collective(ckpt, plan.targets, info=info, group=group,
+                             device=torch.device("cpu"), what=what, verify=verify, staged=True)
+    plan.write(staged)
     _restore(plan.states, model, optimizer, ema, rng_state, strict)
     return extra
 
@@ -106,12 +114,34 @@ def _read_checked(directory: str, given: Mapping[str, Any], rank: int, rng: bool
 
 class _LoadPlan:
     """Step 2 of a load (in the collective load's check): the names checked against the
-    document and the tensors to read (``targets``); the state dicts' non-tensor values (the
-    optimizer's, the EMA's step) are set from the document, and the model's keeps only the saved
-    names (``states``)."""
+    document and the tensors to read (``targets``), the model's state dict cut to the saved
+    names and the EMA's step set (``states``: new dicts). The optimizer's entries, whose dicts are
+    the optimizer's own, are written only by ``write``, after the agreement."""
 
     def __init__(self, doc: Mapping[str, Any], states: States, ema, strict: bool):
         self.doc, self.states, self.ema, self.strict = doc, states, ema, strict
+        self.made: list[LoadTarget] = []
+        self.values: list[tuple[dict, str, Any]] = []  # non-tensor (entries, key, value) to set
+        self.entries: dict[str, tuple[dict, str]] = {}  # optimizer tensors: (entries, key)
+
+    def write(self, staged: dict[str, torch.Tensor]) -> None:
+        """Step 3 (after the agreement): each staged value into its state dict. An optimizer's
+        tensor on the host, of the stored dtype, becomes the staged one itself (as
+        ``Optimizer.load_state_dict`` installs what it is given: no copy); every other value is
+        copied into its destination (the parameters' and the EMA's keep their storage)."""
+        with torch.no_grad():
+            for t in self.made:
+                value = staged.pop(t.name, None)
+                if value is None:
+                    continue  # nothing of it on this rank
+                entries, key = self.entries.get(t.name, (None, None))
+                taken = None if entries is None else _handed_over(t, entries[key], value)
+                if taken is not None:
+                    entries[key] = taken
+                else:
+                    t.dest.copy_(value)
+        for entries, key, value in self.values:
+            entries[key] = value
 
     def targets(self, _info) -> list[LoadTarget]:
         targets: list[LoadTarget] = []
@@ -122,6 +152,7 @@ class _LoadPlan:
             self._param_groups()
         if self.states.ema is not None:
             targets += self._ema_targets()
+        self.made = targets
         return targets
 
     def _model_targets(self) -> list[LoadTarget]:
@@ -148,12 +179,13 @@ class _LoadPlan:
                         raise TypeError(f"{where} is a tensor in the checkpoint but a "
                                         f"{type(v).__name__} here")
                     targets.append(layout_of(entry["tensor"], v).target())
+                    self.entries[entry["tensor"]] = (entries, key)
                     continue
                 value = decode(entry["value"], where)
                 if isinstance(v, torch.Tensor) or type(value) is not type(v):
                     raise TypeError(f"{where} is a {type(value).__name__} in the checkpoint "
                                     f"but a {type(v).__name__} here")
-                entries[key] = value
+                self.values.append((entries, key, value))
         return targets
 
     def _param_groups(self) -> None:
@@ -177,6 +209,21 @@ class _LoadPlan:
         if self.doc["ema"]["step"] is not None:
             ema_sd[step_key] = torch.tensor(self.doc["ema"]["step"], dtype=torch.int64)
         return [layout_of(EMA_PREFIX + k, ema_sd[k]).target() for k in mine if k in saved]
+
+
+def _handed_over(target: LoadTarget, v, value: torch.Tensor):
+    """What the optimizer can hold in place of its tensor ``v``: the staged ``value`` itself
+    where ``v`` is a host tensor of its dtype (a DTensor on a CPU mesh: wrapped alike) and the
+    read is its own rows or the whole tensor; else None (copied). Device tensors are copied into
+    (no second copy of the optimizer's state in device memory)."""
+    if target.read.box is not None or value.dtype != v.dtype:
+        return None
+    if is_dtensor(v):
+        if v.device_mesh.device_type != "cpu" or v.to_local().device.type != "cpu":
+            return None
+        return on_mesh(target.name, value, v.device_mesh, v.placements, v.shape,
+                       v.stride()).dtensor()
+    return value if type(v) is torch.Tensor and v.device.type == "cpu" else None
 
 
 def _restore(states: States, model, optimizer, ema, rng_state, strict: bool) -> None:
