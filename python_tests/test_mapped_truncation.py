@@ -178,4 +178,3 @@ def test_loads_racing_a_truncating_process_are_right_or_clear_errors(tmp_path):
     assert counts["wrong"] == 0, out
     assert counts["loaded"] + counts["guarded"] + counts["other"] == out["loads"], out
     assert counts["guarded"] >= 1, out  # the race was hit, and survived
-    print(out)

@@ -60,12 +60,22 @@ std::map<std::string, at::Tensor> model() {
           {"mask", at::arange(999).remainder(3).eq(0)}};
 }
 
+// model() saved in a scratch directory: its shard file and that file's bytes.
+struct Saved {
+  explicit Saved(const std::string& name)
+      : dir(fsdp_ema::testing::scratch_dir(name)), file(dir / kShard) {
+    fsdp_ema::testing::write_sharded(dir, ref, 1);
+    whole = bytes_of(file);
+  }
+  ~Saved() { fs::remove_all(dir); }
+  const std::map<std::string, at::Tensor> ref = model();
+  const fs::path dir, file;
+  std::string whole;
+};
+
 TEST(MappedLoads, AFileTruncatedAfterTheOpenIsAnErrorNamingIt) {
-  const auto ref = model();
-  const fs::path dir = fsdp_ema::testing::scratch_dir("truncated");
-  fsdp_ema::testing::write_sharded(dir, ref, 1);
-  const fs::path file = dir / kShard;
-  const std::string whole = bytes_of(file);
+  const Saved saved("truncated");
+  const auto& [ref, dir, file, whole] = saved;
   const fsdp_ema::CheckpointReader reader(dir.string(), /*mmap=*/true);
   const std::vector<std::function<void()>> loads = {
       [&] { (void)reader.load("big"); }, [&] { (void)reader.load_all(); },
@@ -88,18 +98,14 @@ TEST(MappedLoads, AFileTruncatedAfterTheOpenIsAnErrorNamingIt) {
   // The process and the reader go on: the file whole again loads right.
   const auto all = reader.load_all();
   for (const auto& [name, t] : ref) EXPECT_TRUE(at::equal(all.at(name), t)) << name;
-  fs::remove_all(dir);
 }
 
 // Another thread truncates the file and writes it back, over and over, while two threads load
 // through one zero-copy reader: every load is the stored values (compared with the file whole
 // again) or an error naming the file. Runs until the race was hit a few times, within a bound.
 TEST(MappedLoads, LoadsRacingATruncatingThreadAreRightOrClearErrors) {
-  const auto ref = model();
-  const fs::path dir = fsdp_ema::testing::scratch_dir("racing");
-  fsdp_ema::testing::write_sharded(dir, ref, 1);
-  const fs::path file = dir / kShard;
-  const std::string whole = bytes_of(file);
+  const Saved saved("racing");
+  const auto& [ref, dir, file, whole] = saved;
   const uint64_t cut = whole.size() / 3 / 4096 * 4096;
   const fsdp_ema::CheckpointReader reader(dir.string(), /*mmap=*/true);
 
@@ -147,21 +153,17 @@ TEST(MappedLoads, LoadsRacingATruncatingThreadAreRightOrClearErrors) {
   EXPECT_EQ(wrong, 0);
   EXPECT_TRUE(others.empty()) << others.front();
   EXPECT_GE(guarded, 1) << loaded << " loads, none hit the truncation";
-  fs::remove_all(dir);
 }
 
 // Zero-copy tensors hold their mapping: they stay valid after the reader is gone.
 TEST(MappedLoads, ZeroCopyTensorsOutliveTheirReader) {
-  const auto ref = model();
-  const fs::path dir = fsdp_ema::testing::scratch_dir("outlive");
-  fsdp_ema::testing::write_sharded(dir, ref, 1);
+  const Saved saved("outlive");
   std::map<std::string, at::Tensor> got;
   {
-    const fsdp_ema::CheckpointReader reader(dir.string(), /*mmap=*/true);
+    const fsdp_ema::CheckpointReader reader(saved.dir.string(), /*mmap=*/true);
     got = reader.load_all();
   }
-  for (const auto& [name, t] : ref) EXPECT_TRUE(at::equal(got.at(name), t)) << name;
-  fs::remove_all(dir);
+  for (const auto& [name, t] : saved.ref) EXPECT_TRUE(at::equal(got.at(name), t)) << name;
 }
 
 }  // namespace

@@ -195,59 +195,51 @@ void guard_over(void (*handler)(int)) {
   if (!detail::touch_mapped(&byte, 1, touch) || byte != 1) ::_exit(4);
 }
 
-TEST(MappedGuardDeathTest, AFaultOutsideAGuardedLoopReachesThePreviousHandler) {
-  GTEST_FLAG_SET(death_test_style, "threadsafe");
-  TempDir dir;
-  const std::string path = dir.file("f.bin");
-  EXPECT_EXIT(
-      {
-        guard_over(&exit_42);
-        const volatile char* p = page_past_the_end(path);
-        (void)p[100];
-        ::_exit(0);
-      },
-      ::testing::ExitedWithCode(42), "");
+// In a death test's child: the guard installed over `handler`, then a SIGBUS outside any guarded
+// loop (with `other_thread_guards`, inside the range another thread's guarded loop covers, while
+// that thread is in it). Exits 0 if the fault was swallowed.
+void fault_outside_the_guard(void (*handler)(int), const std::string& path,
+                             bool other_thread_guards) {
+  guard_over(handler);
+  const volatile char* p = page_past_the_end(path);
+  std::atomic<bool> inside{false};
+  if (other_thread_guards) {
+    std::thread([&] {
+      auto wait = [&] {
+        inside = true;
+        for (;;) std::this_thread::yield();  // never returns: the process exits
+      };
+      detail::touch_mapped(const_cast<const char*>(p), 8192, wait);
+    }).detach();
+    while (!inside) std::this_thread::yield();
+  }
+  (void)p[100];
+  ::_exit(0);
+}
+
+class MappedGuardDeathTest : public ::testing::Test {
+ protected:
+  void SetUp() override { GTEST_FLAG_SET(death_test_style, "threadsafe"); }
+  TempDir dir_;
+};
+
+TEST_F(MappedGuardDeathTest, AFaultOutsideAGuardedLoopReachesThePreviousHandler) {
+  EXPECT_EXIT(fault_outside_the_guard(&exit_42, dir_.file("f.bin"), false),
+              ::testing::ExitedWithCode(42), "");
 }
 
 // Another thread's fault inside the range a guarded loop covers is not the loop's: it reaches the
 // previous handler, while the guarded thread is still inside its loop.
-TEST(MappedGuardDeathTest, AnotherThreadsFaultInAGuardedRangeIsNotTheGuards) {
-  GTEST_FLAG_SET(death_test_style, "threadsafe");
-  TempDir dir;
-  const std::string path = dir.file("f.bin");
-  EXPECT_EXIT(
-      {
-        guard_over(&exit_42);
-        const volatile char* p = page_past_the_end(path);
-        std::atomic<bool> inside{false};
-        std::thread guarded([&] {
-          auto wait = [&] {
-            inside = true;
-            for (;;) std::this_thread::yield();  // never returns: the process exits
-          };
-          detail::touch_mapped(const_cast<const char*>(p), 8192, wait);
-        });
-        while (!inside) std::this_thread::yield();
-        (void)p[100];
-        ::_exit(0);
-      },
-      ::testing::ExitedWithCode(42), "");
+TEST_F(MappedGuardDeathTest, AnotherThreadsFaultInAGuardedRangeIsNotTheGuards) {
+  EXPECT_EXIT(fault_outside_the_guard(&exit_42, dir_.file("f.bin"), true),
+              ::testing::ExitedWithCode(42), "");
 }
 
 #if !FSDP_EMA_TEST_ASAN
 // No handler before the guard: a fault that is not the guard's takes the default action.
-TEST(MappedGuardDeathTest, AFaultOutsideAGuardedLoopStillKillsByDefault) {
-  GTEST_FLAG_SET(death_test_style, "threadsafe");
-  TempDir dir;
-  const std::string path = dir.file("f.bin");
-  EXPECT_EXIT(
-      {
-        guard_over(SIG_DFL);
-        const volatile char* p = page_past_the_end(path);
-        (void)p[100];
-        ::_exit(0);
-      },
-      ::testing::KilledBySignal(SIGBUS), "");
+TEST_F(MappedGuardDeathTest, AFaultOutsideAGuardedLoopStillKillsByDefault) {
+  EXPECT_EXIT(fault_outside_the_guard(SIG_DFL, dir_.file("f.bin"), false),
+              ::testing::KilledBySignal(SIGBUS), "");
 }
 #endif
 
