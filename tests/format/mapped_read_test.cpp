@@ -197,9 +197,10 @@ void guard_over(void (*handler)(int)) {
 
 // In a death test's child: the guard installed over `handler`, then a SIGBUS outside any guarded
 // loop (with `other_thread_guards`, inside the range another thread's guarded loop covers, while
-// that thread is in it). Exits 0 if the fault was swallowed.
+// that thread is in it). Exits 0 if the fault was swallowed, dies of SIGALRM if it hangs.
 void fault_outside_the_guard(void (*handler)(int), const std::string& path,
                              bool other_thread_guards) {
+  ::alarm(20);  // a fault jumped into the wrong thread's loop may hang: fail, do not wait
   guard_over(handler);
   const volatile char* p = page_past_the_end(path);
   std::atomic<bool> inside{false};
