@@ -132,6 +132,28 @@ def test_truncation_between_mapping_and_verification_is_an_error(tmp_path, fault
     assert ("Fatal Python error: Bus error" in proc.stderr) == faulthandler, proc.stderr
 
 
+# Python's faulthandler enabled after the guard (the first zero-copy load) runs first: it prints
+# its traceback and passes the signal on, and the load still raises the error; the process lives.
+def test_faulthandler_enabled_after_the_first_mapped_load_passes_the_fault_on(tmp_path):
+    if not SHIM.exists():
+        pytest.skip(f"{SHIM} is not built")
+    body = """
+    import faulthandler
+    assert equal(loads()["load"]())
+    faulthandler.enable()
+    os.environ["FSDP_EMA_FAULT_TRUNCATE_ON_MMAP"] = str(cut_w)
+    try:
+        loads()["load"]()
+    except RuntimeError as e:
+        print(json.dumps(str(e)), flush=True)
+    """
+    proc = run_child(body, tmp_path, env={"LD_PRELOAD": str(SHIM)})
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
+    error = json.loads(proc.stdout.splitlines()[-1])
+    assert shard_file(tmp_path) in error and "the file shrank" in error, error
+    assert "Fatal Python error: Bus error" in proc.stderr, proc.stderr
+
+
 # Another process truncates the file and writes it back, over and over, while zero-copy loads
 # run: every load returns the stored values (checked with the file whole again) or raises an
 # error naming the file; the process never dies. The loop runs until the race was hit a few
