@@ -141,7 +141,7 @@ MUTANTS = {
     # load applies: verify says OK where load refuses.
     "verify-skips-data-checks-without-a-checksum": (
         "format/shard/shard_file.cpp",
-        "    file_.check_data(t_, data, n);\n    hash_.update(data, n);",
+        "    file_.check_data(t_, 0, data, n);\n    hash_.update(data, n);",
         "    hash_.update(data, n);",
         [pytest("python_tests/test_one_verdict.py", "-k", "bool_byte")]),
     # #28: a file's identity without its ctime: a same-size rewrite with the mtime set back
@@ -224,9 +224,25 @@ MUTANTS = {
         [pytest("python_tests/test_mesh_layouts.py", "-k", "resharded")]),
     # A chunk read straight into its destination is checked after the read, like one read into
     # a buffer (the attack's "verified load returns unverified bytes").
+    # #41: a zero-copy load's verification of its mapping, unguarded: a file truncated under it
+    # kills the process with SIGBUS instead of an error naming the file.
+    "mapped-verification-unguarded": (
+        "format/core/mapped_guard.cpp",
+        "  std::atomic<Armed*>* const slot = claim(&armed);",
+        "  std::atomic<Armed*>* const slot = nullptr;",
+        [ctest("^MappedReads\\.AFileTruncated"),
+         ctest("^MappedLoads\\.AFileTruncatedAfterTheOpen"),
+         pytest("python_tests/test_mapped_truncation.py", "-k", "between_mapping")]),
+    # #41: the guard taking another thread's SIGBUS (one in the range a guarded loop covers) as
+    # its own: it would jump into the other thread's loop.
+    "mapped-guard-ignores-the-thread": (
+        "format/core/mapped_guard.cpp",
+        "    if (a == nullptr || pthread_equal(a->thread, self) == 0) continue;",
+        "    if (a == nullptr) continue;",
+        [ctest("^MappedGuardDeathTest\\.AnotherThreadsFault")]),
     "read-chunk-skips-its-check": (
         "format/read/read_exec.cpp",
-        "        check_chunk(unit, c, data);\n      }\n      if (direct[c.unit]",
+        "        check_chunk(unit, c, data, where);\n      }\n      if (direct[c.unit]",
         "      }\n      if (direct[c.unit]",
         [ctest("^ReadPipeline\\."),
          pytest("python_tests/test_concurrent_rewrites.py", "-k", "no_verified_load")]),

@@ -68,10 +68,10 @@ struct HashLane {
 class Lanes {
  public:
   // A lane for every whole-checked unit of several chunks whose bytes stay where they are read
-  // (`stable(unit)`).
+  // (`stable(unit)`), which lie `where`.
   template <typename Stable>
-  Lanes(const ReadPlan& plan, const Chunks& chunks, Stable&& stable)
-      : plan_(plan), chunks_(chunks), lanes_(plan.units.size()) {
+  Lanes(const ReadPlan& plan, const Chunks& chunks, ShardFile::Bytes where, Stable&& stable)
+      : plan_(plan), chunks_(chunks), where_(where), lanes_(plan.units.size()) {
     for (size_t u = 0; u < plan.units.size(); ++u) {
       const ReadUnit& unit = plan.units[u];
       const bool lane = unit.check == UnitCheck::kWhole && chunks.count[u] > 1 && stable(u);
@@ -86,38 +86,41 @@ class Lanes {
   // unit's last chunk is hashed (on whichever thread hashed it).
   void ready(const Chunk& c, const std::byte* data) {
     HashLane& lane = *lanes_[c.unit];
+    const ReadUnit& u = plan_.units[c.unit];
     std::unique_lock lock(lane.mu);
     lane.ready[c.index] = data;
     if (lane.busy) return;
     lane.busy = true;
     while (lane.next < lane.ready.size() && lane.ready[lane.next] != nullptr) {
       const size_t k = lane.next;
+      const Chunk& next = chunks_.chunks[chunks_.first[c.unit] + k];
       lock.unlock();
-      lane.state.update(lane.ready[k], chunks_.chunks[chunks_.first[c.unit] + k].length);
+      u.file->hash_into(*u.info, u.offset + next.begin, lane.ready[k], next.length, lane.state,
+                        where_);
       lock.lock();
       ++lane.next;
     }
     lane.busy = false;
     const bool done = lane.next == lane.ready.size();
     lock.unlock();
-    if (done) {
-      const ReadUnit& u = plan_.units[c.unit];
-      u.file->check_digest(*u.info, lane.state.digest());
-    }
+    if (done) u.file->check_digest(*u.info, lane.state.digest());
   }
 
  private:
   const ReadPlan& plan_;
   const Chunks& chunks_;
+  const ShardFile::Bytes where_;
   std::vector<std::unique_ptr<HashLane>> lanes_;
 };
 
 // The checks of one chunk that stands alone: its blocks, or (a unit of one chunk) its piece.
-void check_chunk(const ReadUnit& u, const Chunk& c, const std::byte* data) {
+void check_chunk(const ReadUnit& u, const Chunk& c, const std::byte* data,
+                 ShardFile::Bytes where = ShardFile::Bytes::kOwned) {
   if (u.check == UnitCheck::kBlocks) {
-    u.file->check_blocks(*u.info, u.offset + c.begin, data, c.length);
+    u.file->check_blocks(*u.info, u.offset + c.begin, data, c.length, where);
   } else if (u.check == UnitCheck::kWhole) {
-    u.file->check_digest(*u.info, checksum_of(data, c.length));
+    u.file->check_digest(*u.info,
+                         u.file->digest_of(*u.info, u.offset + c.begin, data, c.length, where));
   }
 }
 
@@ -267,6 +270,13 @@ void execute_reads(const ReadPlan& plan, std::span<std::byte* const> dst,
       throw FormatError("execute_reads: a mapped plan places nothing (destinations must be null)");
     }
   }
+  if (options.mapped && plan.session) {
+    // A session hashes the bytes it is fed on its own, unguarded (mapped_guard.h).
+    throw FormatError("execute_reads: a mapped plan streams nothing (no ReadSession)");
+  }
+  // Mapped bytes are read only through the guarded calls (ShardFile::Bytes::kMapped).
+  const ShardFile::Bytes where =
+      options.mapped ? ShardFile::Bytes::kMapped : ShardFile::Bytes::kOwned;
   const Chunks chunks = make_chunks(plan);
   const size_t threads = resolve_threads(options.threads, plan.read_bytes);
   // Where a direct unit's bytes are read to: straight into its one host destination. Others go
@@ -279,7 +289,8 @@ void execute_reads(const ReadPlan& plan, std::span<std::byte* const> dst,
     if (dst[p.dst] != nullptr) direct[u] = dst[p.dst] + p.dst_offset;
   }
   // Bytes stay where they were read (a destination, the mapping): a lane can hash them later.
-  Lanes lanes(plan, chunks, [&](size_t u) { return options.mapped || direct[u] != nullptr; });
+  Lanes lanes(plan, chunks, where,
+              [&](size_t u) { return options.mapped || direct[u] != nullptr; });
   // Units whose chunks depend on each other and go through a buffer (a whole-checked piece not
   // read directly, a stream) are handled in order by one job, hashed as they go.
   auto sequential = [&](size_t u) {
@@ -297,7 +308,7 @@ void execute_reads(const ReadPlan& plan, std::span<std::byte* const> dst,
     if (options.mapped) {
       const std::byte* at =
           options.mapped(*unit.file).data(*unit.info).data() + unit.offset + c.begin;
-      unit.file->check_data(*unit.info, at, c.length);
+      unit.file->check_data(*unit.info, unit.offset + c.begin, at, c.length, where);
       return at;
     }
     std::byte* into = direct[u] != nullptr ? direct[u] + c.begin : scratch(c.length);
@@ -314,7 +325,7 @@ void execute_reads(const ReadPlan& plan, std::span<std::byte* const> dst,
       if (unit.check == UnitCheck::kStream) {
         plan.session->feed(unit.stream, *unit.file, *unit.info, data, c.length);
       } else {
-        hash.update(data, c.length);
+        unit.file->hash_into(*unit.info, unit.offset + c.begin, data, c.length, hash, where);
       }
       if (direct[u] == nullptr) place_chunk(plan, unit, c, data, dst);
     }
@@ -333,7 +344,7 @@ void execute_reads(const ReadPlan& plan, std::span<std::byte* const> dst,
       if (lanes.has(c.unit)) {
         lanes.ready(c, data);
       } else {
-        check_chunk(unit, c, data);
+        check_chunk(unit, c, data, where);
       }
       if (direct[c.unit] == nullptr && !options.mapped) place_chunk(plan, unit, c, data, dst);
     }
@@ -375,7 +386,7 @@ void execute_staged(const ReadPlan& plan, StageTarget& target, size_t threads,
   // Every chunk of a whole-checked unit goes through its lane: its bytes stay in the buffer until
   // the step ends, and every chunk of the step is hashed by then (each one read is marked ready
   // before its job returns, and the lane's hasher runs while the next chunk in order is ready).
-  Lanes lanes(plan, chunks, [](size_t) { return true; });
+  Lanes lanes(plan, chunks, ShardFile::Bytes::kOwned, [](size_t) { return true; });
   ReadAhead ahead(plan, chunks);
   size_t c0 = 0;
   for (size_t s = 0; s < layout.steps; ++s) {

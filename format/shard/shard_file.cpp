@@ -16,6 +16,7 @@
 #include "fsdp_ema/format/error.h"
 #include "fsdp_ema/format/file_util.h"
 #include "fsdp_ema/format/json_strict.h"
+#include "fsdp_ema/format/mapped_guard.h"
 #include "fsdp_ema/format/name_index.h"
 #include "fsdp_ema/format/paths.h"
 
@@ -94,16 +95,25 @@ constexpr uint64_t kHashBlockBytes = uint64_t{1} << 20;
 // pread per block, not one each.
 constexpr uint64_t kVerifyBlockBytes = uint64_t{8} << 20;
 
+// The first of n bytes that is neither 0 nor 1 (n when none is): a plain loop, mapped bytes
+// included.
+uint64_t first_non_bool(const std::byte* p, uint64_t n) {
+  uint64_t i = 0;
+  while (i < n && static_cast<unsigned char>(p[i]) <= 1) ++i;
+  return i;
+}
+
+void throw_non_bool(const std::string& path, const TensorInfo& t, unsigned value) {
+  throw FormatError(path + ": tensor " + json_quote(t.name) + ": BOOL byte " +
+                    std::to_string(value) + " is neither 0 nor 1 (corrupt or not a bool tensor)");
+}
+
 // torch and safetensors treat BOOL bytes other than 0 and 1 as undefined: refuse them.
 void check_bool_bytes(const std::string& path, const TensorInfo& t, const std::byte* p,
                       uint64_t n) {
   if (t.dtype != DType::kBool) return;
-  for (uint64_t i = 0; i < n; ++i) {
-    if (static_cast<unsigned char>(p[i]) > 1) {
-      throw FormatError(path + ": tensor " + json_quote(t.name) + ": BOOL byte " +
-                        std::to_string(static_cast<unsigned>(p[i])) +
-                        " is neither 0 nor 1 (corrupt or not a bool tensor)");
-    }
+  if (const uint64_t i = first_non_bool(p, n); i < n) {
+    throw_non_bool(path, t, static_cast<unsigned>(p[i]));
   }
 }
 
@@ -112,6 +122,19 @@ std::string piece_context(const std::string& path, const TensorInfo& t) {
   std::string out = path + ": tensor " + json_quote(t.name);
   if (!t.offsets.empty()) out += " (piece at offsets " + shape_to_string(t.offsets) + ")";
   return out;
+}
+
+// Runs touch() (plain code reading bytes [offset, offset + length) of the tensor at `data`, in a
+// mapping of the file) through touch_mapped; a SIGBUS there is an error naming the file.
+template <typename F>
+void touch_or_throw(const std::string& path, const TensorInfo& t, uint64_t offset,
+                    const std::byte* data, uint64_t length, F&& touch) {
+  if (detail::touch_mapped(data, length, touch)) return;
+  throw FormatError(piece_context(path, t) + ": bytes " + std::to_string(offset) + " to " +
+                    std::to_string(offset + length) +
+                    " could not be read through the file's mapping (SIGBUS): the file shrank "
+                    "(truncated or rewritten by another process) or could not be read during "
+                    "the load");
 }
 
 void check_stored_checksum(const std::string& path, const TensorInfo& t, uint64_t actual) {
@@ -240,19 +263,48 @@ void ShardFile::check_digest(const TensorInfo& t, uint64_t digest) const {
   if (t.checksum) check_stored_checksum(impl_->path, t, digest);
 }
 
-void ShardFile::check_data(const TensorInfo& t, const std::byte* data, uint64_t length) const {
-  check_bool_bytes(impl_->path, t, data, length);
+void ShardFile::check_data(const TensorInfo& t, uint64_t offset, const std::byte* data,
+                           uint64_t length, Bytes where) const {
+  if (t.dtype != DType::kBool) return;
+  if (where == Bytes::kOwned) {
+    check_bool_bytes(impl_->path, t, data, length);
+    return;
+  }
+  uint64_t i = length;
+  unsigned value = 0;
+  touch_or_throw(impl_->path, t, offset, data, length, [&] {
+    i = first_non_bool(data, length);
+    if (i < length) value = static_cast<unsigned>(data[i]);
+  });
+  if (i < length) throw_non_bool(impl_->path, t, value);
+}
+
+uint64_t ShardFile::digest_of(const TensorInfo& t, uint64_t offset, const std::byte* data,
+                              uint64_t length, Bytes where) const {
+  if (where == Bytes::kOwned) return checksum_of(data, length);
+  uint64_t digest = 0;
+  touch_or_throw(impl_->path, t, offset, data, length, [&] { digest = checksum_of(data, length); });
+  return digest;
+}
+
+void ShardFile::hash_into(const TensorInfo& t, uint64_t offset, const std::byte* data,
+                          uint64_t length, Checksummer& hash, Bytes where) const {
+  if (where == Bytes::kOwned) {
+    hash.update(data, length);
+    return;
+  }
+  touch_or_throw(impl_->path, t, offset, data, length, [&] { hash.update(data, length); });
 }
 
 void ShardFile::check_blocks(const TensorInfo& t, uint64_t offset, const std::byte* data,
-                             uint64_t length) const {
+                             uint64_t length, Bytes where) const {
   const uint64_t b = impl_->header.block_bytes;
   if (b == 0 || !t.checksum) return;  // nothing stored to check against
   for (uint64_t pos = 0; pos < length; pos += b) {
     const uint64_t n = std::min(b, length - pos);
     const uint64_t k = (offset + pos) / b;
     const uint64_t stored = t.nbytes <= b ? *t.checksum : t.block_checksums[k];
-    const uint64_t actual = checksum_of(data + pos, n);
+    const uint64_t actual = digest_of(t, offset + pos, data + pos, n, where);
     if (actual != stored) {
       throw FormatError(piece_context(impl_->path, t) + ": checksum mismatch in block " +
                         std::to_string(k) + " (bytes " + std::to_string(offset + pos) + " to " +
@@ -277,7 +329,7 @@ class TensorVerdict {
   TensorVerdict(const ShardFile& file, const TensorInfo& t, uint64_t block_bytes)
       : file_(file), t_(t), hash_(t.nbytes, t.block_checksums.empty() ? 0 : block_bytes) {}
   void update(const std::byte* data, uint64_t n) {
-    file_.check_data(t_, data, n);
+    file_.check_data(t_, 0, data, n);
     hash_.update(data, n);
   }
   // True when a checksum was checked.

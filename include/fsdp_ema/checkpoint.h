@@ -50,10 +50,15 @@ class CheckpointReader {
   // rows one stored piece holds exactly is a zero-copy view of a private mapping of the file
   // instead: faster, verified at load time, but a live view of the file's pages afterwards: a
   // change made to the file in place later shows through it, and truncating the file while the
-  // tensor lives and then touching it raises SIGBUS (as with torch.load(mmap=True)). Each load
-  // maps the file anew (copy-on-write): a write through a loaded tensor changes neither the file
-  // nor a tensor of another load, and a later load verifies the file as it is. load_into
-  // always reads owned memory, so a destination only ever gets bytes its load verified.
+  // tensor lives and then touching it raises SIGBUS (as with torch.load(mmap=True)). A file that
+  // shrinks while a load verifies its mapping is a c10::Error naming the file, not a SIGBUS.
+  // Each load maps the file anew (copy-on-write): a write through a loaded tensor changes
+  // neither the file nor a tensor of another load, and a later load verifies the file as it is;
+  // zero-copy tensors hold their mapping, and outlive the reader. load_into always reads owned
+  // memory, so a destination only ever gets bytes its load verified.
+  //
+  // Every method is const and may run on several threads at once; the reader must outlive every
+  // call made through it (destroying, moving or assigning it while a call runs is undefined).
   explicit CheckpointReader(const std::string& directory, bool mmap = false);
   ~CheckpointReader();
   CheckpointReader(CheckpointReader&&) noexcept;

@@ -173,7 +173,8 @@ def load_shard(path: str | os.PathLike, *, verify: bool = True, device=None, mma
     views of a private mapping of the file instead, as ``torch.load(mmap=True)`` does, with the
     same risks: the views are verified when loaded, but they are the file's pages, so a change
     made to the file in place afterwards (by any process) shows through them, and truncating the
-    file while the tensors live and then touching them kills the process with SIGBUS.
+    file while the tensors live and then touching them kills the process with SIGBUS. A file that
+    shrinks while the load itself verifies the mapping raises RuntimeError naming the file.
     """
     names, tensors, offsets, global_shapes = _ops.load_shard(os.fspath(path), verify, device,
                                                              mmap)

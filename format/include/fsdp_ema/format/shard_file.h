@@ -84,7 +84,8 @@ ShardHeader interpret_shard_header(SafetensorsHeader raw, const std::string& fil
 // descriptor headroom); a file reopened after eviction must still be the same inode, size and
 // mtime as at open, or the read is refused. Zero-copy access (map()) maps the file: an explicit
 // opt-in with the usual mapping risk (truncating the file then touching the bytes raises SIGBUS,
-// as with torch.load(mmap=True) or safetensors' mapping). Move-only.
+// as with torch.load(mmap=True) or safetensors' mapping), except in this class's own reads of
+// mapped bytes (Bytes::kMapped below), where it is a FormatError. Move-only.
 class ShardFile {
  public:
   // Opens and validates the file; with verify_checksums, also checks every stored checksum.
@@ -122,17 +123,32 @@ class ShardFile {
   void read(const TensorInfo& tensor, uint64_t offset, uint64_t length, void* dst,
             Checksummer* hash = nullptr) const;
 
+  // Where the bytes given to the calls below lie: memory of the caller's, or a mapping of this
+  // file (map()). Mapped bytes are read only through detail::touch_mapped (mapped_guard.h): when
+  // the file shrank under the mapping (truncated after it was made) or a page of it could not be
+  // read, the call throws FormatError "<file>: tensor '<name>': bytes A to B could not be read
+  // through the file's mapping (SIGBUS): the file shrank ... during the load" instead of the
+  // process dying of SIGBUS.
+  enum class Bytes : uint8_t { kOwned, kMapped };
+
   // Throws FormatError "<file>: tensor '<name>': checksum mismatch" unless `digest` (of the
   // tensor's bytes as read) is its stored checksum; nothing to check when it stores none.
   void check_digest(const TensorInfo& tensor, uint64_t digest) const;
+  // The checksum of `length` bytes of the tensor from byte `offset`, at `data`; and the same bytes
+  // fed to a streaming hash.
+  uint64_t digest_of(const TensorInfo& tensor, uint64_t offset, const std::byte* data,
+                     uint64_t length, Bytes where = Bytes::kOwned) const;
+  void hash_into(const TensorInfo& tensor, uint64_t offset, const std::byte* data, uint64_t length,
+                 Checksummer& hash, Bytes where = Bytes::kOwned) const;
   // Checks `length` bytes of the tensor read from byte `offset` against its block checksums
   // (header().block_bytes; a tensor of one block against its checksum): `offset` on a block edge,
   // `length` whole blocks or up to the tensor's end. Throws FormatError naming the file, tensor,
   // block and byte range on a mismatch.
   void check_blocks(const TensorInfo& tensor, uint64_t offset, const std::byte* data,
-                    uint64_t length) const;
+                    uint64_t length, Bytes where = Bytes::kOwned) const;
   // The data checks of a read on bytes obtained otherwise (a mapping): BOOL bytes are 0 or 1.
-  void check_data(const TensorInfo& tensor, const std::byte* data, uint64_t length) const;
+  void check_data(const TensorInfo& tensor, uint64_t offset, const std::byte* data, uint64_t length,
+                  Bytes where = Bytes::kOwned) const;
 
   // The verdict on one tensor's bytes, every check any read makes: its stored checksum (true when
   // it matches, false when the file stores none), its block checksums, and the data checks (BOOL
