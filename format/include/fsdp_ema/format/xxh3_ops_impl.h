@@ -6,6 +6,7 @@
 
 #include <new>
 
+#include "fsdp_ema/format/xxh3_blocks_impl.h"
 #include "fsdp_ema/format/xxh3_ops.h"
 
 namespace fsdp_ema::format::detail {
@@ -38,7 +39,8 @@ uint64_t digest(const void* state) {
 
 }  // namespace
 
-extern const Xxh3Ops FSDP_EMA_XXH3_OPS_NAME = {oneshot, seeded, create, destroy,
-                                               reset,   update, digest};
+extern const Xxh3Ops FSDP_EMA_XXH3_OPS_NAME = {
+    oneshot,    seeded,      create,     destroy,    reset,      update,
+    digest,     lanes_init,  lanes_units, lanes_tail, lanes_merge};
 
 }  // namespace fsdp_ema::format::detail
