@@ -83,8 +83,8 @@ TEST(OnePassHash, EqualsXxh3OfTheTensorAndOfEveryBlockForAnySizeAndSplit) {
           pos += take;
         }
         EXPECT_EQ(h.digest(), whole) << "block " << block << ", " << n << " bytes";
-        EXPECT_EQ(h.blocks(), blocks) << "block " << block << ", " << n << " bytes, "
-                                      << split.size() << " pieces";
+        EXPECT_EQ(h.blocks(), blocks)
+            << "block " << block << ", " << n << " bytes, " << split.size() << " pieces";
       }
     }
   }
@@ -97,7 +97,8 @@ TEST(OnePassHash, BlocksBelowAUnitAndOneBlockTensorsGiveTheSameValues) {
     for (size_t n : {block + 1, 5 * block + 63, 20 * block}) {
       const auto data = testing::pattern_bytes(n, 9, DType::kU8);
       TensorHasher h(n, block);
-      for (size_t pos = 0; pos < n; pos += 100) h.update(data.data() + pos, std::min<size_t>(100, n - pos));
+      for (size_t pos = 0; pos < n; pos += 100)
+        h.update(data.data() + pos, std::min<size_t>(100, n - pos));
       EXPECT_EQ(h.digest(), reference(data.data(), n));
       EXPECT_EQ(h.blocks(), reference_blocks(data, block));
     }

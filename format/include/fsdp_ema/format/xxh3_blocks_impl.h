@@ -1,5 +1,5 @@
 // Internal: XXH3-64 of a long input and of its blocks in one pass (TensorHasher), compiled once
-// per instruction set by xxh3_ops_impl.h, after xxhash.h (whose secret and primes it uses).
+// per instruction set by xxh3_ops_impl.h, after xxHash's header (whose secret and primes it uses).
 //
 // XXH3-64 (seed 0) of more than 240 bytes: eight 64-bit lanes accumulate the input's 64-byte
 // stripes, the k-th stripe of each 1024-byte unit keyed by bytes [8k, 8k + 64) of the secret; the
@@ -20,10 +20,8 @@
 #include <immintrin.h>
 #endif
 
-#include "fsdp_ema/format/xxh3_ops.h"
-
 #if !defined(XXH_INLINE_ALL)
-#error "include xxhash.h with XXH_INLINE_ALL first (xxh3_ops_impl.h does)"
+#error "include xxHash's header with XXH_INLINE_ALL first (xxh3_ops_impl.h does)"
 #endif
 
 namespace fsdp_ema::format::detail {
@@ -31,10 +29,11 @@ namespace {
 
 constexpr size_t kStripeBytes = 64;
 constexpr size_t kUnitStripes = 16;
+constexpr size_t kUnitBytes = kUnitStripes * kStripeBytes;            // xxh3_ops.h's kXxh3UnitBytes
 constexpr size_t kScrambleKey = sizeof(XXH3_kSecret) - kStripeBytes;  // 128
 constexpr size_t kLastStripeKey = kScrambleKey - 7;
 constexpr size_t kMergeKey = 11;
-static_assert(sizeof(XXH3_kSecret) == 192 && kUnitStripes * kStripeBytes == kXxh3UnitBytes);
+static_assert(sizeof(XXH3_kSecret) == 192);
 
 inline uint64_t read_le64(const unsigned char* p) {
   uint64_t v;
@@ -61,8 +60,8 @@ struct Lanes {
   }
   void scramble(const unsigned char* key) {
     const __m512i prime = _mm512_set1_epi64(XXH_PRIME32_1);
-    __m512i a = _mm512_xor_si512(_mm512_xor_si512(v, _mm512_srli_epi64(v, 47)),
-                                 _mm512_loadu_si512(key));
+    __m512i a =
+        _mm512_xor_si512(_mm512_xor_si512(v, _mm512_srli_epi64(v, 47)), _mm512_loadu_si512(key));
     const __m512i lo = _mm512_mul_epu32(a, prime);
     const __m512i hi = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), prime);
     v = _mm512_add_epi64(lo, _mm512_slli_epi64(hi, 32));
@@ -124,8 +123,8 @@ struct Lanes {
   void scramble(const unsigned char* key) {
     const Reg prime = reg_set1(XXH_PRIME32_1);
     for (int i = 0; i < kRegs; ++i) {
-      const Reg a = reg_xor(reg_xor(v[i], FSDP_EMA_REG_SRLI(v[i], 47)),
-                            reg_load(key + i * sizeof(Reg)));
+      const Reg a =
+          reg_xor(reg_xor(v[i], FSDP_EMA_REG_SRLI(v[i], 47)), reg_load(key + i * sizeof(Reg)));
       const Reg lo = reg_mul32(a, prime);
       const Reg hi = reg_mul32(FSDP_EMA_REG_SRLI(a, 32), prime);
       v[i] = reg_add(lo, FSDP_EMA_REG_SLLI(hi, 32));
@@ -179,14 +178,13 @@ inline Lanes unit_sum(const unsigned char* p, size_t stripes) {
   return d;
 }
 
-void lanes_units(uint64_t* whole, uint64_t* block, const void* data, size_t count,
-                 bool block_end) {
+void lanes_units(uint64_t* whole, uint64_t* block, const void* data, size_t count, bool block_end) {
   Lanes w = Lanes::load(whole);
   Lanes b = Lanes::load(block);
   const auto* p = static_cast<const unsigned char*>(data);
-  const unsigned char* last = p + (count - 1) * kXxh3UnitBytes;
+  const unsigned char* last = p + (count - 1) * kUnitBytes;
   const size_t plain = block_end ? count - 1 : count;
-  for (size_t u = 0; u < plain; ++u, p += kXxh3UnitBytes) {
+  for (size_t u = 0; u < plain; ++u, p += kUnitBytes) {
     Lanes d = unit_sum(p, kUnitStripes);
     w.add(d);
     w.scramble(secret() + kScrambleKey);
