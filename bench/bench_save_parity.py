@@ -21,6 +21,7 @@ import argparse
 import gc
 import multiprocessing as mp
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -31,9 +32,14 @@ ROOT = Path(__file__).resolve().parents[1]
 SAFETENSORS = "safetensors save_file"
 
 
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def worker(conn, kind: str, library: str | None, gigabytes: float, tensors: int, work: str):
     """One arm: makes the state, then saves to `work` each time the parent asks, replying with
-    the seconds the save took."""
+    the wall seconds the save took and the CPU seconds of all the process's threads."""
     if library:
         os.environ["FSDP_EMA_LIBRARY"] = library
     sys.path.insert(0, str(ROOT / "python"))
@@ -58,9 +64,10 @@ def worker(conn, kind: str, library: str | None, gigabytes: float, tensors: int,
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)
         gc.collect()
+        c0 = cpu_seconds()
         t0 = time.perf_counter()
         save()
-        conn.send(time.perf_counter() - t0)
+        conn.send((time.perf_counter() - t0, cpu_seconds() - c0))
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -93,14 +100,16 @@ def main() -> None:
         for c in conns:
             assert c.recv() == "ready"
         times = [[] for _ in arms]
+        cpus = [[] for _ in arms]
         load_before = os.getloadavg()
         for r in range(args.rounds + 1):
             for k in range(len(arms)):
                 i = (k + r) % len(arms)
                 conns[i].send("save")
-                dt = conns[i].recv()
+                dt, cpu = conns[i].recv()
                 if r > 0:
                     times[i].append(dt)
+                    cpus[i].append(cpu)
         load_after = os.getloadavg()
     finally:
         for c in conns:
@@ -114,14 +123,15 @@ def main() -> None:
           f"{args.rounds} interleaved rounds; load average "
           f"{' '.join(f'{x:.2f}' for x in load_before)} before, "
           f"{' '.join(f'{x:.2f}' for x in load_after)} after\n")
-    st = times[0]
-    print(f"{'arm':34} {'min s':>7} {'median s':>9}   ratio to save_file: min/min  median/median  "
-          "paired median")
-    for (label, _, _), t in zip(arms, times):
+    st, st_cpu = times[0], statistics.median(cpus[0])
+    print(f"{'arm':28} {'min s':>6} {'median s':>8}   ratio to save_file: min/min  median/median"
+          "  paired median   CPU s (median, ratio)")
+    for (label, _, _), t, c in zip(arms, times, cpus):
         paired = statistics.median(a / b for a, b in zip(t, st))
-        print(f"{label:34} {min(t):7.3f} {statistics.median(t):9.3f}   "
+        cpu = statistics.median(c)
+        print(f"{label:28} {min(t):6.3f} {statistics.median(t):8.3f}   "
               f"{min(t) / min(st):21.3f}x {statistics.median(t) / statistics.median(st):13.3f}x "
-              f"{paired:13.3f}x")
+              f"{paired:13.3f}x   {cpu:8.3f} {cpu / st_cpu:6.3f}x")
 
 
 if __name__ == "__main__":
