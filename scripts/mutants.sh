@@ -592,6 +592,18 @@ MUTANTS = {
         "    h.block_bytes = 0;\n    for (TensorInfo& t : h.tensors) t.block_checksums.clear();\n",
         "",
         [ctest("ShardCorruption.InconsistentBlockChecksumsAreRefused")]),
+    # --- #41: a tensor's checksum and its block checksums in one pass ------------------------
+    "one-pass-block-end-scrambled-key": (
+        "format/include/fsdp_ema/format/xxh3_blocks_impl.h",
+        "d.stripe(s16, secret() + kLastStripeKey);",
+        "d.stripe(s16, secret() + 8 * (kUnitStripes - 1));",
+        [ctest("OnePassHash.EqualsXxh3OfTheTensorAndOfEveryBlock"),
+         ctest("OnePassHash.TheWriterStoresTheReferenceChecksums")]),
+    "one-pass-240-byte-block-long-rule": (
+        "format/core/checksum.cpp",
+        "if (block_len <= 240) {",
+        "if (block_len < 240) {",
+        [ctest("OnePassHash.EqualsXxh3OfTheTensorAndOfEveryBlock")]),
     # --- #41: destinations that overlap each other or themselves, meta destinations ----------
     "self-overlap-element-map-sees-none": (
         "ops/common/memory.cpp",

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -73,23 +74,32 @@ class Checksummer {
 };
 
 // A tensor's checksum and, when it has more than one block, its block checksums, from the bytes
-// in order (any split): what a writer computes on the way to the file.
+// in order (any split): what a writer computes on the way to the file, and what a verify checks.
+// With blocks of a multiple of 1024 bytes (the writer's 256 KiB) both come from one pass over
+// each byte (xxh3_blocks_impl.h); smaller blocks hash each byte twice.
 class TensorHasher {
  public:
-  // `block_bytes` 0: no block checksums.
+  // `block_bytes` 0: no block checksums. `nbytes`: exactly the bytes update() will be given.
   TensorHasher(uint64_t nbytes, uint64_t block_bytes);
+  ~TensorHasher();
+  TensorHasher(TensorHasher&&) noexcept;
+  TensorHasher& operator=(TensorHasher&&) noexcept;
   void update(const void* data, size_t size);
-  uint64_t digest() const { return whole_.digest(); }
+  // Call once every byte was fed.
+  uint64_t digest() const;
   // Empty unless the tensor has more than one block; call once every byte was fed (it closes
   // the last, shorter block).
   std::vector<uint64_t>& blocks();
 
  private:
+  struct OnePass;  // the one-pass state (nbytes above one block of a multiple of 1024 bytes)
+
   Checksummer whole_;
   Checksummer block_;
   uint64_t block_bytes_ = 0;  // 0: whole checksum only
   uint64_t in_block_ = 0;     // bytes fed into block_
   std::vector<uint64_t> blocks_;
+  std::unique_ptr<OnePass> one_pass_;
 };
 
 // The seal of a shard file's block checksums (FORMAT.md §1.2), which binds them to the tensors'

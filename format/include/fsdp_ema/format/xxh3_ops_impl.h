@@ -6,7 +6,10 @@
 
 #include <new>
 
+#include "fsdp_ema/format/xxh3_blocks_impl.h"
 #include "fsdp_ema/format/xxh3_ops.h"
+
+static_assert(fsdp_ema::format::detail::kUnitBytes == fsdp_ema::format::detail::kXxh3UnitBytes);
 
 namespace fsdp_ema::format::detail {
 namespace {
@@ -38,7 +41,8 @@ uint64_t digest(const void* state) {
 
 }  // namespace
 
-extern const Xxh3Ops FSDP_EMA_XXH3_OPS_NAME = {oneshot, seeded, create, destroy,
-                                               reset,   update, digest};
+extern const Xxh3Ops FSDP_EMA_XXH3_OPS_NAME = {oneshot,     seeded,     create,     destroy,
+                                               reset,       update,     digest,     lanes_init,
+                                               lanes_units, lanes_tail, lanes_merge};
 
 }  // namespace fsdp_ema::format::detail
