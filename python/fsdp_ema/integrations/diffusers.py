@@ -11,8 +11,10 @@ The change to a diffusers training script::
 The EMA is made from the model at its first use (``step``, ``copy_to``, ``state_dict``, ...), so
 ``EMAModel(unet)`` may come before ``accelerator.prepare`` (FSDP2's ``fully_shard`` shards
 ``unet`` in place, DDP wraps it: the EMA follows ``unet`` as they leave it); FSDP1 puts the model
-inside a new root, so there the EMA is made from the model ``prepare`` returns. The first update
-always copies the weights (diffusers' ``get_decay(1)`` is 0), so making the EMA at the first
+inside a new root, so there the EMA is made from the model ``prepare`` returns. A validation
+forward before the first use (FSDP2 then keeps the root's parameters unsharded) changes none of
+this: ``step``, ``copy_to``, ``store`` and ``restore`` reshard the model before they read it.
+The first update always copies the weights (diffusers' ``get_decay(1)`` is 0), so making the EMA at the first
 ``step`` gives diffusers' average exactly. The rest is diffusers' API:
 
 - ``step(parameters)`` (the model's parameters: ``unet.parameters()``), ``get_decay(k)``,
