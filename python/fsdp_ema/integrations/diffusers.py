@@ -14,8 +14,8 @@ The EMA is made from the model at its first use (``step``, ``copy_to``, ``state_
 inside a new root, so there the EMA is made from the model ``prepare`` returns. A validation
 forward before the first use (FSDP2 then keeps the root's parameters unsharded) changes none of
 this: ``step``, ``copy_to``, ``store`` and ``restore`` reshard the model before they read it.
-The first update always copies the weights (diffusers' ``get_decay(1)`` is 0), so making the EMA at the first
-``step`` gives diffusers' average exactly. The rest is diffusers' API:
+The first update always copies the weights (diffusers' ``get_decay(1)`` is 0), so making the
+EMA at the first ``step`` gives diffusers' average exactly. The rest is diffusers' API:
 
 - ``step(parameters)`` (the model's parameters: ``unet.parameters()``), ``get_decay(k)``,
   ``optimization_step``, ``cur_decay_value``: diffusers' schedule (``DiffusersDecay``, computed
