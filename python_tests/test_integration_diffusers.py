@@ -93,6 +93,13 @@ def run_against_references(kind: str, made_before_sharding: bool = True):
     model = shard(model, kind)
     if ema is None:
         ema = EMAModel(model, **SETTINGS)
+        # diffusers' validation before the first step: the EMA's first use (made there) follows
+        # a forward without backward, after which FSDP2 keeps the root's parameters unsharded.
+        with torch.no_grad():
+            model(batches(1)[0], 3)
+        ema.store(model.parameters())
+        ema.copy_to(model.parameters())
+        ema.restore(model.parameters())
     ref = DiffusersEMA(replica.parameters(), **SETTINGS)
     names = [n for n, _ in replica.named_parameters()]
     prev = None
@@ -229,6 +236,12 @@ def test_refusals():
     ema = EMAModel(model)
     with pytest.raises(ValueError, match="not those of the model"):
         ema.step(unet(1).parameters())
+    before = list(model.parameters())
+    ema.step(before)
+    model.conv_in.weight = torch.nn.Parameter(model.conv_in.weight.detach().clone())
+    with pytest.raises(ValueError, match="not those of the model"):
+        ema.step(before)  # the model's parameters of before: one of them is no longer its own
+    ema.step(reversed(list(model.parameters())))  # its own, in any order
     with pytest.raises(ValueError, match="model_cls"):
         ema.save_pretrained("/nonexistent")
     with pytest.raises(ValueError, match="shadow_params\\[0\\]"):
@@ -347,6 +360,15 @@ def _rank_round_trips(rank, world, kind, folder):
                                                    UNet2DModel).state_dict())
     ok = ok and again.optimization_step == 4 and again.decay == 0.9 and all(
         torch.equal(a, b) for a, b in zip(full_ema(again, kind, names), values))
+    if kind == "fsdp2":  # the model's parameters of before, one of them replaced since
+        before = list(model.parameters())
+        model.conv_in.weight = torch.nn.Parameter(model.conv_in.weight.detach().clone())
+        try:
+            ema.step(before)
+        except ValueError as e:
+            ok = ok and "not those of the model" in str(e)
+        else:
+            ok = False
     sd = ema.state_dict()
     return ok, values, sorted(k for k in sd if k != "shadow_params"), type(sd["shadow_params"][0])
 

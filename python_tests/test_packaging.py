@@ -120,11 +120,14 @@ def test_wheel_name_metadata_and_contents_name_the_torch_it_needs(wheel):
     # The trainer integrations' extras (fsdp_ema.integrations): pip install "fsdp-ema[lightning]".
     assert "Provides-Extra: lightning\n" in metadata and 'extra == "lightning"' in metadata
     assert "Provides-Extra: transformers\n" in metadata and 'extra == "transformers"' in metadata
+    assert "Provides-Extra: diffusers\n" in metadata and 'extra == "diffusers"' in metadata
     assert f"Tag: py3-none-{PLATFORM}\n" in wheel_info
     assert record["torch_version"] == str(torch.__version__)
     assert record["torch_cuda"] == torch.version.cuda
     for name in ("fsdp_ema/__init__.py", "fsdp_ema/_library.py",
                  "fsdp_ema/integrations/lightning.py", "fsdp_ema/integrations/transformers.py",
+                 "fsdp_ema/integrations/diffusers.py", "fsdp_ema/integrations/diffusers_files.py",
+                 "fsdp_ema/integrations/diffusers_schedule.py",
                  "fsdp_ema/lib/libfsdp_ema.so",
                  "fsdp_ema/include/fsdp_ema/ops.h",
                  "fsdp_ema/lib/cmake/fsdp_ema/fsdp_emaConfig.cmake",

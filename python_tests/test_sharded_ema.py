@@ -226,6 +226,25 @@ def run_swap_case(rank, world, kind, dtype):
             "entries": local_entries(ema.state_dict())}
 
 
+def run_made_after_an_evaluation(rank, world):
+    """An EMA made after a forward without backward (an evaluation before training), which
+    leaves FSDP2's root's parameters unsharded, then trained 2 steps."""
+    model = build("fsdp2")
+    model.eval()
+    with torch.no_grad():
+        model(eval_input(torch.float32))
+    model.train()
+    unsharded = sorted(n for n, p in model.named_parameters() if not hasattr(p, "to_local"))
+    ema = ShardedEMA(model, DECAY)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    states = [full_state(model, "fsdp2")]
+    for x, y in batches(torch.float32, 2):
+        train_step(model, opt, x, y)
+        ema.update()
+        states.append(full_state(model, "fsdp2"))
+    return unsharded, local_entries(ema.state_dict()), states
+
+
 def run_compiled_update(rank, world):
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -468,6 +487,15 @@ def test_compiled_update_compiles_once_over_20_steps_fsdp2(pools):
                 expected = min(1 - (1 + (k - 3)) ** -0.75, 0.999)
             assert eager == pytest.approx(expected, rel=0, abs=1e-12), k
             assert compiled == pytest.approx(expected, rel=0, abs=1e-12), k
+
+
+def test_made_after_a_forward_without_backward_keeps_shards_fsdp2(pools):
+    results = pools.get(2).run(run_made_after_an_evaluation)
+    for rank, (unsharded, entries, states) in enumerate(results):
+        assert unsharded == ["norm.bias", "norm.weight"]  # the root's, left unsharded
+        assert all(layout == "dtensor" for name, (layout, _, _) in entries.items()
+                   if name.endswith(("weight", "bias"))), entries.keys()
+        assert_entries_match(entries, reference_ema(states, [DECAY] * 2), rank, 2, REPLAY)
 
 
 def test_sharding_changed_since_the_ema_was_made_is_an_error(pools):

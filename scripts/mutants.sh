@@ -404,6 +404,28 @@ MUTANTS = {
         "        if not self._own(_params(parameters, \"EMAModel.step\")):",
         "        if not self._own(list(self.model.parameters())):",
         [pytest("python_tests/test_integration_diffusers.py", "-k", "refusals")]),
+    # The cached parameter list taken for the model's after it replaced one of them.
+    "diffusers-step-list-cache-unchecked": (
+        "python/fsdp_ema/integrations/diffusers.py",
+        "        if (len(given) == len(self.params) and all(map(operator.is_, given, self.params))\n"
+        "                and self.current()):",
+        "        if (len(given) == len(self.params) and all(map(operator.is_, given, self.params))\n"
+        "                and True):",
+        [pytest("python_tests/test_integration_diffusers.py", "-k", "round_trips and fsdp2")]),
+    # An EMA made after a forward without backward (FSDP2's root left unsharded) kept the root's
+    # parameters whole beside the others' shards, and copy_to/update mixed them with DTensors.
+    "ema-made-from-unsharded-fsdp2-root": (
+        "python/fsdp_ema/ema/state.py",
+        "        for module in fsdp2_modules:\n            module.reshard()\n        slots = ",
+        "        slots = ",
+        [pytest("python_tests/test_sharded_ema.py", "-k", "forward_without_backward")]),
+    # store() before the EMA's first use kept the unsharded root's full tensors.
+    "diffusers-store-without-reshard": (
+        "python/fsdp_ema/integrations/diffusers.py",
+        "        \"\"\"Keeps a host copy of ``parameters`` (this rank's shards) for ``restore``.\"\"\"\n"
+        "        self._reshard()\n",
+        "        \"\"\"Keeps a host copy of ``parameters`` (this rank's shards) for ``restore``.\"\"\"\n",
+        [pytest("python_tests/test_integration_diffusers.py", "-k", "sharded_matches and fsdp2")]),
     "diffusers-settings-unchecked": (
         "python/fsdp_ema/integrations/diffusers_schedule.py",
         "        if name in (\"inv_gamma\", \"power\") and not value > 0:",

@@ -14,6 +14,7 @@ save must carry to resume the EMA (the step, the schedule's settings) is ``posit
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -100,6 +101,14 @@ class EMAState:
         select = (None if config.params == "all" else
                   (lambda fqn, p: bool(p.requires_grad)) if config.params == "trainable"
                   else config.params)
+        from torch.distributed.fsdp import FSDPModule
+
+        fsdp2_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        # After a forward without backward FSDP2 leaves the root's parameters unsharded (plain
+        # tensors in place of the DTensors): made from them, the EMA would keep whole tensors
+        # beside its shards. Resharding first (what the next forward undoes) gives the shards.
+        for module in fsdp2_modules:
+            module.reshard()
         slots = discover(model, config.include_buffers, config.buffers, select)
         check_slots(model, slots, config.params, select is not None, what)
         shapes = {fqn: shape for slot in slots for fqn, shape in slot.names()}
@@ -108,15 +117,13 @@ class EMAState:
             tensors, host = make_tensors(slots, model_tensors, config, what)
         groups = device_groups(slots, tensors)
         device = max(groups, key=lambda g: sum(tensors[i].numel() for i in g.average)).device
-        from torch.distributed.fsdp import FSDPModule
-
         state = cls(
             config=config, model=model, group=group, slots=slots, tensors=tensors, shapes=shapes,
             device_groups=groups, device=device,
             step=torch.zeros((), dtype=torch.int64, device=device),
             fixed_decay=torch.tensor(config.decay, dtype=torch.float64, device=device),
             host=host, watch=TrainableWatch(model) if config.params == "trainable" else None,
-            fsdp2_modules=[m for m in model.modules() if isinstance(m, FSDPModule)])
+            fsdp2_modules=fsdp2_modules)
         state.bind(model_tensors)
         return state
 
@@ -148,7 +155,7 @@ class EMAState:
         """The model's tensors the EMA follows, re-bound if the model replaced or resharded
         them (cheap: attribute reads)."""
         current = [slot.get() for slot in self.slots]
-        if any(a is not b for a, b in zip(current, self.model_tensors)):
+        if any(map(operator.is_not, current, self.model_tensors)):
             self.bind(current)
         return self.model_tensors
 

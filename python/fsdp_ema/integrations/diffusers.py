@@ -11,9 +11,11 @@ The change to a diffusers training script::
 The EMA is made from the model at its first use (``step``, ``copy_to``, ``state_dict``, ...), so
 ``EMAModel(unet)`` may come before ``accelerator.prepare`` (FSDP2's ``fully_shard`` shards
 ``unet`` in place, DDP wraps it: the EMA follows ``unet`` as they leave it); FSDP1 puts the model
-inside a new root, so there the EMA is made from the model ``prepare`` returns. The first update
-always copies the weights (diffusers' ``get_decay(1)`` is 0), so making the EMA at the first
-``step`` gives diffusers' average exactly. The rest is diffusers' API:
+inside a new root, so there the EMA is made from the model ``prepare`` returns. A validation
+forward before the first use (FSDP2 then keeps the root's parameters unsharded) changes none of
+this: ``step``, ``copy_to``, ``store`` and ``restore`` reshard the model before they read it.
+The first update always copies the weights (diffusers' ``get_decay(1)`` is 0), so making the
+EMA at the first ``step`` gives diffusers' average exactly. The rest is diffusers' API:
 
 - ``step(parameters)`` (the model's parameters: ``unet.parameters()``), ``get_decay(k)``,
   ``optimization_step``, ``cur_decay_value``: diffusers' schedule (``DiffusersDecay``, computed
@@ -50,6 +52,7 @@ parameter is averaged, which keeps it as it is while it stays frozen (diffusers 
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 from collections.abc import Mapping
@@ -86,6 +89,42 @@ def _params(parameters: Any, what: str) -> list[torch.Tensor]:
         raise TypeError(f"{what}: parameters must be an iterable of the model's parameters "
                         f"(unet.parameters()), got {type(parameters).__name__}")
     return list(parameters)
+
+
+class _Registered:
+    """The model's parameters as ``parameters()`` lists them and the dict each is registered in,
+    from one walk of the model, so that the check of ``step``'s list costs one pass over it (a
+    walk of the model's modules per step would cost as much as a small model's update)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.walk()
+
+    def walk(self) -> None:
+        seen: set[int] = set()
+        self.params: list[torch.Tensor] = []
+        self.owners: list[tuple[dict, str]] = []
+        for module in self.model.modules():
+            for key, p in module._parameters.items():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    self.params.append(p)
+                    self.owners.append((module._parameters, key))
+
+    def current(self) -> bool:
+        """Whether every parameter of the last walk is still registered where it was (FSDP2's
+        ``fully_shard``, its unsharding and ``assign=True`` loads replace them)."""
+        return all(owner.get(key) is p for (owner, key), p in zip(self.owners, self.params))
+
+    def own(self, given: list[torch.Tensor]) -> bool:
+        """Whether ``given`` are the model's parameters, all of them, in any order: one pass when
+        they are those of the last walk in its order and still registered, else a new walk."""
+        if (len(given) == len(self.params) and all(map(operator.is_, given, self.params))
+                and self.current()):
+            return True
+        self.walk()
+        return len(given) == len(self.params) and (
+            {id(p) for p in given} == {id(p) for p in self.params})
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -165,6 +204,8 @@ class EMAModel:
         self.temp_stored_params: list[torch.Tensor] | None = None
         self.cur_decay_value: float | None = None
         self._ema: ShardedEMA | None = None
+        self._sharded = False
+        self._registered = _Registered(self.model)
         self._pinned = False
         if kwargs.get("device") is not None:
             self.to(device=kwargs["device"])
@@ -213,12 +254,18 @@ class EMAModel:
         """The ``fsdp_ema.ShardedEMA`` doing the work, made from the model at the first use; one
         made before the model was sharded in place (FSDP2) is remade sharded, its values kept."""
         if self._ema is None:
-            self._ema = self._build()
-        elif not self.sharded and _is_sharded(self.model):
-            old = self._ema
-            self._ema = self._build()
-            self._ema.load_state_dict(old.state_dict())
+            self._set(self._build())
+        elif not self._sharded and not self._registered.current():
+            self._registered.walk()
+            if _is_sharded(self.model):
+                old = self._ema
+                self._set(self._build())
+                self._ema.load_state_dict(old.state_dict())
         return self._ema
+
+    def _set(self, ema: ShardedEMA) -> None:
+        self._ema = ema
+        self._sharded = any(isinstance(s, (ShardedSlot, FlatSlot)) for s in ema.state.slots)
 
     def _build(self) -> ShardedEMA:
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -236,8 +283,7 @@ class EMAModel:
     @property
     def sharded(self) -> bool:
         """Whether the EMA keeps shards (FSDP2, FSDP1) rather than whole tensors."""
-        return self._ema is not None and any(isinstance(s, (ShardedSlot, FlatSlot))
-                                             for s in self._ema.state.slots)
+        return self._sharded
 
     def names(self) -> list[str]:
         """The EMA's tensor names in diffusers' order (the model's ``parameters()``): by
@@ -248,8 +294,7 @@ class EMAModel:
 
     def _own(self, given: list[torch.Tensor]) -> bool:
         """Whether ``given`` are the model's parameters, all of them (after any resharding)."""
-        mine = [id(p) for p in self.model.parameters()]
-        return len(given) == len(mine) and {id(p) for p in given} == set(mine)
+        return self._registered.own(given)
 
     # --- diffusers' methods -----------------------------------------------------------------------
 
@@ -293,8 +338,7 @@ class EMAModel:
     @torch.no_grad()
     def store(self, parameters: Any) -> None:
         """Keeps a host copy of ``parameters`` (this rank's shards) for ``restore``."""
-        if self._ema is not None:
-            self._ema.state.reshard()
+        self._reshard()
         self.temp_stored_params = [_local(p).detach().cpu().clone()
                                    for p in _params(parameters, "EMAModel.store")]
 
@@ -304,8 +348,7 @@ class EMAModel:
         if self.temp_stored_params is None:
             raise RuntimeError("This ExponentialMovingAverage has no `store()`ed weights to "
                                "`restore()`")
-        if self._ema is not None:
-            self._ema.state.reshard()
+        self._reshard()
         targets = [_local(p) for p in _params(parameters, "EMAModel.restore")]
         stored = self.temp_stored_params
         if len(targets) != len(stored) or any(t.shape != s.shape for t, s in zip(targets, stored)):
@@ -313,6 +356,18 @@ class EMAModel:
                              f"{len(stored)} that store() kept (or of other shapes)")
         torch._foreach_copy_(targets, [s.to(t.device) for t, s in zip(targets, stored)])
         self.temp_stored_params = None
+
+    def _reshard(self) -> None:
+        """The model's shards in its parameters (FSDP2 keeps the root's unsharded after a
+        forward without backward, an evaluation before the EMA's first use included)."""
+        if self._ema is not None:
+            self._ema.state.reshard()
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def pin_memory(self) -> None:
         """For weights on an accelerator: the EMA in pinned host memory from now on, updated
@@ -352,7 +407,7 @@ class EMAModel:
         self.config = config
         if self._ema is not None:
             old = self._ema
-            self._ema = self._build()
+            self._set(self._build())
             self._ema.load_state_dict(old.state_dict())
 
     # --- state dicts ------------------------------------------------------------------------------

@@ -263,7 +263,13 @@ class ShardedSlot(Slot):
         # FSDP2 leaves a module's parameters unsharded after a forward without backward (the
         # root's, under no_grad); the sharded DTensor it keeps holds the same (sharded) data.
         self._live = lambda: owner[name] if is_dtensor(owner[name]) else param
-        self.get = lambda: self._live()._local_tensor
+        from torch.distributed.tensor import DTensor
+
+        def get() -> torch.Tensor:  # called per slot every update: one call, one lookup
+            live = owner[name]
+            return (live if isinstance(live, DTensor) else param)._local_tensor
+
+        self.get = get
 
     def _box(self, mesh, placements) -> tuple[torch.Size, list[int]]:
         """This rank's local shape and offsets in the full tensor under ``mesh`` and
