@@ -349,6 +349,17 @@ def _rank_round_trips(rank, world, kind, folder):
         "load it with accelerator.load_state" in refused[1]) and "must name a folder" in refused[2]
     # accelerate's save of a registered object: each rank writes its shards.
     save_custom_state(ema, os.path.join(folder, "accelerate"), 0)
+    # An object holding the EMA, registered in its place: the EMA's state_dict is not the one
+    # accelerate saves, so it writes no folder under that object's index (two EMAs held by one
+    # object shared it).
+    class Holder:
+        def state_dict(self):
+            return {"ema": ema.state_dict()}
+
+    held = Holder().state_dict()["ema"]
+    save_custom_state(Holder(), os.path.join(folder, "held"), 1)
+    ok = ok and "fsdp_ema.sharded" not in held and "shadow_params" in held and not (
+        os.path.exists(os.path.join(folder, "held", "custom_checkpoint_1_ema")))
     # Outside accelerate: DTensors / ShardedTensors, which DCP saves and reshards.
     import torch.distributed.checkpoint as dcp
 

@@ -154,6 +154,35 @@ def test_faulthandler_enabled_after_the_first_mapped_load_passes_the_fault_on(tm
     assert "Fatal Python error: Bus error" in proc.stderr, proc.stderr
 
 
+# faulthandler enabled before the guard and disabled afterwards puts back the default action it
+# found, over the guard: the next zero-copy load installs the guard again (review of #41 item 5).
+def test_the_guard_is_back_after_faulthandler_disable(tmp_path):
+    if not SHIM.exists():
+        pytest.skip(f"{SHIM} is not built")
+    body = """
+    import faulthandler
+    faulthandler.enable()
+    outcomes = []
+    for _ in range(2):
+        os.environ["FSDP_EMA_FAULT_TRUNCATE_ON_MMAP"] = str(cut_w)
+        try:
+            loads()["load"]()
+            outcomes.append("loaded")
+        except RuntimeError as e:
+            outcomes.append(str(e))
+        del os.environ["FSDP_EMA_FAULT_TRUNCATE_ON_MMAP"]
+        restore()
+        faulthandler.disable()
+    print(json.dumps(outcomes), flush=True)
+    """
+    proc = run_child(body, tmp_path, env={"LD_PRELOAD": str(SHIM)})
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
+    outcomes = json.loads(proc.stdout.splitlines()[-1])
+    assert len(outcomes) == 2, outcomes
+    for error in outcomes:
+        assert shard_file(tmp_path) in error and "the file shrank" in error, error
+
+
 # Another process truncates the file and writes it back, over and over, while zero-copy loads
 # run: every load returns the stored values (checked with the file whole again) or raises an
 # error naming the file; the process never dies. The loop runs until the race was hit a few

@@ -18,7 +18,8 @@ are exactly the saved ones, or it raises on both ranks and all of them are exact
   outcomes, and once the writers stop the next load succeeds.
 
 In one process: an optimizer's non-tensor state (its state dicts are the optimizer's own) is set
-only after the agreement, so a refused load leaves it too.
+only after the agreement, so a refused load leaves it too; an optimizer with no state yet (torch
+steps it at lr 0 to make the state dict's template) has none after a refused load.
 """
 
 from __future__ import annotations
@@ -318,3 +319,21 @@ def test_an_optimizers_non_tensor_state_is_set_only_after_every_read(tmp_path):
     assert [s["calls"] for s in opt2.state.values()] == [3, 3]
     assert all(torch.equal(opt2.state[b]["momentum_buffer"], opt.state[a]["momentum_buffer"])
                for a, b in zip(model.parameters(), model2.parameters()))
+
+
+def test_a_refused_load_leaves_an_optimizer_without_state_without_state(tmp_path):
+    model, opt = counting(0, steps=2)
+    fsdp_ema.save_training_state(tmp_path / "c", model=model, optimizer=opt, rng=False)
+    path = tmp_path / "c" / ckpt.shard_file_name(0, 1)
+    _, at = last_state_piece(path)
+    page = SharedPage(path, at)
+    page.flip()
+    model2, opt2 = counting(1, steps=0)
+    before = [p.detach().clone() for p in model2.parameters()]
+    try:
+        with pytest.raises(RuntimeError, match="checksum mismatch"):
+            fsdp_ema.load_training_state(tmp_path / "c", model=model2, optimizer=opt2, rng=False)
+    finally:
+        page.close()
+    assert len(opt2.state) == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model2.parameters()))

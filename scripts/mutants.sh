@@ -657,8 +657,8 @@ MUTANTS = {
     # --- #41 item 4: load_training_state is all or nothing ---------------------------------------
     "training-state-load-reads-twice": (
         "python/fsdp_ema/store/training_load.py",
-        "what=what, verify=verify, staged=True)",
-        "what=what, verify=verify, staged=False)",
+        "                                 staged=True)",
+        "                                 staged=False)",
         [pytest("python_tests/test_training_state_atomic.py", "-k", "after_the_one_read")]),
     "load-written-without-the-agreement": (
         "python/fsdp_ema/store/collective.py",
@@ -670,6 +670,26 @@ MUTANTS = {
         "                self.values.append((entries, key, value))",
         "                entries[key] = value",
         [pytest("python_tests/test_training_state_atomic.py", "-k", "non_tensor_state")]),
+    "refused-load-keeps-the-initialized-optimizer-state": (
+        "python/fsdp_ema/store/training_load.py",
+        "            optimizer.state.clear()",
+        "            pass",
+        [pytest("python_tests/test_training_state_atomic.py", "-k", "without_state")]),
+    "mapped-guard-ignores-a-one-shot-handler": (
+        "format/core/mapped_guard.cpp",
+        "    if ((p.sa_flags & SA_RESETHAND) != 0) {",
+        "    if (false) {",
+        [ctest("MappedGuardDeathTest.AOneShotPreviousHandlerIsResetBeforeItRuns")]),
+    "mapped-guard-never-reinstalled": (
+        "format/core/mapped_guard.cpp",
+        "  if (is_ours(now) || (!first && now.sa_handler != SIG_DFL)) return;",
+        "  if (!first) return;",
+        [pytest("python_tests/test_mapped_truncation.py", "-k", "faulthandler_disable")]),
+    "diffusers-folder-for-another-registered-object": (
+        "python/fsdp_ema/integrations/diffusers.py",
+        '    return found if found is not None and found.get("obj") is obj else None',
+        "    return found",
+        [pytest("python_tests/test_integration_diffusers.py", "-k", "fsdp2")]),
     "reader-tied-values-not-compared": (
         "ops/reader/checkpoint_reader.cpp",
         "TORCH_CHECK(first || same_bits(it->second, value),",

@@ -36,14 +36,26 @@ struct sigaction g_previous;
 // (restored, so that a fault runs into it when the instruction runs again, and a sent signal is
 // sent again).
 void pass_on(int signo, siginfo_t* info, void* context) {
-  const struct sigaction& p = g_previous;
+  const struct sigaction p = g_previous;
   const bool sent = info == nullptr || info->si_code <= 0;
   if (p.sa_handler != SIG_DFL && p.sa_handler != SIG_IGN) {
+    // As the kernel would have run it: reset first when it is one-shot (SA_RESETHAND: a fault
+    // that comes back then takes the default action, not this handler again), with its mask.
+    if ((p.sa_flags & SA_RESETHAND) != 0) {
+      struct sigaction reset {};
+      reset.sa_handler = SIG_DFL;
+      sigemptyset(&reset.sa_mask);
+      sigaction(signo, &reset, nullptr);
+    }
+    sigset_t mask = p.sa_mask, was;
+    if ((p.sa_flags & SA_NODEFER) == 0) sigaddset(&mask, signo);
+    pthread_sigmask(SIG_BLOCK, &mask, &was);
     if ((p.sa_flags & SA_SIGINFO) != 0) {
       p.sa_sigaction(signo, info, context);
     } else {
       p.sa_handler(signo);
     }
+    pthread_sigmask(SIG_SETMASK, &was, nullptr);
     return;
   }
   if (p.sa_handler == SIG_IGN && sent) return;  // ignored, as it was (a fault cannot be)
@@ -80,21 +92,37 @@ void forget_all_in_child() {
   for (std::atomic<Armed*>& slot : g_armed) slot.store(nullptr, std::memory_order_relaxed);
 }
 
+bool is_ours(const struct sigaction& a) {
+  return (a.sa_flags & SA_SIGINFO) != 0 && a.sa_sigaction == &on_sigbus;
+}
+
+// Ours in place of the default action: at the first call, and again wherever SIGBUS went back to
+// SIG_DFL since (a one-shot handler we passed a fault on, Python's faulthandler.disable()
+// restoring the default it found before us). A handler installed over ours is left alone: it
+// may pass faults on to ours (faulthandler re-raises them), and stacking ours over it again
+// would loop.
+void install() {
+  static std::mutex mu;
+  const std::lock_guard lock(mu);
+  static bool first = true;
+  struct sigaction now {};
+  sigaction(SIGBUS, nullptr, &now);
+  if (is_ours(now) || (!first && now.sa_handler != SIG_DFL)) return;
+  g_previous = now;
+  struct sigaction ours {};
+  ours.sa_sigaction = &on_sigbus;
+  // SA_NODEFER: SIGBUS stays unblocked in the handler, so the jump back (sigsetjmp without the
+  // mask, no system call per guarded loop) leaves the thread's mask as it was.
+  ours.sa_flags = SA_SIGINFO | SA_NODEFER;
+  sigemptyset(&ours.sa_mask);
+  sigaction(SIGBUS, &ours, nullptr);
+  if (first) pthread_atfork(nullptr, nullptr, &forget_all_in_child);
+  first = false;
+}
+
 void install_once() {
   static std::once_flag once;
-  std::call_once(once, [] {
-    sigaction(SIGBUS, nullptr, &g_previous);
-    struct sigaction ours {};
-    ours.sa_sigaction = &on_sigbus;
-    // SA_NODEFER: SIGBUS stays unblocked in the handler, so the jump back (sigsetjmp without the
-    // mask, no system call per guarded loop) leaves the thread's mask as it was.
-    ours.sa_flags = SA_SIGINFO | SA_NODEFER;
-    sigemptyset(&ours.sa_mask);
-    struct sigaction was {};
-    sigaction(SIGBUS, &ours, &was);
-    if (was.sa_handler != g_previous.sa_handler) g_previous = was;  // changed in between
-    pthread_atfork(nullptr, nullptr, &forget_all_in_child);
-  });
+  std::call_once(once, [] { install(); });
 }
 
 std::atomic<Armed*>* claim(Armed* armed) {
@@ -114,6 +142,8 @@ std::atomic<Armed*>* claim(Armed* armed) {
 }
 
 }  // namespace
+
+void ensure_guard() { install(); }
 
 bool touch_mapped(const void* begin, size_t length, void (*touch)(void*), void* context) noexcept {
   install_once();

@@ -218,6 +218,7 @@ std::span<const std::byte> ShardMapping::data(const TensorInfo& t) const {
 }
 
 std::shared_ptr<const ShardMapping> ShardFile::map() const {
+  detail::ensure_guard();  // the mapping's reads in touch_mapped find the SIGBUS handler in place
   const auto fd = impl_->fd();  // a reopened descriptor is checked by fd() itself
   return std::make_shared<const ShardMapping>(
       detail::MappedFile(fd->get(), impl_->identity.size, impl_->path));

@@ -185,9 +185,10 @@ const volatile char* page_past_the_end(const std::string& path) {
 void exit_42(int) { ::_exit(42); }
 
 // The guard installed (a guarded call ran) over a handler of the program's own.
-void guard_over(void (*handler)(int)) {
+void guard_over(void (*handler)(int), int flags = 0) {
   struct sigaction sa {};
   sa.sa_handler = handler;
+  sa.sa_flags = flags;
   sigemptyset(&sa.sa_mask);
   ::sigaction(SIGBUS, &sa, nullptr);
   char byte = 0;
@@ -199,9 +200,9 @@ void guard_over(void (*handler)(int)) {
 // loop (with `other_thread_guards`, inside the range another thread's guarded loop covers, while
 // that thread is in it). Exits 0 if the fault was swallowed, dies of SIGALRM if it hangs.
 void fault_outside_the_guard(void (*handler)(int), const std::string& path,
-                             bool other_thread_guards) {
+                             bool other_thread_guards, int flags = 0) {
   ::alarm(20);  // a fault jumped into the wrong thread's loop may hang: fail, do not wait
-  guard_over(handler);
+  guard_over(handler, flags);
   const volatile char* p = page_past_the_end(path);
   std::atomic<bool> inside{false};
   if (other_thread_guards) {
@@ -236,7 +237,17 @@ TEST_F(MappedGuardDeathTest, AnotherThreadsFaultInAGuardedRangeIsNotTheGuards) {
               ::testing::ExitedWithCode(42), "");
 }
 
+void return_at_once(int) {}
+
 #if !FSDP_EMA_TEST_ASAN
+// A one-shot handler before the guard (SA_RESETHAND) that returns: as the kernel would, the
+// guard resets SIGBUS to the default before calling it, so the access faults again and kills
+// (passing it on without the reset looped on the fault forever).
+TEST_F(MappedGuardDeathTest, AOneShotPreviousHandlerIsResetBeforeItRuns) {
+  EXPECT_EXIT(fault_outside_the_guard(&return_at_once, dir_.file("f.bin"), false, SA_RESETHAND),
+              ::testing::KilledBySignal(SIGBUS), "");
+}
+
 // No handler before the guard: a fault that is not the guard's takes the default action.
 TEST_F(MappedGuardDeathTest, AFaultOutsideAGuardedLoopStillKillsByDefault) {
   EXPECT_EXIT(fault_outside_the_guard(SIG_DFL, dir_.file("f.bin"), false),

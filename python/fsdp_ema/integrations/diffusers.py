@@ -143,14 +143,17 @@ def _frame_locals(function: Any) -> dict[str, Any] | None:
     return None
 
 
-def _accelerate_call(name: str) -> dict[str, Any] | None:
+def _accelerate_call(name: str, obj: Any) -> dict[str, Any] | None:
     """The locals of ``accelerate.checkpointing.<name>`` (``save_custom_state`` /
-    ``load_custom_state``: the folder and index of a registered object) when it is calling us."""
+    ``load_custom_state``: the folder and index of a registered object) when it is calling us
+    for ``obj`` itself (not for another object that holds it: two EMAs held by one registered
+    object would share the folder)."""
     try:
         from accelerate import checkpointing
     except ImportError:
         return None
-    return _frame_locals(getattr(checkpointing, name, None))
+    found = _frame_locals(getattr(checkpointing, name, None))
+    return found if found is not None and found.get("obj") is obj else None
 
 
 class EMAModel:
@@ -421,7 +424,7 @@ class EMAModel:
         ema = self.ema
         scalars = self._scalars()
         out: dict[str, Any] = {k: scalars[k] for k in SCALARS}
-        saving = _accelerate_call("save_custom_state") if self.sharded else None
+        saving = _accelerate_call("save_custom_state", self) if self.sharded else None
         if saving is not None:
             folder = f"custom_checkpoint_{saving['index']}_ema"
             ema.save(os.path.join(os.fspath(saving["path"]), folder), overwrite=True)
@@ -452,7 +455,7 @@ class EMAModel:
                     and folder not in (".", "..")):
                 raise ValueError(f"{what}: {SHARDED_KEY} must name a folder beside the state "
                                  f"dict's file ({{'folder': name}}), got {sharded!r}")
-            loading = _accelerate_call("load_custom_state")
+            loading = _accelerate_call("load_custom_state", self)
             if loading is None:
                 raise ValueError(
                     f"{what}: this state dict refers to the EMA shards saved in the "

@@ -64,16 +64,24 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     ckpt, info, doc, extra, rng_state = agreed(
         lambda: _read_checked(directory, given, rank, rng, verify, what, allow_changes),
         group=group, device=torch.device("cpu"), what=what)
-    # Templates (collective for FSDP1; the optimizer's state is initialized if it is empty).
-    optim_sd = optim_state(model, optimizer) if optimizer is not None else None
-    states = States(model=model_state(model) if model is not None else None,
-                    optimizer=optim_sd, ema=ema.state_dict() if ema is not None else None)
-    # Every rank checks every tensor (names, shapes, dtypes) and reads its share once into
-    # staging memory, verified as read; all agree; only then does anything reach the state dicts
-    # (for FSDP2 and plain models the parameters', the optimizer's and the EMA's own tensors).
-    plan = _LoadPlan(doc, states, ema, strict)
-    staged = load_collective(ckpt, plan.targets, info=info, group=group,
-                             device=torch.device("cpu"), what=what, verify=verify, staged=True)
+    # Templates (collective for FSDP1). torch initializes an empty optimizer's state to make its
+    # template (a step at lr 0): a refused load empties it again, as it was.
+    fresh_optimizer = optimizer is not None and len(optimizer.state) == 0
+    try:
+        optim_sd = optim_state(model, optimizer) if optimizer is not None else None
+        states = States(model=model_state(model) if model is not None else None,
+                        optimizer=optim_sd, ema=ema.state_dict() if ema is not None else None)
+        # Every rank checks every tensor (names, shapes, dtypes) and reads its share once into
+        # staging memory, verified as read; all agree; only then does anything reach the state
+        # dicts (for FSDP2 and plain models the parameters', the optimizer's and the EMA's own).
+        plan = _LoadPlan(doc, states, ema, strict)
+        staged = load_collective(ckpt, plan.targets, info=info, group=group,
+                                 device=torch.device("cpu"), what=what, verify=verify,
+                                 staged=True)
+    except BaseException:
+        if fresh_optimizer:
+            optimizer.state.clear()
+        raise
     plan.write(staged)
     _restore(plan.states, model, optimizer, ema, rng_state, strict)
     return extra

@@ -9,7 +9,8 @@
 // The views a load hands out are the caller's: touching one after its file shrank is a SIGBUS
 // in the caller's code, which this does not catch (docs/FORMAT.md §4.2).
 //
-// How: one process-wide SIGBUS handler, installed at the first call and never removed. A call
+// How: one process-wide SIGBUS handler, installed at the first call (and by ensure_guard, at
+// every mapping, again wherever SIGBUS went back to the default action since). A call
 // publishes (this thread, its byte range, a sigjmp_buf) in a lock-free table; the handler jumps
 // back into the call when the fault is this thread's, at an address of that range (a SIGBUS the
 // process sent itself on such a thread is taken as the fault a handler installed later re-raised,
@@ -21,6 +22,10 @@
 #include <cstddef>
 
 namespace fsdp_ema::format::detail {
+
+// Installs the handler, or installs it again where SIGBUS went back to SIG_DFL since (a
+// one-shot handler ours passed a fault to, faulthandler.disable()). ShardFile::map calls it.
+void ensure_guard();
 
 // Calls touch(context), which may read any byte of [begin, begin + length). Returns true when it
 // ran to its end, false when a SIGBUS this thread took at an address of that range stopped it.
