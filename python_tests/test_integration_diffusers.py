@@ -357,6 +357,7 @@ def _rank_round_trips(rank, world, kind, folder):
             return {"ema": ema.state_dict()}
 
     held = Holder().state_dict()["ema"]
+    os.makedirs(os.path.join(folder, "held"), exist_ok=True)
     save_custom_state(Holder(), os.path.join(folder, "held"), 1)
     ok = ok and "fsdp_ema.sharded" not in held and "shadow_params" in held and not (
         os.path.exists(os.path.join(folder, "held", "custom_checkpoint_1_ema")))
