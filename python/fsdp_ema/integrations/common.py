@@ -210,6 +210,23 @@ def _framework_dirs() -> tuple[str, ...]:
     return tuple(d + os.sep for d in dirs)
 
 
+def caller_locals(code_matches: Callable[[Any], bool],
+                  locals_match: Callable[[dict[str, Any]], bool] | None = None,
+                  ) -> dict[str, Any] | None:
+    """The locals of the innermost frame on this thread's call stack whose code object
+    ``code_matches`` accepts (and, given, whose locals ``locals_match`` accepts), or None: what a
+    framework hands its callbacks no other way (the Trainer's training loop, accelerate's
+    ``save_custom_state``). Only a matching frame's locals are read."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if code_matches(frame.f_code):
+            local = frame.f_locals
+            if locals_match is None or locals_match(local):
+                return local
+        frame = frame.f_back
+    return None
+
+
 def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
     """One warning, from rank 0 only, pointing at the user's code: the innermost frame outside
     fsdp_ema, torch and the trainer frameworks (the line that called ``trainer.train()`` or

@@ -54,14 +54,13 @@ from __future__ import annotations
 
 import operator
 import os
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from .common import missing_framework
+from .common import caller_locals, missing_framework
 
 try:
     import diffusers  # noqa: F401  (the framework this adapter serves)
@@ -132,17 +131,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _frame_locals(function: Any) -> dict[str, Any] | None:
-    """The locals of the innermost running call of ``function`` on this thread's stack."""
-    code = getattr(function, "__code__", None)
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            return frame.f_locals
-        frame = frame.f_back
-    return None
-
-
 def _accelerate_call(name: str, obj: Any) -> dict[str, Any] | None:
     """The locals of ``accelerate.checkpointing.<name>`` (``save_custom_state`` /
     ``load_custom_state``: the folder and index of a registered object) when it is calling us
@@ -152,7 +140,8 @@ def _accelerate_call(name: str, obj: Any) -> dict[str, Any] | None:
         from accelerate import checkpointing
     except ImportError:
         return None
-    found = _frame_locals(getattr(checkpointing, name, None))
+    code = getattr(getattr(checkpointing, name, None), "__code__", None)
+    found = caller_locals(lambda c: c is code)
     return found if found is not None and found.get("obj") is obj else None
 
 

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Collection
 from typing import Any
 
-from .common import missing_framework, warn_user
+from .common import caller_locals, missing_framework, warn_user
 
 try:
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -80,16 +80,10 @@ def _training_frame() -> dict[str, Any] | None:
     trainer_cls = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
     if trainer_cls is None:
         return None
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if (code.co_name in ("_inner_training_loop", "train")
-                and "resume_from_checkpoint" in code.co_varnames):
-            local = frame.f_locals
-            if isinstance(local.get("self"), trainer_cls):
-                return local
-        frame = frame.f_back
-    return None
+    return caller_locals(
+        lambda code: (code.co_name in ("_inner_training_loop", "train")
+                      and "resume_from_checkpoint" in code.co_varnames),
+        lambda local: isinstance(local.get("self"), trainer_cls))
 
 
 def restored_checkpoint() -> str | None:
