@@ -246,13 +246,6 @@ MUTANTS = {
         "      }\n      if (direct[c.unit]",
         [ctest("^ReadPipeline\\."),
          pytest("python_tests/test_concurrent_rewrites.py", "-k", "no_verified_load")]),
-    # A block-checked chunk is read and verified a few blocks at a time: each part's check.
-    "read-block-part-skips-its-check": (
-        "format/read/read_exec.cpp",
-        "          check_chunk(unit, part, into + pos, where);",
-        "          (void)part;",
-        [ctest("^ReadPipeline\\."),
-         pytest("python_tests/test_concurrent_rewrites.py", "-k", "no_verified_load")]),
     # The write pass of a check-then-write load hashes what it reads (fstat cannot see a write
     # through a dirty shared page).
     "write-pass-trusts-the-check": (

@@ -23,10 +23,6 @@ struct Chunk {
   uint64_t length;
 };
 
-// A block-checked chunk is read and verified this many bytes (whole blocks) at a time, so that
-// each hash reads what the read before it just wrote, from the cache (a core's L2).
-constexpr uint64_t kVerifyStepBytes = uint64_t{256} << 10;
-
 // A block-checked unit's chunks hold whole blocks: every chunk is verified on its own.
 uint64_t chunk_bytes_of(const ReadUnit& u) {
   if (u.check != UnitCheck::kBlocks) return kReadChunkBytes;
@@ -344,20 +340,6 @@ void execute_reads(const ReadPlan& plan, std::span<std::byte* const> dst,
     for (size_t i = jobs[j]; i < jobs[j + 1]; ++i) {
       const Chunk& c = chunks.chunks[i];
       const ReadUnit& unit = plan.units[c.unit];
-      if (unit.check == UnitCheck::kBlocks && !options.mapped) {
-        // A few blocks per read, each hashed right after it: the bytes the read just wrote are
-        // still in this core's cache.
-        std::byte* into = direct[c.unit] != nullptr ? direct[c.unit] + c.begin : scratch(c.length);
-        const uint64_t step =
-            std::max(unit.block_bytes, kVerifyStepBytes / unit.block_bytes * unit.block_bytes);
-        for (uint64_t pos = 0; pos < c.length; pos += step) {
-          const Chunk part{c.unit, c.index, c.begin + pos, std::min(step, c.length - pos)};
-          unit.file->read(*unit.info, unit.offset + part.begin, part.length, into + pos);
-          check_chunk(unit, part, into + pos, where);
-        }
-        if (direct[c.unit] == nullptr) place_chunk(plan, unit, c, into, dst);
-        continue;
-      }
       const std::byte* data = load(c.unit, c);
       if (lanes.has(c.unit)) {
         lanes.ready(c, data);
