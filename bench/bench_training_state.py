@@ -42,9 +42,10 @@ WORLD = 2
 BOUND = "bound: read once + copy model"
 
 
-def build(total_bytes: int, world: int = WORLD, device: str = "cpu"):
+def build(total_bytes: int, world: int = WORLD, device: str = "cpu", trained: bool = True):
     """An FSDP2 MLP on ``device`` whose fp32 weights + AdamW moments + fp32 EMA take ~total_bytes
-    over ``world`` ranks (4 copies of the weights), with AdamW state after one step."""
+    over ``world`` ranks (4 copies of the weights), with AdamW state after one step (``trained``;
+    else as a restarted job makes them: an optimizer without state, an EMA never updated)."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -60,6 +61,8 @@ def build(total_bytes: int, world: int = WORLD, device: str = "cpu"):
         fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if not trained:
+        return model, opt, fsdp_ema.ShardedEMA(model, 0.999)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     opt.step()
@@ -219,6 +222,70 @@ def worker(rank, init_file, args, out_queue):
     dist.destroy_process_group()
 
 
+# --- resume: each load in fresh processes, into objects a restarted job has just made ------------
+
+def resume_save(rank, init_file, args, out_queue):
+    """Writes the state once, ours and DCP's, under args.resume_dir."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import fsdp_ema
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    init_group(rank, init_file, WORLD)
+    model, opt, ema = build(int(args.megabytes * 2**20))
+    fsdp_ema.save_training_state(Path(args.resume_dir) / "ours", model=model, optimizer=opt,
+                                 ema=ema, extra={"step": 1})
+    dcp.save(state_dicts(model, opt, ema), checkpoint_id=str(Path(args.resume_dir) / "dcp"))
+    if rank == 0:
+        out_queue.put(True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def resume_load(rank, init_file, job, out_queue):
+    """One timed load (job = (kind, args)) into a fresh model, optimizer (no state) and EMA."""
+    import torch.distributed as dist
+
+    import fsdp_ema
+
+    kind, args = job
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    init_group(rank, init_file, WORLD)
+    model, opt, ema = build(int(args.megabytes * 2**20), trained=False)
+    directory = Path(args.resume_dir) / kind
+    dist.barrier()
+    t0 = time.perf_counter()
+    if kind == "ours":
+        fsdp_ema.load_training_state(directory, model=model, optimizer=opt, ema=ema)
+    else:
+        dcp_load(directory, model, opt, ema)
+    dist.barrier()
+    elapsed = time.perf_counter() - t0
+    if rank == 0:
+        out_queue.put(elapsed)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def resume_rounds(args) -> dict[str, list[float]]:
+    """``args.resume_rounds`` paired rounds on tmpfs: ours, then dcp.load's recipe, each in
+    fresh processes (a restart: the optimizer has no state; DCP's recipe makes its template with
+    torch's step at lr 0, ours from the parameters)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="fsdp_ema_bench_resume_", dir="/dev/shm") as d:
+        args.resume_dir = d
+        spawn(resume_save, args, WORLD)
+        times: dict[str, list[float]] = {"ours": [], "dcp": []}
+        for _ in range(args.resume_rounds):
+            for kind in times:
+                times[kind].append(spawn(resume_load, (kind, args), WORLD))
+    return times
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--megabytes", type=float, default=1024,
@@ -226,11 +293,15 @@ def main():
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--places", default="tmpfs,disk")
     parser.add_argument("--disk-dir", type=Path, default=ROOT / "build" / "bench-disk")
+    parser.add_argument("--resume-rounds", type=int, default=5,
+                        help="paired resumes in fresh processes, on tmpfs (0: none)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     from report import finish
 
     results = spawn(worker, args, WORLD)
+    if args.resume_rounds:
+        results["resume"] = resume_rounds(args)
     size = results["bytes"]
     print(f"torch {torch.__version__}, {WORLD} ranks (gloo, CPU, 1 thread each), FSDP2 MLP: "
           f"weights + AdamW exp_avg/exp_avg_sq + fp32 EMA = {size / 2**20:.0f} MiB")
@@ -263,12 +334,27 @@ def main():
                       f"{statistics.median(bounds):.2f}x: no all-or-nothing load can beat "
                       f"dcp.load by more here)")
             if place == "tmpfs":
-                checks.append((f"{place}: {kind} vs DCP", ratio >= 1.5,
+                what = "load into live objects" if kind == "load" else kind
+                checks.append((f"{place}: {what} vs DCP", ratio >= 1.5,
                                f"{ratio:.2f}x faster (target >= 1.5x)"))
             else:
                 ratio = rows[raw_name] / ours
                 checks.append((f"{place}: {kind} vs raw", ratio >= 0.8,
                                f"{ratio:.0%} of the raw rate (target >= 80%)"))
+    if "resume" in results:
+        times = results["resume"]
+        print(f"\nresume on tmpfs ({args.resume_rounds} paired rounds, each load in 2 fresh rank "
+              f"processes into a fresh model, optimizer without state and EMA):")
+        for name, label in (("ours", "fsdp_ema load_training_state"),
+                            ("dcp", "dcp.load (+ get/set_state_dict)")):
+            ts = times[name]
+            print(f"        {label:34s} min {min(ts):.3f} s, median {statistics.median(ts):.3f} s")
+        pairs = sorted(d / o for d, o in zip(times["dcp"], times["ours"]))
+        ratio = statistics.median(pairs)
+        print(f"        dcp / ours per round: {' '.join(f'{r:.2f}' for r in pairs)} "
+              f"(median {ratio:.2f}x)")
+        checks.append(("tmpfs: resume vs DCP", ratio >= 1.5,
+                       f"{ratio:.2f}x faster (target >= 1.5x)"))
     finish(results, checks, args.json)
 
 

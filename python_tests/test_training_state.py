@@ -161,7 +161,10 @@ def run_resume(rank, world, kind, directory, steps):
         kind = "plain"
         model, opt, sched, ema = build(kind, seed=77)
     torch.manual_seed(999)
+    calls = []
+    opt.register_step_pre_hook(lambda *args: calls.append(1))
     extra = fsdp_ema.load_training_state(directory, model=model, optimizer=opt, ema=ema)
+    load_steps, grads = len(calls), [p.grad is not None for p in model.parameters()]
     sched.load_state_dict(extra["lr_scheduler"])
     rng = torch.get_rng_state()
     loaded = full_state(model, opt, sched, ema)
@@ -170,7 +173,7 @@ def run_resume(rank, world, kind, directory, steps):
     local_ema_numel = (sum(v.to_local().numel() for k, v in ema.state_dict().items()
                            if k != ShardedEMA.STEP_KEY) if kind.startswith("fsdp2") else None)
     return {"extra": extra, "loaded": loaded, "after": after, "rng": rng,
-            "local_ema_numel": local_ema_numel}
+            "local_ema_numel": local_ema_numel, "load_steps": load_steps, "load_grads": grads}
 
 
 def run_save_failure(rank, world, directory):
@@ -322,6 +325,19 @@ def assert_loaded_equals_saved(res, saved, what):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_fresh_optimizer_is_loaded_without_an_initializing_step(runs, kind):
+    """torch's get/set_optimizer_state_dict run a step at lr 0 (zero gradients for every
+    parameter) to give an optimizer without state a template; the load makes FSDP2's and plain
+    models' templates from the parameters instead (and still resumes bit for bit, above).
+    FSDP1 units keep torch's way."""
+    for rank, res in enumerate(runs[kind]["resumed"]):
+        expected = 0 if kind.startswith("fsdp2") else 1
+        assert res["load_steps"] == expected, (kind, rank)
+        if kind.startswith("fsdp2"):
+            assert not any(res["load_grads"]), (kind, rank)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_saved_at_2_ranks_resumes_at_3(pools, runs, kind):
     results = pools.get(3).run(run_resume, kind, runs[kind]["dir"], 1)
     saved = runs[kind]["saved"][0]
@@ -385,6 +401,69 @@ def test_plain_model_round_trip_in_one_process(tmp_path):
     assert fsdp_ema.load_training_state(tmp_path / "c", model=model2) == {"again": 1}
     with pytest.raises(ValueError, match="holds no optimizer state"):
         fsdp_ema.load_training_state(tmp_path / "c", model=model2, optimizer=opt2)
+
+
+def optimizer_case(case, seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    if case == "adamw_frozen":
+        model[2].requires_grad_(False)
+    if case == "tied":  # one parameter under two names
+        model[4].tie = nn.Linear(6, 8, bias=False)  # a submodule its forward does not call
+        model[4].tie.weight = model[0].weight
+    if case == "compiled":  # FQNs under torch.compile's wrapper (_orig_mod. left out)
+        model = torch.compile(model)
+    if case == "sgd_stateless":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    elif case == "adafactor":
+        opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, opt
+
+
+def optimizer_step(model, opt, step):
+    x, y = batch(step, 0, torch.float32)
+    module = getattr(model, "_orig_mod", model)  # compiling is not what is tested
+    F.mse_loss(module(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("case", ["adamw_frozen", "compiled", "sgd_stateless", "adafactor",
+                                  "tied"])
+def test_an_optimizer_without_state_loads_the_saved_state(tmp_path, case):
+    """Where the parameters say what the state is (AdamW: parameter-shaped tensors and a 0-dim
+    step; frozen parameters have none; names under torch.compile's wrapper) the template is made
+    without a step; elsewhere (no state
+    saved, Adafactor's factored rows and columns, a parameter under two names) torch's step at
+    lr 0 makes it. Either way the optimizer holds exactly the saved state and goes on alike."""
+    model, opt = optimizer_case(case, 0)
+    for step in range(3):
+        optimizer_step(model, opt, step)
+    fsdp_ema.save_training_state(tmp_path / "c", model=model, optimizer=opt)
+    model2, opt2 = optimizer_case(case, 9)
+    calls = []
+    opt2.register_step_pre_hook(lambda *args: calls.append(1))
+    fsdp_ema.load_training_state(tmp_path / "c", model=model2, optimizer=opt2)
+    fresh = case in ("adamw_frozen", "compiled")
+    assert (len(calls) == 0) == fresh, calls  # torch's way: 1 or 2 steps
+    a, b = opt.state_dict(), opt2.state_dict()
+    assert a["param_groups"] == b["param_groups"]
+    assert sorted(a["state"]) == sorted(b["state"])
+    for i, entries in a["state"].items():
+        assert sorted(entries) == sorted(b["state"][i])
+        for key, v in entries.items():
+            if isinstance(v, torch.Tensor):
+                assert bit_equal(b["state"][i][key], v) and b["state"][i][key].device == v.device
+            else:
+                assert b["state"][i][key] == v
+    if case == "adamw_frozen":
+        assert len(b["state"]) == 4 and all(p.grad is None for p in model2.parameters())
+    for m, o in ((model, opt), (model2, opt2)):
+        optimizer_step(m, o, 3)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert bit_equal(p.detach(), q.detach())
 
 
 def test_rotation_keeps_the_last_k_committed(tmp_path):

@@ -290,9 +290,12 @@ class CountingSGD(torch.optim.SGD):
         return out
 
 
-def counting(seed, steps):
+def counting(seed, steps, tied=False):
     torch.manual_seed(seed)
     model = nn.Linear(8, 4)
+    if tied:  # a parameter under two names: the load makes its template torch's way (a step)
+        model.tie = nn.Linear(8, 4, bias=False)
+        model.tie.weight = model.weight
     opt = CountingSGD(model.parameters(), lr=0.1, momentum=0.9)
     for _ in range(steps):
         model(torch.randn(3, 8)).sum().backward()
@@ -321,15 +324,19 @@ def test_an_optimizers_non_tensor_state_is_set_only_after_every_read(tmp_path):
                for a, b in zip(model.parameters(), model2.parameters()))
 
 
-def test_a_refused_load_leaves_an_optimizer_without_state_without_state(tmp_path):
-    model, opt = counting(0, steps=2)
+@pytest.mark.parametrize("tied", [False, True], ids=["template_from_parameters",
+                                                    "template_by_torchs_step"])
+def test_a_refused_load_leaves_an_optimizer_without_state_without_state(tmp_path, tied):
+    model, opt = counting(0, steps=2, tied=tied)
     fsdp_ema.save_training_state(tmp_path / "c", model=model, optimizer=opt, rng=False)
     path = tmp_path / "c" / ckpt.shard_file_name(0, 1)
     _, at = last_state_piece(path)
     page = SharedPage(path, at)
     page.flip()
-    model2, opt2 = counting(1, steps=0)
+    model2, opt2 = counting(1, steps=0, tied=tied)
     before = [p.detach().clone() for p in model2.parameters()]
+    calls = []
+    opt2.register_step_pre_hook(lambda *args: calls.append(1))
     try:
         with pytest.raises(RuntimeError, match="checksum mismatch"):
             fsdp_ema.load_training_state(tmp_path / "c", model=model2, optimizer=opt2, rng=False)
@@ -337,3 +344,7 @@ def test_a_refused_load_leaves_an_optimizer_without_state_without_state(tmp_path
         page.close()
     assert len(opt2.state) == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model2.parameters()))
+    assert (len(calls) > 0) == tied  # the case each parameter covers
+    fsdp_ema.load_training_state(tmp_path / "c", model=model2, optimizer=opt2, rng=False)
+    assert all(torch.equal(opt2.state[q]["momentum_buffer"], opt.state[p]["momentum_buffer"])
+               for p, q in zip(model.parameters(), model2.parameters()))

@@ -675,6 +675,17 @@ MUTANTS = {
         "            optimizer.state.clear()",
         "            pass",
         [pytest("python_tests/test_training_state_atomic.py", "-k", "without_state")]),
+    # A resumed job's optimizer (no state) gets its template from its parameters: no step.
+    "fresh-optimizer-loaded-through-torch": (
+        "python/fsdp_ema/store/training_load.py",
+        "    if states.optimizer is not None and fresh_optimizer:",
+        "    if states.optimizer is not None and False:",
+        [pytest("python_tests/test_training_state.py", "-k", "optimizer_without_state")]),
+    "fresh-template-for-any-saved-names": (
+        "python/fsdp_ema/store/training_state_dicts.py",
+        "    if set(by_fqn) != set(saved):",
+        "    if False:",
+        [pytest("python_tests/test_training_state.py", "-k", "optimizer_without_state")]),
     "mapped-guard-ignores-a-one-shot-handler": (
         "format/core/mapped_guard.cpp",
         "    if ((p.sa_flags & SA_RESETHAND) != 0) {",

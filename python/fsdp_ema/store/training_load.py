@@ -22,7 +22,14 @@ from . import checkpoint as _ckpt
 from .collective import agreed, load_collective
 from .training_doc import EMA_PREFIX, MODEL_PREFIX, RNG_PREFIX, decode, read_doc, tensor_json
 from .training_rng import checked_rng_state, set_rng_state
-from .training_state_dicts import States, model_state, optim_state, state_options
+from .training_state_dicts import (
+    States,
+    fresh_optim_state,
+    load_optim_state,
+    model_state,
+    optim_state,
+    state_options,
+)
 
 
 def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=None, ema=None,
@@ -64,11 +71,18 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     ckpt, info, doc, extra, rng_state = agreed(
         lambda: _read_checked(directory, given, rank, rng, verify, what, allow_changes),
         group=group, device=torch.device("cpu"), what=what)
-    # Templates (collective for FSDP1). torch initializes an empty optimizer's state to make its
-    # template (a step at lr 0): a refused load empties it again, as it was.
+    # Templates (collective for FSDP1). An optimizer without state (a resumed job's) gets its
+    # template from its parameters and the checkpoint; where they do not say what the state is,
+    # torch initializes the state to make one (a step at lr 0), and a refused load empties it
+    # again, as it was.
     fresh_optimizer = optimizer is not None and len(optimizer.state) == 0
+    optim_sd = None
+    if fresh_optimizer:
+        optim_sd = fresh_optim_state(model, optimizer, doc["optimizer"]["state"], info["tensors"])
+    made_fresh = optim_sd is not None
     try:
-        optim_sd = optim_state(model, optimizer) if optimizer is not None else None
+        if optimizer is not None and optim_sd is None:
+            optim_sd = optim_state(model, optimizer)
         states = States(model=model_state(model) if model is not None else None,
                         optimizer=optim_sd, ema=ema.state_dict() if ema is not None else None)
         # Every rank checks every tensor (names, shapes, dtypes) and reads its share once into
@@ -83,7 +97,7 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
             optimizer.state.clear()
         raise
     plan.write(staged)
-    _restore(plan.states, model, optimizer, ema, rng_state, strict)
+    _restore(plan.states, model, optimizer, ema, rng_state, strict, made_fresh)
     return extra
 
 
@@ -234,9 +248,11 @@ def _handed_over(target: LoadTarget, v, value: torch.Tensor):
     return value if type(v) is torch.Tensor and v.device.type == "cpu" else None
 
 
-def _restore(states: States, model, optimizer, ema, rng_state, strict: bool) -> None:
+def _restore(states: States, model, optimizer, ema, rng_state, strict: bool,
+             fresh_optimizer: bool) -> None:
     """Step 3 of a load, once every tensor is read: the state dicts into their objects, then
-    the RNG states."""
+    the RNG states. ``fresh_optimizer``: the optimizer's state dict is ``fresh_optim_state``'s
+    (``load_optim_state`` puts it in)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
@@ -245,7 +261,9 @@ def _restore(states: States, model, optimizer, ema, rng_state, strict: bool) -> 
 
     if states.model is not None:
         set_model_state_dict(model, states.model, options=StateDictOptions(strict=strict))
-    if states.optimizer is not None:
+    if states.optimizer is not None and fresh_optimizer:
+        load_optim_state(model, optimizer, states.optimizer)
+    elif states.optimizer is not None:
         set_optimizer_state_dict(model, optimizer, states.optimizer, options=state_options())
     if states.ema is not None:
         ema.load_state_dict(states.ema, strict=strict)
