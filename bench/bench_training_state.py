@@ -126,6 +126,21 @@ def dcp_load(directory: Path, model, opt, ema) -> None:
     ema.load_state_dict(sd["ema"])
 
 
+def bound_row(own_file: Path, share: int, model_bytes: int):
+    """The bound of an all-or-nothing load: this rank's file read once by the kernel into memory
+    used before (no page faults, no checksums, nothing parsed), then the model's share copied
+    (FSDP2 parameters keep their storage, so after the agreement their bytes must be copied in;
+    the optimizer's are handed over and the EMA's could be)."""
+    reused = torch.ones(share, dtype=torch.uint8)
+    model_copy = torch.ones(model_bytes, dtype=torch.uint8)
+
+    def bound():
+        rawio.read_into(own_file, reused, threads=os.cpu_count() or 1)
+        model_copy.copy_(reused[:model_bytes])
+
+    return bound
+
+
 def worker(rank, init_file, args, out_queue):
     import torch.distributed as dist
 
@@ -179,32 +194,14 @@ def worker(rank, init_file, args, out_queue):
 
         row["save"]["raw write (fsync)"] = timed(raw_write, args.repeat, fresh(raw_dir))
 
-        def ours_load():
-            fsdp_ema.load_training_state(ours, model=model, optimizer=opt, ema=ema)
-
-        def ours_load_unverified():  # diagnostic: the cost of the hash pass is the difference
-            fsdp_ema.load_training_state(ours, model=model, optimizer=opt, ema=ema, verify=False)
-
-        def dcp_loads():
-            dcp_load(dcp_dir, model, opt, ema)
-
-        # The bound of an all-or-nothing load: this rank's file read once by the kernel into
-        # memory used before (no page faults, no checksums, nothing parsed), then the model's
-        # share copied (FSDP2 parameters keep their storage, so after the agreement their bytes
-        # must be copied in; the optimizer's are handed over and the EMA's could be).
-        own_file = ours / fsdp_ema.checkpoint.shard_file_name(rank, WORLD)
-        reused = torch.ones(share, dtype=torch.uint8)
-        model_bytes = local // 4
-        model_copy = torch.ones(model_bytes, dtype=torch.uint8)
-
-        def bound():
-            rawio.read_into(own_file, reused, threads=os.cpu_count() or 1)
-            model_copy.copy_(reused[:model_bytes])
+        def ours_load(verify=True):  # verify=False: a diagnostic (the hash pass's cost)
+            fsdp_ema.load_training_state(ours, model=model, optimizer=opt, ema=ema, verify=verify)
 
         loads = {"fsdp_ema load_training_state": ours_load,
-                 "dcp.load (+ set_state_dict)": dcp_loads,
-                 "diag: ours, verify=False": ours_load_unverified, "raw read": raw_read,
-                 BOUND: bound}
+                 "dcp.load (+ set_state_dict)": lambda: dcp_load(dcp_dir, model, opt, ema),
+                 "diag: ours, verify=False": lambda: ours_load(False), "raw read": raw_read,
+                 BOUND: bound_row(ours / fsdp_ema.checkpoint.shard_file_name(rank, WORLD),
+                                  share, local // 4)}
         for fn in loads.values():  # warm the page cache alike
             fn()
             dist.barrier()
