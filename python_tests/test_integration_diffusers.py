@@ -225,6 +225,24 @@ def test_save_pretrained_loads_with_from_pretrained(tmp_path):
     assert theirs.optimization_step == 3 and theirs.decay == 0.9
 
 
+def test_save_pretrained_over_an_earlier_sharded_save_loads_the_new_weights(tmp_path):
+    """A folder that holds diffusers' own sharded save (shards and their index) of other
+    weights: from_pretrained reads an index whenever there is one, so the save removes them."""
+    folder = tmp_path / "unet_ema"
+    unet(7).save_pretrained(folder, max_shard_size="10KB")
+    stale = sorted(os.listdir(folder))
+    assert "diffusion_pytorch_model.safetensors.index.json" in stale
+    assert any(re.fullmatch(r"diffusion_pytorch_model-\d{5}-of-\d{5}\.safetensors", n)
+               for n in stale)
+    (folder / "notes.txt").write_text("kept")
+    _, ema = trained(3, model_cls=UNet2DModel, model_config=unet().config)
+    ema.save_pretrained(folder)
+    assert sorted(os.listdir(folder)) == ["config.json", "diffusion_pytorch_model.safetensors",
+                                          "notes.txt"]
+    loaded = UNet2DModel.from_pretrained(folder)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), ema.shadow_params))
+
+
 def test_refusals():
     model = unet()
     with pytest.raises(TypeError, match="pass the model itself"):

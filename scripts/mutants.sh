@@ -675,6 +675,12 @@ MUTANTS = {
         "            optimizer.state.clear()",
         "            pass",
         [pytest("python_tests/test_training_state_atomic.py", "-k", "without_state")]),
+    # save_pretrained over an earlier sharded save: from_pretrained would read the stale index.
+    "save-pretrained-keeps-stale-weights": (
+        "python/fsdp_ema/integrations/diffusers_files.py",
+        "        if stale_index or DIFFUSERS_SHARD.fullmatch(name):",
+        "        if False:",
+        [pytest("python_tests/test_integration_diffusers.py", "-k", "earlier_sharded")]),
     # A resumed job's optimizer (no state) gets its template from its parameters: no step.
     "fresh-optimizer-loaded-through-torch": (
         "python/fsdp_ema/store/training_load.py",

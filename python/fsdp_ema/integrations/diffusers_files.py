@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +26,8 @@ LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT
 LORA_METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
 EXPORT_NAME = "model.safetensors"  # what ShardedEMA.export and export_merged write
 INDEX_SUFFIX = ".index.json"
+# The shards diffusers' own save_pretrained writes (its _REGEX_SHARD on WEIGHTS_NAME).
+DIFFUSERS_SHARD = re.compile(r"diffusion_pytorch_model-\d{5}-of-\d{5}\.safetensors")
 
 
 def _agree(ema, error: BaseException | None, what: str) -> None:
@@ -62,13 +65,23 @@ def save_pretrained(ema, path: str, *, model_cls: Any, model_config: Mapping[str
 
 
 def _rename_export(path: str) -> None:
-    """diffusers' file names for what the export wrote (on rank 0)."""
+    """diffusers' file names for what the export wrote (on rank 0), and the weights an earlier
+    save left in ``path`` removed (diffusers' or ours): ``from_pretrained`` reads an index
+    whenever there is one, so a stale index beside the new single file (and the shards it names)
+    would load the old weights. The stale index goes before the new file takes its name."""
     single = os.path.join(path, EXPORT_NAME)
+    index = single + INDEX_SUFFIX
+    wrote_index = os.path.exists(index)
+    for name in os.listdir(path):
+        stale_index = name == WEIGHTS_NAME + INDEX_SUFFIX and not wrote_index
+        if stale_index or DIFFUSERS_SHARD.fullmatch(name):
+            os.remove(os.path.join(path, name))
     if os.path.exists(single):
         os.replace(single, os.path.join(path, WEIGHTS_NAME))
-    index = single + INDEX_SUFFIX
-    if os.path.exists(index):
+    if wrote_index:
         os.replace(index, os.path.join(path, WEIGHTS_NAME + INDEX_SUFFIX))
+        if os.path.exists(os.path.join(path, WEIGHTS_NAME)):
+            os.remove(os.path.join(path, WEIGHTS_NAME))
     _sync_folder(path)
 
 
