@@ -16,7 +16,13 @@ the kernel into memory used before, then the model's share copied (its parameter
 storage, so their bytes can only be written after every rank has agreed); dcp.load over it is the
 largest ratio any such load could reach in this run.
 
+Resume (--resume-rounds, on tmpfs): each load in 2 fresh rank processes, into a model, an
+optimizer without state and an EMA made as a restarted job makes them; ours and DCP's recipe
+(get_state_dict, which initializes the optimizer's state with torch's step at lr 0, dcp.load,
+set_state_dict) alternate, paired by round.
+
     python bench/bench_training_state.py [--megabytes 1024] [--places tmpfs,disk]
+                                         [--resume-rounds 5]
 """
 
 from __future__ import annotations
