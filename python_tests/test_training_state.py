@@ -415,6 +415,8 @@ def optimizer_case(case, seed):
         model = torch.compile(model)
     if case == "sgd_stateless":
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    elif case == "sgd_momentum":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     elif case == "adafactor":
         opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
     else:
@@ -464,6 +466,23 @@ def test_an_optimizer_without_state_loads_the_saved_state(tmp_path, case):
         optimizer_step(m, o, 3)
     for p, q in zip(model.parameters(), model2.parameters()):
         assert bit_equal(p.detach(), q.detach())
+
+
+def test_another_optimizers_state_is_refused_before_anything_is_written(tmp_path):
+    """SGD's momentum into an AdamW without state: a template taken from the checkpoint's keys
+    would hand AdamW a state without its step (``load_state_dict`` raising KeyError 'step' after
+    the model was written); torch's template (a step of AdamW) has the load refused first,
+    naming the missing state."""
+    model, opt = optimizer_case("sgd_momentum", 0)
+    optimizer_step(model, opt, 0)
+    fsdp_ema.save_training_state(tmp_path / "c", model=model, optimizer=opt)
+    model2, opt2 = optimizer_case("adamw", 9)
+    before = [p.detach().clone() for p in model2.parameters()]
+    groups = [sorted(g) for g in opt2.param_groups]
+    with pytest.raises(KeyError, match=r"optimizer state 0\.weight\.\w+ is not in the checkpoint"):
+        fsdp_ema.load_training_state(tmp_path / "c", model=model2, optimizer=opt2)
+    assert all(bit_equal(a, b.detach()) for a, b in zip(before, model2.parameters()))
+    assert len(opt2.state) == 0 and [sorted(g) for g in opt2.param_groups] == groups
 
 
 def test_rotation_keeps_the_last_k_committed(tmp_path):
