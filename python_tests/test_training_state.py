@@ -468,18 +468,25 @@ def test_an_optimizer_without_state_loads_the_saved_state(tmp_path, case):
         assert bit_equal(p.detach(), q.detach())
 
 
-def test_another_optimizers_state_is_refused_before_anything_is_written(tmp_path):
-    """SGD's momentum into an AdamW without state: a template taken from the checkpoint's keys
-    would hand AdamW a state without its step (``load_state_dict`` raising KeyError 'step' after
-    the model was written); torch's template (a step of AdamW) has the load refused first,
-    naming the missing state."""
-    model, opt = optimizer_case("sgd_momentum", 0)
+@pytest.mark.parametrize("case", ["another_class", "integer_moment", "integer_step"])
+def test_state_the_optimizer_would_not_make_is_refused_before_anything_is_written(tmp_path, case):
+    """An AdamW without state and a checkpoint of SGD's momentum, or of an integer exp_avg or
+    step: a template taken from the checkpoint would have SGD's state fail in load_state_dict
+    (KeyError 'step') after the model was written, and the integers silently cast or kept. As
+    torch's template (a step of AdamW) has it, the load is refused first, naming the problem."""
+    model, opt = optimizer_case("sgd_momentum" if case == "another_class" else "adamw", 0)
     optimizer_step(model, opt, 0)
+    for entries in opt.state.values():
+        key = {"integer_moment": "exp_avg", "integer_step": "step"}.get(case)
+        if key:
+            entries[key] = entries[key].to(torch.int64)
     fsdp_ema.save_training_state(tmp_path / "c", model=model, optimizer=opt)
     model2, opt2 = optimizer_case("adamw", 9)
     before = [p.detach().clone() for p in model2.parameters()]
     groups = [sorted(g) for g in opt2.param_groups]
-    with pytest.raises(KeyError, match=r"optimizer state 0\.weight\.\w+ is not in the checkpoint"):
+    match = (r"optimizer state 0\.weight\.\w+ is not in the checkpoint" if case == "another_class"
+             else r"is torch\.int64 in the checkpoint but torch\.float32 here")
+    with pytest.raises((KeyError, TypeError), match=match):
         fsdp_ema.load_training_state(tmp_path / "c", model=model2, optimizer=opt2)
     assert all(bit_equal(a, b.detach()) for a, b in zip(before, model2.parameters()))
     assert len(opt2.state) == 0 and [sorted(g) for g in opt2.param_groups] == groups
