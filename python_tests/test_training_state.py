@@ -98,8 +98,8 @@ def train(model, opt, sched, ema, rank, first, last):
         ema.update()
 
 
-def full_state(model, opt, sched, ema):
-    """Every value as full tensors (gathered; independent of fsdp_ema's checkpoint code)."""
+def full_model_and_optimizer(model, opt):
+    """The model's and the optimizer's values as full tensors (torch's state dicts, gathered)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -111,6 +111,12 @@ def full_state(model, opt, sched, ema):
     optim = get_optimizer_state_dict(model, opt, options=options)
     for fqn, entries in optim["state"].items():
         out.update({f"optim.{fqn}.{k}": torch.as_tensor(v).clone() for k, v in entries.items()})
+    return out
+
+
+def full_state(model, opt, sched, ema):
+    """Every value as full tensors (gathered; independent of fsdp_ema's checkpoint code)."""
+    out = full_model_and_optimizer(model, opt)
     out.update({f"ema.{k}": v.clone() for k, v in ema.full_state_dict(rank0_only=False).items()})
     out["ema_step"] = ema.step.clone()
     out["lr"] = torch.tensor([g["lr"] for g in opt.param_groups], dtype=torch.float64)
@@ -174,6 +180,45 @@ def run_resume(rank, world, kind, directory, steps):
                            if k != ShardedEMA.STEP_KEY) if kind.startswith("fsdp2") else None)
     return {"extra": extra, "loaded": loaded, "after": after, "rng": rng,
             "local_ema_numel": local_ema_numel, "load_steps": load_steps, "load_grads": grads}
+
+
+def build_layout(layout, seed):
+    """Net under DDP, or under FSDP2 on a 2-D mesh (HSDP: Replicate over the 2 ranks, Shard(0)
+    over 1), with AdamW."""
+    torch.manual_seed(seed)
+    model = Net()
+    if layout == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+        for m in (model.inp, model.hidden, model.head):
+            fully_shard(m, mesh=mesh)
+        model = fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def run_layout_resume(rank, world, layout, directory):
+    """Saves after 2 steps and goes on 1; fresh objects (an optimizer without state) load and
+    take the same step."""
+    model, opt = build_layout(layout, 0)
+    for step in range(2):
+        optimizer_step(model, opt, step)
+    fsdp_ema.save_training_state(directory, model=model, optimizer=opt)
+    saved = full_model_and_optimizer(model, opt)
+    optimizer_step(model, opt, 2)
+    model2, opt2 = build_layout(layout, 9)
+    calls = []
+    opt2.register_step_pre_hook(lambda *args: calls.append(1))
+    fsdp_ema.load_training_state(directory, model=model2, optimizer=opt2)
+    load_steps, grads = len(calls), [p.grad is not None for p in model2.parameters()]
+    loaded = full_model_and_optimizer(model2, opt2)
+    optimizer_step(model2, opt2, 2)
+    return {"saved": saved, "loaded": loaded, "straight": full_model_and_optimizer(model, opt),
+            "after": full_model_and_optimizer(model2, opt2), "load_steps": load_steps,
+            "load_grads": grads}
 
 
 def run_save_failure(rank, world, directory):
@@ -337,6 +382,18 @@ def test_a_fresh_optimizer_is_loaded_without_an_initializing_step(runs, kind):
             assert not any(res["load_grads"]), (kind, rank)
 
 
+@pytest.mark.parametrize("layout", ["ddp", "hsdp"])
+def test_a_fresh_optimizer_resumes_under_ddp_and_a_2d_mesh(pools, tmp_path, layout):
+    """DDP's plain parameters and HSDP's (Replicate, Shard(0)) DTensors: the template comes from
+    the parameters (no step, no gradient) and the load restores the saved state bit for bit
+    (torch's full state dicts), the next step included."""
+    for rank, res in enumerate(pools.get(2).run(run_layout_resume, layout, str(tmp_path / "c"))):
+        assert res["load_steps"] == 0 and not any(res["load_grads"]), (layout, rank)
+        assert_bit_equal(res["loaded"], res["saved"], f"{layout} rank {rank} after load")
+        assert_bit_equal(res["after"], res["straight"], f"{layout} rank {rank} after a step")
+        assert any(k.endswith(".exp_avg_sq") for k in res["saved"])
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_saved_at_2_ranks_resumes_at_3(pools, runs, kind):
     results = pools.get(3).run(run_resume, kind, runs[kind]["dir"], 1)
@@ -415,6 +472,8 @@ def optimizer_case(case, seed):
         model = torch.compile(model)
     if case == "sgd_stateless":
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    elif case == "sgd_momentum":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     elif case == "adafactor":
         opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
     else:
@@ -464,6 +523,30 @@ def test_an_optimizer_without_state_loads_the_saved_state(tmp_path, case):
         optimizer_step(m, o, 3)
     for p, q in zip(model.parameters(), model2.parameters()):
         assert bit_equal(p.detach(), q.detach())
+
+
+@pytest.mark.parametrize("case", ["another_class", "integer_moment", "integer_step"])
+def test_state_the_optimizer_would_not_make_is_refused_before_anything_is_written(tmp_path, case):
+    """An AdamW without state and a checkpoint of SGD's momentum, or of an integer exp_avg or
+    step: a template taken from the checkpoint would have SGD's state fail in load_state_dict
+    (KeyError 'step') after the model was written, and the integers silently cast or kept. As
+    torch's template (a step of AdamW) has it, the load is refused first, naming the problem."""
+    model, opt = optimizer_case("sgd_momentum" if case == "another_class" else "adamw", 0)
+    optimizer_step(model, opt, 0)
+    for entries in opt.state.values():
+        key = {"integer_moment": "exp_avg", "integer_step": "step"}.get(case)
+        if key:
+            entries[key] = entries[key].to(torch.int64)
+    fsdp_ema.save_training_state(tmp_path / "c", model=model, optimizer=opt)
+    model2, opt2 = optimizer_case("adamw", 9)
+    before = [p.detach().clone() for p in model2.parameters()]
+    groups = [sorted(g) for g in opt2.param_groups]
+    match = (r"optimizer state 0\.weight\.\w+ is not in the checkpoint" if case == "another_class"
+             else r"is torch\.int64 in the checkpoint but torch\.float32 here")
+    with pytest.raises((KeyError, TypeError), match=match):
+        fsdp_ema.load_training_state(tmp_path / "c", model=model2, optimizer=opt2)
+    assert all(bit_equal(a, b.detach()) for a, b in zip(before, model2.parameters()))
+    assert len(opt2.state) == 0 and [sorted(g) for g in opt2.param_groups] == groups
 
 
 def test_rotation_keeps_the_last_k_committed(tmp_path):

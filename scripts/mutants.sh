@@ -687,6 +687,16 @@ MUTANTS = {
         "    if states.optimizer is not None and fresh_optimizer:",
         "    if states.optimizer is not None and False:",
         [pytest("python_tests/test_training_state.py", "-k", "optimizer_without_state")]),
+    "fresh-template-from-another-optimizers-state": (
+        "python/fsdp_ema/store/training_state_dicts.py",
+        '    if not isinstance(saved, Mapping) or saved.get("type") != type(optimizer).__name__:',
+        "    if not isinstance(saved, Mapping):",
+        [pytest("python_tests/test_training_state.py", "-k", "another_class")]),
+    "fresh-template-of-another-dtype-kind": (
+        "python/fsdp_ema/store/training_state_dicts.py",
+        '            check_dtype_kind(entry["tensor"], dtype, p.dtype)',
+        "            pass",
+        [pytest("python_tests/test_training_state.py", "-k", "integer_step")]),
     "fresh-template-for-any-saved-names": (
         "python/fsdp_ema/store/training_state_dicts.py",
         "    if set(by_fqn) != set(saved):",

@@ -78,7 +78,7 @@ def load_training_state(directory: str | os.PathLike, *, model=None, optimizer=N
     fresh_optimizer = optimizer is not None and len(optimizer.state) == 0
     optim_sd = None
     if fresh_optimizer:
-        optim_sd = fresh_optim_state(model, optimizer, doc["optimizer"]["state"], info["tensors"])
+        optim_sd = fresh_optim_state(model, optimizer, doc["optimizer"], info["tensors"])
     made_fresh = optim_sd is not None
     try:
         if optimizer is not None and optim_sd is None:

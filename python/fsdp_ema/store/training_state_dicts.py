@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .._dtypes import from_name
+from ..distributed.groups import check_dtype_kind
 from ..model.slots import clean_modules, join_name
 from .training_doc import decode
 
@@ -50,16 +51,22 @@ def fresh_optim_state(model, optimizer, saved: Mapping[str, Any],
     """The sharded state dict of an optimizer that has no state yet (a resumed job's), made from
     its parameters and the checkpoint instead of by ``get_optimizer_state_dict``, which runs a
     step at lr 0 to make one (zero gradients and state for every parameter: two thirds of a
-    resume's time at 2 ranks, bench/RESULTS.md). ``saved``: the document's optimizer state
-    (``{fqn: {key: {"tensor": name} | {"value": ...}}}``); ``tensors``: the checkpoint's tensors
-    (``info()["tensors"]``). Each saved tensor is the shape of its parameter (a template like the
-    parameter: a DTensor on its mesh for FSDP2, of the saved dtype, memory never touched) or
-    0-dim (a host scalar, as torch keeps ``step``); the templates are what the load fills or
-    replaces, and ``load_optim_state`` hands the result to ``optimizer.load_state_dict``.
+    resume's time at 2 ranks, bench/RESULTS.md). ``saved``: the document's optimizer part
+    (``{"type": class name, "state": {fqn: {key: {"tensor": name} | {"value": ...}}}, ...}``);
+    ``tensors``: the checkpoint's tensors (``info()["tensors"]``). Each saved tensor is the shape
+    of its parameter (a template like the parameter: a DTensor on its mesh for FSDP2, memory
+    never touched) or 0-dim (a host scalar, as torch keeps ``step``), of the parameter's dtype
+    (``step``: the saved one), as ``Optimizer.load_state_dict`` casts them; the templates are
+    what the load fills or replaces, and ``load_optim_state`` hands the result to
+    ``optimizer.load_state_dict``.
 
-    None (torch's way is taken) where the parameters do not say what the state is: FSDP1 units,
-    a parameter under two names or outside the model, saved names other than the parameters that
-    require gradients, or a saved tensor of another shape."""
+    None (torch's way is taken) where the parameters do not say what the state is: an optimizer
+    of another class than the saved one (the template would take another class's state keys
+    from the checkpoint, which ``Optimizer.load_state_dict`` or the next step trips over after
+    the model is written; torch's template, from a step of this optimizer, has them refused
+    before anything is), FSDP1 units, a parameter under two names or outside the model, saved
+    names other than the parameters that require gradients, or a saved tensor of another shape
+    or of another dtype kind than its parameter (torch's template says whether it is refused)."""
     try:
         return _fresh_optim_state(model, optimizer, saved, tensors)
     except (TypeError, ValueError, KeyError, AttributeError):
@@ -67,6 +74,9 @@ def fresh_optim_state(model, optimizer, saved: Mapping[str, Any],
 
 
 def _fresh_optim_state(model, optimizer, saved, tensors) -> dict[str, Any] | None:
+    if not isinstance(saved, Mapping) or saved.get("type") != type(optimizer).__name__:
+        return None
+    saved = saved["state"]
     fqns = _param_fqns(model)
     if fqns is None or not isinstance(saved, Mapping):
         return None
@@ -89,6 +99,10 @@ def _fresh_optim_state(model, optimizer, saved, tensors) -> dict[str, Any] | Non
                 return None  # the load names it
             shape = list(stored["shape"])
             dtype = from_name(stored["torch_dtype"], repr(entry["tensor"]))
+            # Another kind than the parameter's (an integer moment of a float parameter): a
+            # TypeError, None. Else the dtype ``Optimizer.load_state_dict`` casts it to.
+            check_dtype_kind(entry["tensor"], dtype, p.dtype)
+            dtype = dtype if key == "step" else p.dtype
             if shape == [] and p.dim() > 0:
                 state[fqn][key] = torch.empty((), dtype=dtype)
             elif shape == list(p.shape) and p.dim() > 0:
