@@ -314,6 +314,38 @@ def test_sharded_matches_diffusers_and_float64(pools, kind, made_before):
     assert abs(sum(r[2] for r in results) - results[0][3]) < 0.1 * results[0][3]
 
 
+def _rank_ddp_saves(rank, world, folder):
+    """A DDP model's EMA (whole on every rank): save_pretrained on the main process only, as
+    the training scripts call it, then on every rank, then ShardedEMA.export collectively."""
+    model = unet()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ema = EMAModel(ddp, model_cls=UNet2DModel, model_config=model.config, **SETTINGS)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for x in batches(3):
+        train_step(ddp, opt, x + rank)  # other data per rank: DDP averages the gradients
+        ema.step(ddp.parameters())
+    if rank == 0:
+        ema.save_pretrained(os.path.join(folder, "main_only"))
+    torch.distributed.barrier()
+    ema.save_pretrained(os.path.join(folder, "every_rank"))
+    ema.ema.export(os.path.join(folder, "collective"))
+    torch.distributed.barrier()
+    return [t.clone() for t in ema.shadow_params]
+
+
+def test_ddp_save_pretrained_on_the_main_process_only(pools, tmp_path):
+    """diffusers' scripts save the EMA under ``if accelerator.is_main_process:``: a whole EMA
+    is written by rank 0 alone, with no collective (it used to wait forever for the other
+    ranks), and called on every rank it is written once, the same bytes as the export."""
+    results = pools.get(2).run(_rank_ddp_saves, str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
+    for name in ("main_only", "every_rank"):
+        loaded = UNet2DModel.from_pretrained(tmp_path / name)
+        assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), results[0]))
+        assert (tmp_path / name / "diffusion_pytorch_model.safetensors").read_bytes() == (
+            tmp_path / "collective" / "model.safetensors").read_bytes()
+
+
 def accelerate_state(rank: int = 0, world: int = 1):
     """accelerate's process state (its logging needs one) over the process group there is."""
     from accelerate import PartialState
@@ -323,6 +355,15 @@ def accelerate_state(rank: int = 0, world: int = 1):
                           LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT="29500")
     return PartialState(cpu=True)
+
+
+def _local_export_refused(ema, path) -> bool:
+    """Written by one rank (``export(local=True)``): only for an EMA held whole."""
+    try:
+        ema.ema.export(path, local=True)
+    except ValueError as e:
+        return "local=True needs an EMA held whole" in str(e)
+    return False
 
 
 def _rank_round_trips(rank, world, kind, folder):
@@ -399,6 +440,7 @@ def _rank_round_trips(rank, world, kind, folder):
             ok = ok and "not those of the model" in str(e)
         else:
             ok = False
+    ok = ok and _local_export_refused(ema, os.path.join(folder, f"local-{rank}"))
     sd = ema.state_dict()
     return ok, values, sorted(k for k in sd if k != "shadow_params"), type(sd["shadow_params"][0])
 

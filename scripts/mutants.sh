@@ -681,6 +681,17 @@ MUTANTS = {
         "        if stale_index or DIFFUSERS_SHARD.fullmatch(name):",
         "        if False:",
         [pytest("python_tests/test_integration_diffusers.py", "-k", "earlier_sharded")]),
+    # A whole EMA's save_pretrained on the main process only (the scripts' call): no collective.
+    "save-pretrained-of-a-whole-ema-collective": (
+        "python/fsdp_ema/integrations/diffusers_files.py",
+        "    local = whole and not lora",
+        "    local = False",
+        [pytest("python_tests/test_integration_diffusers.py", "-k", "ddp_save_pretrained")]),
+    "export-local-of-a-sharded-ema": (
+        "python/fsdp_ema/ema/full.py",
+        "        if local and any(p.kind != \"full\" for p in parts):",
+        "        if False:",
+        [pytest("python_tests/test_integration_diffusers.py", "-k", "round_trips and fsdp2")]),
     # A resumed job's optimizer (no state) gets its template from its parameters: no step.
     "fresh-optimizer-loaded-through-torch": (
         "python/fsdp_ema/store/training_load.py",

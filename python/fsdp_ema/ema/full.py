@@ -65,7 +65,7 @@ class FullStateMixin:
     def export(self, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
                max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
                bucket_bytes: int = DEFAULT_BUCKET_BYTES, overwrite: bool = False,
-               prefix: str | None = None) -> int:
+               prefix: str | None = None, local: bool = False) -> int:
         """Writes the full EMA weights as a consolidated Hugging Face safetensors directory:
         ``path/model.safetensors``, or ``model-0000k-of-0000n.safetensors`` files plus
         ``model.safetensors.index.json`` when the tensor data exceeds ``max_file_bytes``.
@@ -82,6 +82,11 @@ class FullStateMixin:
 
         ``prefix`` (e.g. ``"net."``): only the tensors whose names start with it, written without
         it (a submodule's weights under the names the submodule itself gives them).
+
+        ``local=True``: written by the calling rank alone, with no collective, for an EMA that
+        holds every tensor whole on this rank (a plain or DDP model): call it on one rank, e.g.
+        under ``if rank == 0:`` (as training scripts save). A sharded EMA is refused: its
+        tensors are gathered, on every rank.
         """
         path = os.fspath(path)
         what = f"ShardedEMA.export({path!r})"
@@ -97,6 +102,11 @@ class FullStateMixin:
                 raise ValueError(f"{what}: no tensor name starts with {prefix!r} (the names are "
                                  f"{list_names(list(self.state.shapes), 4)})")
             names = {p.fqn: p.fqn[len(prefix):] for p in parts}
+        if local and any(p.kind != "full" for p in parts):
+            raise ValueError(f"{what}: local=True needs an EMA held whole on this rank (a plain "
+                             f"or DDP model); this one is sharded, so export gathers it: call "
+                             f"export() on every rank, without local")
         return _export(parts, path, dtype=dtype, max_file_bytes=int(max_file_bytes),
-                       bucket_bytes=bucket_bytes, overwrite=overwrite, group=self.state.group,
-                       device=self.state.device, what=what, names=names)
+                       bucket_bytes=bucket_bytes, overwrite=overwrite,
+                       group=None if local else self.state.group, device=self.state.device,
+                       what=what, names=names)

@@ -484,8 +484,10 @@ class EMAModel:
         """Writes ``model_cls(**model_config)`` with the EMA weights (and the schedule in its
         config) as a folder ``model_cls.from_pretrained(path)`` loads; for a LoRA EMA
         (``params="trainable"``), the model's weights with the EMA adapters merged
-        (``W + scale * B @ A``). Collective when the EMA is sharded: every rank gathers, rank 0
-        writes one tensor at a time."""
+        (``W + scale * B @ A``). Collective when the EMA is sharded (every rank gathers, rank 0
+        writes one tensor at a time) or of a LoRA adapter; a whole EMA (plain and DDP models) is
+        written by rank 0 alone and the other ranks return at once, so that the main process
+        may call it alone, as diffusers' scripts do."""
         if self.model_cls is None:
             raise ValueError("`save_pretrained` can only be used if `model_cls` was defined at "
                              "__init__.")
@@ -495,7 +497,7 @@ class EMAModel:
         with torch.no_grad():
             save_pretrained(self.ema, os.fspath(path), model_cls=self.model_cls,
                             model_config=self.model_config, extra_config=self._scalars(),
-                            lora=self.config.params != "all")
+                            lora=self.config.params != "all", whole=not self.sharded)
 
     def save_lora_adapter(self, save_directory: str | os.PathLike,
                           adapter_name: str = "default", weight_name: str | None = None) -> None:

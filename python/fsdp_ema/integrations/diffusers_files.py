@@ -39,16 +39,22 @@ def _writer(ema) -> bool:
 
 
 def save_pretrained(ema, path: str, *, model_cls: Any, model_config: Mapping[str, Any],
-                    extra_config: Mapping[str, Any], lora: bool) -> None:
+                    extra_config: Mapping[str, Any], lora: bool, whole: bool) -> None:
     """``path``: the EMA weights (with ``lora``, the model's weights with the EMA adapters
     merged) as ``diffusion_pytorch_model.safetensors`` (or its shards and index) and
     ``model_cls(**model_config)``'s ``config.json`` with ``extra_config`` registered in it (the
-    EMA's schedule, as diffusers' ``EMAModel.save_pretrained`` records it). Collective."""
+    EMA's schedule, as diffusers' ``EMAModel.save_pretrained`` records it). Collective, except
+    for an EMA held ``whole`` on every rank (plain, DDP) without ``lora``: rank 0 writes alone
+    and the others return at once, so that it may be called on the main process only, as
+    diffusers' training scripts call it."""
     what = f"EMAModel.save_pretrained({path!r})"
+    local = whole and not lora
+    if local and not _writer(ema):
+        return
     if lora:
         export_merged(ema, path, overwrite=True)
     else:
-        ema.export(path, overwrite=True)
+        ema.export(path, overwrite=True, local=local)
     error = None
     if _writer(ema):
         try:
@@ -61,6 +67,10 @@ def save_pretrained(ema, path: str, *, model_cls: Any, model_config: Mapping[str
             model.save_config(path)
         except Exception as e:  # noqa: BLE001 (raised on every rank)
             error = e
+    if local:
+        if error is not None:
+            raise error
+        return
     _agree(ema, error, what)
 
 
