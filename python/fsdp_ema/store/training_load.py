@@ -262,7 +262,7 @@ def _restore(states: States, model, optimizer, ema, rng_state, strict: bool,
     if states.model is not None:
         set_model_state_dict(model, states.model, options=StateDictOptions(strict=strict))
     if states.optimizer is not None and fresh_optimizer:
-        load_optim_state(model, optimizer, states.optimizer)
+        load_optim_state(optimizer, states.optimizer)
     elif states.optimizer is not None:
         set_optimizer_state_dict(model, optimizer, states.optimizer, options=state_options())
     if states.ema is not None:

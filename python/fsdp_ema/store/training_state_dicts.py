@@ -114,14 +114,14 @@ def _fresh_optim_state(model, optimizer, saved, tensors) -> dict[str, Any] | Non
     return {"state": state, "param_groups": groups}
 
 
-def load_optim_state(model, optimizer, optim_sd: Mapping[str, Any]) -> None:
+def load_optim_state(optimizer, optim_sd: Mapping[str, Any]) -> None:
     """A state dict ``fresh_optim_state`` made (and the load filled) into ``optimizer``: its
     ``load_state_dict`` with the entries keyed by position, as ``Optimizer.state_dict`` numbers
     the parameters (``set_optimizer_state_dict`` would first run its step at lr 0 on an optimizer
-    without state)."""
-    fqns = _param_fqns(model)
-    index = {fqns[id(p)]: i for i, p in
-             enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    without state). The template's groups list the FQNs in the optimizer's own order, so an
+    FQN's position there is its number."""
+    index = {fqn: i for i, fqn in
+             enumerate(fqn for g in optim_sd["param_groups"] for fqn in g["params"])}
     groups = [{**{k: v for k, v in mine.items() if k != "params"},
                "params": [index[fqn] for fqn in mine["params"]]}
               for mine in optim_sd["param_groups"]]
